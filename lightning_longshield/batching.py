@@ -1,0 +1,26 @@
+"""Batch size and micro-batch splitting for arbitrary (nested) batch collections."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+
+
+def batch_size_of(batch: Any) -> int:
+    """Leading dimension of the batch's tensors (they must agree)."""
+    sizes: set[int] = set()
+    apply_to_collection(batch, torch.Tensor, lambda t: sizes.add(t.shape[0]) if t.dim() else None)
+    if len(sizes) != 1:
+        raise ValueError(f"Cannot infer the batch size: the batch's tensors have leading dimensions {sorted(sizes)}.")
+    return sizes.pop()
+
+
+def split_into_microbatches(batch: Any, micro_batch_size: int) -> list[Any]:
+    """Consecutive slices of at most ``micro_batch_size`` samples (views, no copies)."""
+    size = batch_size_of(batch)
+    return [
+        apply_to_collection(batch, torch.Tensor, lambda t, s=start: t[s : s + micro_batch_size] if t.dim() else t)
+        for start in range(0, size, micro_batch_size)
+    ]

@@ -1,0 +1,26 @@
+"""`PrivacyMonitor`: epsilon in the progress bar and the logger."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+
+class PrivacyMonitor(Callback):
+    """Logs ``epsilon`` (privacy spent at the run's delta) every ``log_every_n_steps`` and on the last batch.
+
+    `LongShieldStrategy` adds one automatically. Computing epsilon with the PRV accountant costs tens of
+    milliseconds, so it is not recomputed on every step.
+    """
+
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        strategy = trainer.strategy
+        if not hasattr(strategy, "get_epsilon") or getattr(strategy, "privacy_plan", None) is None:
+            return
+        is_last = trainer.is_last_batch or trainer.should_stop or trainer.global_step >= trainer.max_steps > 0
+        if trainer.global_step % trainer.log_every_n_steps == 0 or is_last or trainer.global_step == 1:
+            pl_module.log("epsilon", strategy.get_epsilon(), prog_bar=True, rank_zero_only=True)

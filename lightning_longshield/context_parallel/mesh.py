@@ -1,0 +1,27 @@
+"""The (data_parallel, context_parallel) device mesh."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIM_NAMES = ("data_parallel", "context_parallel")
+
+
+def resolve_parallel_sizes(world_size: int, context_parallel_size: Optional[int]) -> tuple[int, int]:
+    """``(data_parallel_size, context_parallel_size)``; ``None`` puts every process in one CP group."""
+    cp = world_size if context_parallel_size is None else context_parallel_size
+    if cp < 1 or world_size % cp:
+        raise ValueError(
+            f"context_parallel_size={context_parallel_size} must be a positive divisor of the number of processes"
+            f" ({world_size}); the data-parallel size is processes / context_parallel_size."
+        )
+    return world_size // cp, cp
+
+
+def build_device_mesh(device_type: str, data_parallel_size: int, context_parallel_size: int) -> DeviceMesh:
+    """A 2-D mesh; ranks ``g * cp .. g * cp + cp - 1`` form context-parallel group ``g`` (peers share a batch)."""
+    return init_device_mesh(
+        device_type, (data_parallel_size, context_parallel_size), mesh_dim_names=MESH_DIM_NAMES
+    )

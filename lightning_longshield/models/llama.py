@@ -1,0 +1,135 @@
+"""A compact Llama-3 decoder: token embedding, pre-norm blocks (GQA attention with RoPE, SwiGLU MLP), RMSNorm, head.
+
+Parallelism (context-parallel attention, FSDP, activation checkpointing) is applied from outside the model: the
+attention kernel is the replaceable `Attention.attention_fn`, and blocks live in `Llama.layers`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_longshield.models.config import LlamaConfig
+from lightning_longshield.models.rope import apply_rope, rope_angles, rope_inverse_frequencies
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """Causal SDPA over (B, H, T, head_dim); with ``position_ids`` the mask compares positions, not indices."""
+    if position_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = position_ids[:, None, :, None] >= position_ids[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary embeddings; K/V heads are repeated to the query heads."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.attention_fn: AttentionFn = causal_attention
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], position_ids: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        repeats = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), position_ids)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], position_ids: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, position_ids)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Llama-3 decoder returning logits (B, T, vocab_size).
+
+    ``position_ids`` (B, T) are the tokens' global positions; they drive RoPE and the causal mask, so a shard of a
+    sequence can be processed with its true positions. ``None`` means ``0 .. T-1``.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """TorchTitan-style init: N(0, 0.02) inputs, depth-scaled output projections, unit norms."""
+        nn.init.normal_(self.tok_embeddings.weight, std=1.0 if not self.config.tie_embeddings else 0.02)
+        depth_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for block in self.layers:
+            for linear in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1):
+                nn.init.trunc_normal_(linear.weight, std=0.02)
+            for linear in (block.attention.wo, block.feed_forward.w2, block.feed_forward.w3):
+                nn.init.trunc_normal_(linear.weight, std=depth_std)
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not self.config.tie_embeddings:
+            bound = self.config.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, std=bound, a=-3 * bound, b=3 * bound)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        batch, seq = input_ids.shape
+        positions = position_ids
+        if positions is None:
+            positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        inv_freq = rope_inverse_frequencies(
+            self.config.head_dim, self.config.rope_theta, self.config.rope_scaling, device=input_ids.device
+        )
+        rope = rope_angles(positions, inv_freq)
+        h = self.tok_embeddings(input_ids)
+        for block in self.layers:
+            h = block(h, rope, position_ids)
+        return self.output(self.norm(h))

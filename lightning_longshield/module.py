@@ -1,0 +1,81 @@
+"""`CausalLMModule`: a ready LightningModule that trains a `Llama` with the causal-LM loss."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, Optional, Union
+
+import lightning as L
+import torch
+from torchmetrics.text import Perplexity
+
+from lightning_longshield.loss import IGNORE_INDEX, causal_lm_loss
+from lightning_longshield.models import Llama, LlamaConfig
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(input_ids, labels, position_ids)`` of a batch dict; a clear error when a required key is missing."""
+    if not isinstance(batch, Mapping) or "input_ids" not in batch or "labels" not in batch:
+        keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise ValueError(
+            f"A batch must be a dict with 'input_ids' and 'labels' (labels[t] is the token after input_ids[t], -100"
+            f" to ignore); got {keys}. Build samples as {{'input_ids': LongTensor[T], 'labels': LongTensor[T]}}."
+        )
+    return batch["input_ids"], batch["labels"], batch.get("position_ids")
+
+
+class CausalLMModule(L.LightningModule):
+    """Trains `Llama` on batches ``{"input_ids", "labels"}`` with the per-sample-mean token loss.
+
+    The model is built in `configure_model` (so strategies can build it sharded); ``model`` is the `Llama`.
+    The training loss is the mean over samples of each sample's mean token loss; clipping, noise and batch scaling
+    belong to the strategy. Validation logs ``val_loss`` and ``val_perplexity``.
+    """
+
+    def __init__(
+        self,
+        config: Union[LlamaConfig, str] = "tiny",
+        optimizer: Literal["adamw", "sgd"] = "adamw",
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {OPTIMIZERS}.")
+        self.config = LlamaConfig.from_name(config) if isinstance(config, str) else config
+        self.optimizer_name = optimizer
+        self.learning_rate = learning_rate
+        self.weight_decay = weight_decay
+        self.save_hyperparameters({"config": self.config.to_dict(), "optimizer": optimizer,
+                                   "learning_rate": learning_rate, "weight_decay": weight_decay})
+        self.model: Optional[Llama] = None
+        self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = Llama(self.config)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        assert self.model is not None, "call configure_model() first"
+        return self.model(input_ids, position_ids)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        input_ids, labels, position_ids = unpack_batch(batch)
+        loss = causal_lm_loss(self(input_ids, position_ids), labels)
+        self.log("train_loss", loss, prog_bar=True, batch_size=input_ids.shape[0])
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        input_ids, labels, position_ids = unpack_batch(batch)
+        logits = self(input_ids, position_ids)
+        self.log("val_loss", causal_lm_loss(logits, labels), batch_size=input_ids.shape[0])
+        self.val_perplexity.update(logits.float(), labels)
+        self.log("val_perplexity", self.val_perplexity, prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(params, lr=self.learning_rate, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=self.weight_decay)

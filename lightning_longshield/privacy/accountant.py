@@ -1,0 +1,102 @@
+"""Privacy accounting with Opacus accountants: steps recorded, epsilon spent, noise calibration, budget limits."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from opacus.accountants import IAccountant, create_accountant
+from opacus.accountants.utils import get_noise_multiplier
+
+ACCOUNTANTS = ("prv", "rdp")
+
+
+class PrivacyAccountant:
+    """Records one ``(noise_multiplier, sample_rate)`` step per DP step and answers what it cost.
+
+    A thin layer over an Opacus accountant that also handles the non-private corner (noise 0 means epsilon is
+    infinite) and answers "how many more steps fit in a budget" for the stop-at-budget logic.
+    """
+
+    def __init__(self, mechanism: str = "prv") -> None:
+        if mechanism not in ACCOUNTANTS:
+            raise ValueError(f"accountant={mechanism!r} is not supported; choose one of {ACCOUNTANTS}.")
+        self.mechanism = mechanism
+        self._accountant: IAccountant = create_accountant(mechanism)
+        self._cache: dict[tuple[Any, float], float] = {}
+
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        """Opacus history: ``(noise_multiplier, sample_rate, num_steps)`` runs."""
+        return self._accountant.history
+
+    @property
+    def steps(self) -> int:
+        return sum(steps for _, _, steps in self.history)
+
+    def step(self, noise_multiplier: float, sample_rate: float) -> None:
+        self._accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+
+    def get_epsilon(self, delta: float) -> float:
+        """Epsilon spent so far at ``delta`` (0 before any step, infinite if any step had no noise)."""
+        return self._epsilon_of(list(self.history), delta)
+
+    def _epsilon_of(self, history: list[tuple[float, float, int]], delta: float) -> float:
+        if not history:
+            return 0.0
+        if any(sigma == 0 for sigma, _, _ in history):
+            return math.inf
+        key = (tuple(history), delta)
+        if key not in self._cache:
+            accountant = create_accountant(self.mechanism)
+            accountant.history = list(history)
+            self._cache[key] = float(accountant.get_epsilon(delta=delta))
+        return self._cache[key]
+
+    def epsilon_after(self, extra_steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
+        """Epsilon if ``extra_steps`` more steps with these parameters were taken."""
+        history = list(self.history)
+        if extra_steps > 0:
+            history.append((noise_multiplier, sample_rate, extra_steps))
+        return self._epsilon_of(history, delta)
+
+    def steps_within_budget(
+        self, target_epsilon: float, noise_multiplier: float, sample_rate: float, delta: float, limit: int
+    ) -> int:
+        """The largest ``k <= limit`` such that ``k`` more steps keep epsilon at or below ``target_epsilon``."""
+
+        def fits(k: int) -> bool:
+            return self.epsilon_after(k, noise_multiplier, sample_rate, delta) <= target_epsilon
+
+        if not fits(0):
+            return 0
+        if fits(limit):
+            return limit
+        low, high = 0, limit  # fits(low) and not fits(high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mechanism": self.mechanism, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["mechanism"] != self.mechanism:
+            raise ValueError(
+                f"The checkpoint was accounted with {state['mechanism']!r} but this run uses {self.mechanism!r};"
+                f" pass accountant={state['mechanism']!r} to resume it."
+            )
+        self._accountant.history = [tuple(entry) for entry in state["history"]]
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, mechanism: str
+) -> float:
+    """The smallest noise multiplier (to Opacus's tolerance) whose ``steps`` steps spend at most ``target_epsilon``."""
+    return float(
+        get_noise_multiplier(
+            target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
+            accountant=mechanism, epsilon_tolerance=0.01,
+        )
+    )

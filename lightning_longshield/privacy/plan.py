@@ -1,0 +1,124 @@
+"""Privacy arguments: validation at construction and resolution into a concrete plan at the start of training."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from lightning_longshield.privacy.accountant import ACCOUNTANTS, PrivacyAccountant, calibrate_noise_multiplier
+
+DEFAULT_TARGET_EPSILON = 8.0
+
+
+@dataclass(frozen=True)
+class PrivacyArguments:
+    """What the user asked for; `validate` rejects impossible or conflicting combinations up front."""
+
+    noise_multiplier: Optional[float]
+    target_epsilon: Optional[float]
+    target_delta: Optional[float]
+    max_grad_norm: float
+    accountant: str
+
+    def validate(self) -> None:
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}.")
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant={self.accountant!r} is not supported; choose one of {ACCOUNTANTS}.")
+        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}.")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
+        if self.target_delta is not None and not 0 < self.target_delta < 1:
+            raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta}.")
+        if self.noise_multiplier == 0 and self.target_epsilon is not None:
+            raise ValueError(
+                f"noise_multiplier=0 spends infinite epsilon, which conflicts with target_epsilon="
+                f"{self.target_epsilon}. Drop target_epsilon for a non-private run, or drop noise_multiplier to"
+                " calibrate the noise to the target."
+            )
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """The resolved mechanism: sigma, delta, sampling rate, the budget (if any) and the planned steps."""
+
+    noise_multiplier: float
+    delta: float
+    sample_rate: float
+    expected_batch_size: int
+    dataset_size: int
+    planned_steps: int
+    target_epsilon: Optional[float]
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        budget = f"target epsilon {self.target_epsilon:g}" if self.target_epsilon is not None else "no budget"
+        return (
+            f"noise_multiplier={self.noise_multiplier:.4f}, delta={self.delta:.3g}, sampling rate q="
+            f"{self.sample_rate:.4g} (expected logical batch {self.expected_batch_size} of {self.dataset_size}"
+            f" samples), {self.planned_steps} planned steps, {budget}"
+        )
+
+
+def resolve_plan(
+    arguments: PrivacyArguments,
+    dataset_size: int,
+    expected_batch_size: int,
+    planned_steps: int,
+    accountant: PrivacyAccountant,
+) -> tuple[PrivacyPlan, list[str]]:
+    """Turn the arguments into a plan for ``planned_steps`` more steps; returns the plan and messages to log.
+
+    With only a target epsilon the noise is calibrated so that the accountant's history plus ``planned_steps``
+    steps spend at most the target. With both, the given noise must fit the budget for the planned steps.
+    """
+    messages: list[str] = []
+    sample_rate = expected_batch_size / dataset_size
+    delta = arguments.target_delta
+    if delta is None:
+        delta = 1.0 / (10 * dataset_size)
+        messages.append(f"target_delta not set: using 1 / (10 x dataset size) = {delta:.3g}.")
+    target_epsilon = arguments.target_epsilon
+    noise_multiplier = arguments.noise_multiplier
+    if noise_multiplier is None and target_epsilon is None:
+        target_epsilon = DEFAULT_TARGET_EPSILON
+        messages.append(
+            f"Neither noise_multiplier nor target_epsilon was given: calibrating the noise to the default"
+            f" target_epsilon={DEFAULT_TARGET_EPSILON:g}. Pass target_epsilon=... to choose the privacy level."
+        )
+    if noise_multiplier is None:
+        assert target_epsilon is not None
+        if not math.isfinite(planned_steps) or planned_steps <= 0:
+            raise ValueError("Calibrating noise to target_epsilon needs a finite plan: set max_steps or max_epochs.")
+        if accountant.steps:
+            raise ValueError(
+                "Cannot calibrate the noise of a resumed run whose checkpoint has no recorded noise multiplier;"
+                " pass noise_multiplier explicitly."
+            )
+        noise_multiplier = calibrate_noise_multiplier(
+            target_epsilon, delta, sample_rate, planned_steps, arguments.accountant
+        )
+    elif target_epsilon is not None:
+        planned_epsilon = accountant.epsilon_after(planned_steps, noise_multiplier, sample_rate, delta)
+        if planned_epsilon > target_epsilon:
+            raise ValueError(
+                f"noise_multiplier={noise_multiplier} spends epsilon={planned_epsilon:.3f} over the {planned_steps}"
+                f" planned steps, above target_epsilon={target_epsilon}. Raise noise_multiplier, plan fewer steps"
+                " (max_steps / max_epochs), or pass only target_epsilon to calibrate the noise."
+            )
+    if noise_multiplier == 0:
+        messages.append("noise_multiplier=0: this run is NOT differentially private (epsilon is infinite).")
+    plan = PrivacyPlan(
+        noise_multiplier=float(noise_multiplier),
+        delta=delta,
+        sample_rate=sample_rate,
+        expected_batch_size=expected_batch_size,
+        dataset_size=dataset_size,
+        planned_steps=int(planned_steps),
+        target_epsilon=target_epsilon,
+    )
+    return plan, messages

@@ -1,0 +1,70 @@
+"""Poisson-sampled logical batches, split across data-parallel groups, and a collate that accepts empty batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch.utils.data import Dataset, Sampler
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Each batch includes every dataset index independently with probability ``sample_rate``.
+
+    All processes draw the same Bernoulli mask from generators in the same state; data-parallel group ``g`` of
+    ``D`` keeps the selected indices at positions ``g, g + D, ...`` of the selection, so the groups' batches are
+    disjoint and together form one Poisson sample. Batches may be empty. An epoch has ``round(1 / sample_rate)``
+    batches, the expected number of steps to visit every sample once.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        generator: torch.Generator,
+        data_parallel_rank: int = 0,
+        data_parallel_size: int = 1,
+    ) -> None:
+        if num_samples <= 0:
+            raise ValueError("The training dataset is empty; DP-SGD needs at least one sample.")
+        if not 0 < sample_rate <= 1:
+            raise ValueError(
+                f"The Poisson sampling rate is {sample_rate:.4g} (expected logical batch / dataset size) but must be"
+                " in (0, 1]: lower the DataLoader's batch_size or the data-parallel size, or add data."
+            )
+        self.num_samples = num_samples
+        self.sample_rate = sample_rate
+        self.generator = generator
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.num_batches = max(1, round(1 / sample_rate))
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.num_batches):
+            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            selected = mask.nonzero().flatten()
+            yield selected[self.data_parallel_rank :: self.data_parallel_size].tolist()
+
+
+class CollateAllowingEmpty:
+    """Wraps a collate function so an empty list of samples becomes a batch of zero-length tensors.
+
+    The empty batch keeps the usual keys and trailing shapes (taken from the first sample), so a step with no
+    sampled data still flows through the training loop; a class rather than a closure so DataLoader workers can
+    pickle it.
+    """
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        if samples:
+            return self.collate_fn(samples)
+        template = self.collate_fn([self.dataset[0]])
+        return apply_to_collection(template, torch.Tensor, lambda t: t[:0])

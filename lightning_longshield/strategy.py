@@ -1,0 +1,541 @@
+"""`LongShieldStrategy`: DP-SGD (flat clipping, Gaussian noise, Poisson sampling, accounting) as a Lightning strategy."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_longshield.batching import batch_size_of, split_into_microbatches
+from lightning_longshield.callbacks import PrivacyMonitor
+from lightning_longshield.context_parallel import build_device_mesh, resolve_parallel_sizes
+from lightning_longshield.privacy import (
+    CollateAllowingEmpty,
+    DPSGDEngine,
+    GaussianNoise,
+    PoissonBatchSampler,
+    PrivacyAccountant,
+)
+from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, resolve_plan
+
+GRAD_SAMPLE_PATTERNS = ("input_stationary", "output_stationary")
+CHECKPOINT_KEY = "longshield"
+
+
+class LongShieldStrategy(ParallelStrategy):
+    """Differentially private training (DP-SGD) of a LightningModule on a (data_parallel, context_parallel) mesh.
+
+    Every optimizer step is one DP step over one logical batch: the batch (Poisson-sampled by default) is split
+    into micro-batches of ``micro_batch_size``; each sample's gradient over all trainable parameters is clipped to
+    norm ``max_grad_norm``; the clipped sum gets Gaussian noise ``N(0, (noise_multiplier * max_grad_norm)^2)`` once,
+    is divided by the expected logical batch size (the DataLoader's ``batch_size`` x data-parallel size), and the
+    wrapped optimizer steps. An Opacus accountant records every step; `get_epsilon` reports the privacy spent.
+
+    Args:
+        context_parallel_size: processes per context-parallel group (``None``: all of them).
+        noise_multiplier: sigma; give this or ``target_epsilon`` (both: sigma is checked against the budget).
+            Neither: the noise is calibrated to ``target_epsilon=8``. ``0.0`` disables privacy (for tests).
+        target_epsilon: privacy budget; training stops before a step would exceed it.
+        target_delta: delta of the guarantee (default ``1 / (10 * dataset size)``).
+        max_grad_norm: flat clipping bound ``C`` over all trainable parameters.
+        micro_batch_size: samples per forward/backward (the memory knob; does not change the privacy).
+        poisson_sampling: ``False`` uses the DataLoader's own batches as logical batches; the accountant still
+            assumes Poisson sampling, so the reported epsilon is then not a formal guarantee.
+        shard_per_sample_grads: ``True`` reduce-scatters per-sample gradients over the CP group (LongShield-V2),
+            ``False`` all-reduces them (V1).
+        grad_sample_pattern: ``"input_stationary"`` or ``"output_stationary"`` communication for V2.
+        overlap_communication: overlap per-sample-gradient communication with backward.
+        activation_checkpointing: DP-safe block-level activation checkpointing (LongShield-V3).
+        accountant: ``"prv"`` or ``"rdp"``.
+        secure_mode: seed noise and sampling from the OS CSPRNG and harden the Gaussian sampler.
+        seed: seed of the sampling and noise generators (``None``: random, shared by all processes).
+        start_method: ``"popen"`` (torchrun-style script relaunch) or a multiprocessing start method.
+    """
+
+    strategy_name = "longshield"
+
+    def __init__(
+        self,
+        context_parallel_size: Optional[int] = None,
+        noise_multiplier: Optional[float] = None,
+        target_epsilon: Optional[float] = None,
+        target_delta: Optional[float] = None,
+        max_grad_norm: float = 1.0,
+        micro_batch_size: int = 1,
+        poisson_sampling: bool = True,
+        shard_per_sample_grads: bool = True,
+        grad_sample_pattern: Literal["input_stationary", "output_stationary"] = "input_stationary",
+        overlap_communication: bool = True,
+        activation_checkpointing: bool = False,
+        accountant: Literal["prv", "rdp"] = "prv",
+        secure_mode: bool = False,
+        seed: Optional[int] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._privacy_arguments = PrivacyArguments(
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            max_grad_norm=max_grad_norm,
+            accountant=accountant,
+        )
+        self._privacy_arguments.validate()
+        if context_parallel_size is not None and context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size must be >= 1 or None, got {context_parallel_size}.")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
+        if grad_sample_pattern not in GRAD_SAMPLE_PATTERNS:
+            raise ValueError(f"grad_sample_pattern={grad_sample_pattern!r}; choose one of {GRAD_SAMPLE_PATTERNS}.")
+        if secure_mode and seed is not None:
+            raise ValueError("secure_mode=True draws its seeds from the OS; remove `seed` or set secure_mode=False.")
+        self.context_parallel_size = context_parallel_size
+        self.micro_batch_size = micro_batch_size
+        self.poisson_sampling = poisson_sampling
+        self.shard_per_sample_grads = shard_per_sample_grads
+        self.grad_sample_pattern = grad_sample_pattern
+        self.overlap_communication = overlap_communication
+        self.activation_checkpointing = activation_checkpointing
+        self.secure_mode = secure_mode
+        self.seed = seed
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._device_mesh: Optional[DeviceMesh] = None
+        self.accountant = PrivacyAccountant(accountant)
+        self.privacy_plan: Optional[PrivacyPlan] = None
+        self._engine: Optional[DPSGDEngine] = None
+        self._noise: Optional[GaussianNoise] = None
+        self._sampling_generator: Optional[torch.Generator] = None
+        self._train_dataset_size: Optional[int] = None
+        self._dataloader_batch_size: Optional[int] = None
+        self._restored_state: Optional[dict[str, Any]] = None
+        self._steps_left_in_budget: Optional[int] = None
+        self._microbatch_size = 0
+
+    # ------------------------------------------------------------------ topology and launch
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``("data_parallel", "context_parallel")`` mesh (available once processes are initialised)."""
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after the strategy's processes are initialised.")
+        return self._device_mesh
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.device_mesh["data_parallel"].size()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.device_mesh["data_parallel"].get_local_rank()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(
+                    self.cluster_environment, self.num_processes, self.num_nodes
+                )
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        data_parallel_size, context_parallel_size = resolve_parallel_sizes(self.world_size, self.context_parallel_size)
+        self._device_mesh = build_device_mesh(self.root_device.type, data_parallel_size, context_parallel_size)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    # ------------------------------------------------------------------ setup and validation
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_trainer_configuration(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            # Generators are created once per strategy: a second `fit` continues their streams, never replays them.
+            if self._noise is None:
+                self._noise = GaussianNoise(self.root_device, self._derived_seed(1), self.secure_mode)
+                self._sampling_generator = torch.Generator().manual_seed(self._derived_seed(0))
+            self._engine = DPSGDEngine(
+                self.lightning_module, self._privacy_arguments.max_grad_norm, self._noise, self.accountant
+            )
+            if not any(isinstance(cb, PrivacyMonitor) for cb in trainer.callbacks):
+                trainer.callbacks.append(PrivacyMonitor())
+            self.setup_optimizers(trainer)
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self.setup_precision_plugin()
+
+    def _check_trainer_configuration(self, trainer: "pl.Trainer") -> None:
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise ValueError(
+                f"{type(self).__name__} owns backward and the optimizer step; set automatic_optimization=True."
+            )
+        if trainer.gradient_clip_val is not None:
+            raise ValueError(
+                "gradient_clip_val is set, but DP-SGD clips each sample's gradient itself: remove gradient_clip_val"
+                " from the Trainer and set LongShieldStrategy(max_grad_norm=...) instead."
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "accumulate_grad_batches must be 1: one optimizer step is one DP step over one logical batch. Set"
+                " the logical batch with the DataLoader's batch_size and the memory with micro_batch_size."
+            )
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise ValueError(
+                "16-bit mixed precision with a GradScaler is not supported: loss scaling would scale the per-sample"
+                " gradients before clipping. Use precision='bf16-mixed' or 'bf16-true' (or 32)."
+            )
+
+    def _derived_seed(self, stream: int) -> int:
+        """Seed of an independent generator stream, equal on every process (random unless ``seed`` is set)."""
+        if self.secure_mode:
+            return secrets.randbits(63)
+        base = self.broadcast(secrets.randbits(63) if self.seed is None else self.seed)
+        return int(torch.randint(2**62, (stream + 1,), generator=torch.Generator().manual_seed(base))[stream])
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ data
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
+            return dataloader
+        dataset = dataloader.dataset
+        size = len(dataset)  # type: ignore[arg-type]
+        if size == 0:
+            raise ValueError("The training dataset is empty; DP-SGD needs at least one sample.")
+        batch_size = dataloader.batch_size
+        if batch_size is None:
+            raise ValueError(
+                "The training DataLoader must set batch_size: it is the expected logical (privacy) batch per"
+                " data-parallel group. A custom batch_sampler is replaced by Poisson sampling."
+            )
+        self._train_dataset_size, self._dataloader_batch_size = size, batch_size
+        if not self.poisson_sampling:
+            return dataloader
+        assert self._sampling_generator is not None
+        sampler = PoissonBatchSampler(
+            size,
+            batch_size * self.data_parallel_size / size,
+            self._sampling_generator,
+            data_parallel_rank=self.data_parallel_rank,
+            data_parallel_size=self.data_parallel_size,
+        )
+        return DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=CollateAllowingEmpty(dataset, dataloader.collate_fn),
+            num_workers=dataloader.num_workers,
+            pin_memory=dataloader.pin_memory,
+            persistent_workers=dataloader.persistent_workers,
+        )
+
+    # ------------------------------------------------------------------ privacy plan and budget
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if self._train_dataset_size is None or self._dataloader_batch_size is None:
+            raise ValueError("LongShieldStrategy needs a training DataLoader with a sized dataset.")
+        arguments = self._privacy_arguments
+        if self._restored_state is not None:
+            stored = self._restored_state["plan"]
+            arguments = replace(
+                arguments,
+                noise_multiplier=stored["noise_multiplier"],
+                target_epsilon=stored["target_epsilon"],
+                target_delta=stored["delta"],
+            )
+        planned_steps = trainer.estimated_stepping_batches - trainer.global_step
+        self.privacy_plan, messages = resolve_plan(
+            arguments,
+            dataset_size=self._train_dataset_size,
+            expected_batch_size=self._dataloader_batch_size * self.data_parallel_size,
+            planned_steps=planned_steps,
+            accountant=self.accountant,
+        )
+        if not self.poisson_sampling:
+            messages.append(
+                "poisson_sampling=False: logical batches come from the DataLoader, but the accountant assumes"
+                " Poisson sampling, so the reported epsilon is not a formal guarantee."
+            )
+        for message in messages:
+            rank_zero_warn(message)
+        rank_zero_info(f"LongShield DP-SGD: {self.privacy_plan.describe()}, max_grad_norm={self.max_grad_norm:g}.")
+        self._steps_left_in_budget = self._budgeted_steps(planned_steps)
+        if self._steps_left_in_budget == 0:
+            self._stop(trainer, "the privacy budget is already spent")
+
+    def _budgeted_steps(self, planned_steps: float) -> Optional[int]:
+        plan = self.privacy_plan
+        assert plan is not None
+        if plan.target_epsilon is None:
+            return None
+        limit = int(min(planned_steps, 10 * plan.planned_steps + 1))
+        return self.accountant.steps_within_budget(
+            plan.target_epsilon, plan.noise_multiplier, plan.sample_rate, plan.delta, limit
+        )
+
+    def _stop(self, trainer: "pl.Trainer", reason: str) -> None:
+        plan = self.privacy_plan
+        assert plan is not None
+        trainer.should_stop = True
+        rank_zero_warn(
+            f"Stopping DP training: {reason} (epsilon={self.get_epsilon():.3f} of target {plan.target_epsilon},"
+            f" delta={plan.delta:.3g}, after {self.accountant.steps} DP steps)."
+        )
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self._privacy_arguments.max_grad_norm
+
+    def get_epsilon(self, delta: Optional[float] = None) -> float:
+        """Epsilon spent so far at ``delta`` (default: the run's target delta)."""
+        if delta is None:
+            if self.privacy_plan is None:
+                raise ValueError("No delta yet: pass delta=..., or call after training has started.")
+            delta = self.privacy_plan.delta
+        return self.accountant.get_epsilon(delta)
+
+    # ------------------------------------------------------------------ one DP step
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._engine is not None
+        batch, rest = args[0], args[1:]
+        self._engine.begin_logical_batch()
+        if batch_size_of(batch) == 0:
+            self._microbatch_size = 0
+            return torch.zeros((), device=self.root_device, requires_grad=True)
+        microbatches = split_into_microbatches(batch, self.micro_batch_size)
+        for microbatch in microbatches[:-1]:
+            output = self._microbatch_training_step(microbatch, rest, kwargs)
+            self.backward(_loss_of(output), None)
+        return self._microbatch_training_step(microbatches[-1], rest, kwargs)
+
+    def _microbatch_training_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._microbatch_size = batch_size_of(microbatch)
+        self._engine.prepare_microbatch(self._microbatch_size)  # type: ignore[union-attr]
+        return super().training_step(microbatch, *rest, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Back-propagate one micro-batch and fold its clipped per-sample gradients into the logical batch."""
+        assert self._engine is not None
+        size = self._microbatch_size
+        if size == 0:
+            return closure_loss.detach()
+        # The loss is a mean over samples; scaling by the size makes each sample's gradient its own loss's gradient.
+        super().backward(closure_loss * size, optimizer, *args, **kwargs)
+        self._engine.accumulate_microbatch(size)
+        return closure_loss
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        if self._steps_left_in_budget == 0:
+            raise RuntimeError("The privacy budget is spent; refusing to release another private gradient.")
+
+        def closure_then_release() -> Any:
+            result = closure()
+            self._release_private_gradient()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_release, model, **kwargs)
+
+    def _release_private_gradient(self) -> None:
+        plan = self.privacy_plan
+        assert plan is not None and self._engine is not None
+        self._engine.release(plan.noise_multiplier, plan.sample_rate, plan.expected_batch_size)
+        if self._steps_left_in_budget is not None:
+            self._steps_left_in_budget -= 1
+            if self._steps_left_in_budget == 0:
+                self._stop(self.lightning_module.trainer, "one more step would exceed the privacy budget")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _dp_state_dict(self) -> dict[str, Any]:
+        assert self._noise is not None and self._sampling_generator is not None and self.privacy_plan is not None
+        return {
+            "plan": self.privacy_plan.state_dict(),
+            "accountant": self.accountant.state_dict(),
+            "noise": self._noise.state_dict(),
+            "sampling_generator": self._sampling_generator.get_state(),
+        }
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self._noise is not None and self.privacy_plan is not None:
+            checkpoint[CHECKPOINT_KEY] = self._dp_state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is not None and self._noise is not None:
+            assert self._sampling_generator is not None
+            self.accountant.load_state_dict(state["accountant"])
+            self._noise.load_state_dict(state["noise"])
+            self._sampling_generator.set_state(state["sampling_generator"])
+            self._restored_state = state
+        return checkpoint
+
+    # ------------------------------------------------------------------ collectives
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        torch.distributed.broadcast_object_list(container, src, group=_group.WORLD)
+        return container[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.remove()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "longshield", cls, description="LongShield DP-SGD with context parallelism (relaunches the script)"
+        )
+        strategy_registry.register(
+            "longshield_spawn", cls, description="LongShield DP-SGD, processes spawned", start_method="spawn"
+        )
+
+
+def _loss_of(output: Any) -> Tensor:
+    """The loss tensor of a ``training_step`` output (a tensor or a dict with ``"loss"``)."""
+    return output["loss"] if isinstance(output, Mapping) else output

@@ -1,0 +1,1 @@
+"""Analytic memory, communication and throughput model for LongShield runs (no torch required)."""

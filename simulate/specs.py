@@ -1,0 +1,145 @@
+"""Model presets and hardware specs as plain data (importable without torch).
+
+`lightning_longshield.models.LlamaConfig.from_name` reads the model presets from here, so the model that
+trains and the model that is simulated can never drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style frequency-dependent RoPE scaling (identity when ``factor == 1``)."""
+
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Dimensions of a Llama-3 family decoder; field names match ``LlamaConfig``."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def num_parameters(self) -> int:
+        """Trainable parameter count (a tied embedding counted once)."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        attention = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        mlp = 3 * self.dim * self.ffn_dim
+        block = attention + mlp + 2 * self.dim
+        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * block + embeddings + self.dim
+
+
+_LLAMA_3_1_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+_LLAMA_3_2_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    # A CPU-friendly model (about 3.3M parameters) over a byte-level vocabulary.
+    "tiny": ModelSpec(
+        vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=4096,
+        rope_theta=10000.0, tie_embeddings=False,
+    ),
+    "llama3.2-1b": ModelSpec(
+        vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, max_seq_len=131072,
+        tie_embeddings=True, rope_scaling=_LLAMA_3_2_ROPE,
+    ),
+    "llama3.2-3b": ModelSpec(
+        vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, max_seq_len=131072,
+        tie_embeddings=True, rope_scaling=_LLAMA_3_2_ROPE,
+    ),
+    "llama3.1-8b": ModelSpec(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=131072,
+        tie_embeddings=False, rope_scaling=_LLAMA_3_1_ROPE,
+    ),
+    "llama3.1-70b": ModelSpec(
+        vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, max_seq_len=131072,
+        tie_embeddings=False, rope_scaling=_LLAMA_3_1_ROPE,
+    ),
+}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """Return the preset called ``name``; unknown names list the valid ones."""
+    try:
+        return MODEL_PRESETS[name]
+    except KeyError:
+        raise ValueError(f"Unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}.") from None
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator type, as the analytic model sees it.
+
+    ``memory_gib`` is the capacity the CUDA caching allocator can see (``torch.cuda.get_device_properties(i)
+    .total_memory``, which TorchTitan logs as "CUDA capacity"), not the marketing number. Bandwidths are
+    unidirectional per GPU in bytes/s; ``latency_s`` is the per-step latency (alpha) of an NCCL ring step.
+    """
+
+    name: str
+    memory_gib: float
+    bf16_flops: float
+    hbm_bytes_per_s: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    intra_node_latency_s: float
+    inter_node_latency_s: float
+    gpus_per_node: int = 8
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * 2**30
+
+
+GPU_PRESETS: dict[str, GPUSpec] = {
+    # H100 SXM5 80GB: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 (900 GB/s bidirectional), 400 Gb/s NIC/GPU.
+    "h100": GPUSpec(
+        name="NVIDIA H100 SXM 80GB", memory_gib=79.11, bf16_flops=989e12, hbm_bytes_per_s=3.35e12,
+        intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9,
+        intra_node_latency_s=10e-6, inter_node_latency_s=20e-6,
+    ),
+    # H200 SXM 141GB: same compute and NVLink as H100, 4.8 TB/s HBM3e.
+    "h200": GPUSpec(
+        name="NVIDIA H200 SXM 141GB", memory_gib=139.81, bf16_flops=989e12, hbm_bytes_per_s=4.8e12,
+        intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9,
+        intra_node_latency_s=10e-6, inter_node_latency_s=20e-6,
+    ),
+    # A100 SXM4: 312 TFLOP/s dense bf16, NVLink 3 (600 GB/s bidirectional), 200 Gb/s HDR NIC/GPU.
+    "a100-80": GPUSpec(
+        name="NVIDIA A100 SXM 80GB", memory_gib=79.15, bf16_flops=312e12, hbm_bytes_per_s=2.04e12,
+        intra_node_bytes_per_s=300e9, inter_node_bytes_per_s=25e9,
+        intra_node_latency_s=10e-6, inter_node_latency_s=20e-6,
+    ),
+    "a100-40": GPUSpec(
+        name="NVIDIA A100 SXM 40GB", memory_gib=39.39, bf16_flops=312e12, hbm_bytes_per_s=1.56e12,
+        intra_node_bytes_per_s=300e9, inter_node_bytes_per_s=25e9,
+        intra_node_latency_s=10e-6, inter_node_latency_s=20e-6,
+    ),
+}
+
+
+def get_gpu_spec(name: str) -> GPUSpec:
+    """Return the GPU preset called ``name``; unknown names list the valid ones."""
+    try:
+        return GPU_PRESETS[name]
+    except KeyError:
+        raise ValueError(f"Unknown GPU {name!r}; choose one of {sorted(GPU_PRESETS)}.") from None
