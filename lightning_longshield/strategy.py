@@ -38,13 +38,9 @@ from typing_extensions import override
 from lightning_longshield.batching import batch_size_of, split_into_microbatches
 from lightning_longshield.callbacks import PrivacyMonitor
 from lightning_longshield.context_parallel import build_device_mesh, resolve_parallel_sizes
-from lightning_longshield.privacy import (
-    CollateAllowingEmpty,
-    DPSGDEngine,
-    GaussianNoise,
-    PoissonBatchSampler,
-    PrivacyAccountant,
-)
+from lightning_longshield.data_loading import data_parallel_dataloader, poisson_dataloader
+from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
+from lightning_longshield.privacy.seeding import derive_seed
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, resolve_plan
 
 GRAD_SAMPLE_PATTERNS = ("input_stationary", "output_stationary")
@@ -149,7 +145,7 @@ class LongShieldStrategy(ParallelStrategy):
         self.privacy_plan: Optional[PrivacyPlan] = None
         self._engine: Optional[DPSGDEngine] = None
         self._noise: Optional[GaussianNoise] = None
-        self._sampling_generator: Optional[torch.Generator] = None
+        self._sampling_seed: Optional[int] = None
         self._train_dataset_size: Optional[int] = None
         self._dataloader_batch_size: Optional[int] = None
         self._restored_state: Optional[dict[str, Any]] = None
@@ -242,6 +238,8 @@ class LongShieldStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        # The strategy splits data over data-parallel groups itself (CP peers share batches; Poisson sampling).
+        trainer._accelerator_connector.use_distributed_sampler = False
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_trainer_configuration(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -249,8 +247,8 @@ class LongShieldStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             # Generators are created once per strategy: a second `fit` continues their streams, never replays them.
             if self._noise is None:
-                self._noise = GaussianNoise(self.root_device, self._derived_seed(1), self.secure_mode)
-                self._sampling_generator = torch.Generator().manual_seed(self._derived_seed(0))
+                self._noise = GaussianNoise(self.root_device, self._derived_seed("noise"), self.secure_mode)
+                self._sampling_seed = self._derived_seed("sampling")
             self._engine = DPSGDEngine(
                 self.lightning_module, self._privacy_arguments.max_grad_norm, self._noise, self.accountant
             )
@@ -283,12 +281,10 @@ class LongShieldStrategy(ParallelStrategy):
                 " gradients before clipping. Use precision='bf16-mixed' or 'bf16-true' (or 32)."
             )
 
-    def _derived_seed(self, stream: int) -> int:
+    def _derived_seed(self, stream: str) -> int:
         """Seed of an independent generator stream, equal on every process (random unless ``seed`` is set)."""
-        if self.secure_mode:
-            return secrets.randbits(63)
-        base = self.broadcast(secrets.randbits(63) if self.seed is None else self.seed)
-        return int(torch.randint(2**62, (stream + 1,), generator=torch.Generator().manual_seed(base))[stream])
+        base = secrets.randbits(63) if self.seed is None or self.secure_mode else self.seed
+        return derive_seed(self.broadcast(base), stream)
 
     @override
     def model_to_device(self) -> None:
@@ -299,37 +295,26 @@ class LongShieldStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
+        """Training: Poisson logical batches keyed to the data-parallel rank. Evaluation: a data-parallel split."""
+        if not isinstance(dataloader, DataLoader):
             return dataloader
-        dataset = dataloader.dataset
-        size = len(dataset)  # type: ignore[arg-type]
+        trainer = self.lightning_module.trainer
+        if not trainer.training:
+            return data_parallel_dataloader(dataloader, self.data_parallel_rank, self.data_parallel_size)
+        size = len(dataloader.dataset)  # type: ignore[arg-type]
         if size == 0:
             raise ValueError("The training dataset is empty; DP-SGD needs at least one sample.")
-        batch_size = dataloader.batch_size
-        if batch_size is None:
+        if dataloader.batch_size is None:
             raise ValueError(
                 "The training DataLoader must set batch_size: it is the expected logical (privacy) batch per"
                 " data-parallel group. A custom batch_sampler is replaced by Poisson sampling."
             )
-        self._train_dataset_size, self._dataloader_batch_size = size, batch_size
+        self._train_dataset_size, self._dataloader_batch_size = size, dataloader.batch_size
         if not self.poisson_sampling:
-            return dataloader
-        assert self._sampling_generator is not None
-        sampler = PoissonBatchSampler(
-            size,
-            batch_size * self.data_parallel_size / size,
-            self._sampling_generator,
-            data_parallel_rank=self.data_parallel_rank,
-            data_parallel_size=self.data_parallel_size,
-        )
-        return DataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=CollateAllowingEmpty(dataset, dataloader.collate_fn),
-            num_workers=dataloader.num_workers,
-            pin_memory=dataloader.pin_memory,
-            persistent_workers=dataloader.persistent_workers,
+            return data_parallel_dataloader(dataloader, self.data_parallel_rank, self.data_parallel_size)
+        assert self._sampling_seed is not None
+        return poisson_dataloader(
+            dataloader, self._sampling_seed, self.accountant.steps, self.data_parallel_rank, self.data_parallel_size
         )
 
     # ------------------------------------------------------------------ privacy plan and budget
@@ -463,12 +448,12 @@ class LongShieldStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
 
     def _dp_state_dict(self) -> dict[str, Any]:
-        assert self._noise is not None and self._sampling_generator is not None and self.privacy_plan is not None
+        assert self._noise is not None and self.privacy_plan is not None
         return {
             "plan": self.privacy_plan.state_dict(),
             "accountant": self.accountant.state_dict(),
             "noise": self._noise.state_dict(),
-            "sampling_generator": self._sampling_generator.get_state(),
+            "sampling_seed": self._sampling_seed,
         }
 
     @override
@@ -482,10 +467,9 @@ class LongShieldStrategy(ParallelStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None and self._noise is not None:
-            assert self._sampling_generator is not None
             self.accountant.load_state_dict(state["accountant"])
             self._noise.load_state_dict(state["noise"])
-            self._sampling_generator.set_state(state["sampling_generator"])
+            self._sampling_seed = state["sampling_seed"]
             self._restored_state = state
         return checkpoint
 

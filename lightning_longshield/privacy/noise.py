@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import secrets
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -11,17 +10,15 @@ import torch
 class GaussianNoise:
     """Draws ``N(0, std^2)`` noise from its own generator, independent of the global RNG and of data sampling.
 
-    With ``secure_mode`` the seed comes from the operating system's CSPRNG, and each draw is the scaled sum of four
+    With ``secure_mode`` (whose seed the strategy takes from the OS CSPRNG) each draw is the scaled sum of four
     Gaussians, which hardens the floating-point sampler against the precision attack of Mironov (2012), as Opacus
-    does. Checkpoints then still restore the generator, so a resumed run continues the stream.
+    does. Checkpoints restore the generator, so a resumed run continues the stream instead of repeating it.
     """
 
-    def __init__(self, device: torch.device, seed: Optional[int], secure_mode: bool = False) -> None:
-        if secure_mode and seed is not None:
-            raise ValueError("secure_mode=True draws its seed from the OS; remove `seed` or set secure_mode=False.")
+    def __init__(self, device: torch.device, seed: int, secure_mode: bool = False) -> None:
         self.secure_mode = secure_mode
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(secrets.randbits(63) if seed is None else seed)
+        self.generator.manual_seed(seed)
 
     def sample(self, shape: torch.Size, std: float, device: torch.device) -> torch.Tensor:
         """An fp32 tensor of shape ``shape`` with i.i.d. ``N(0, std^2)`` entries."""

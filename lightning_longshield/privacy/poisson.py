@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -9,21 +10,26 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.utils.data import Dataset, Sampler
 
+from lightning_longshield.privacy.seeding import derive_seed
+
 
 class PoissonBatchSampler(Sampler[list[int]]):
     """Each batch includes every dataset index independently with probability ``sample_rate``.
 
-    All processes draw the same Bernoulli mask from generators in the same state; data-parallel group ``g`` of
-    ``D`` keeps the selected indices at positions ``g, g + D, ...`` of the selection, so the groups' batches are
-    disjoint and together form one Poisson sample. Batches may be empty. An epoch has ``round(1 / sample_rate)``
-    batches, the expected number of steps to visit every sample once.
+    Draw ``k`` (the ``k``-th DP step of the run) uses a generator seeded from ``(base_seed, k)``: every process draws
+    the same Bernoulli mask, and a resumed run continues at ``first_draw = steps done`` however far the DataLoader
+    prefetched before the checkpoint. Data-parallel group ``g`` of ``D`` keeps the selected indices at positions
+    ``g, g + D, ...`` of the selection, so the groups' batches are disjoint and together form one Poisson sample.
+    Batches may be empty. An epoch has ``round(1 / sample_rate)`` batches, the expected number of steps to visit
+    every sample once.
     """
 
     def __init__(
         self,
         num_samples: int,
         sample_rate: float,
-        generator: torch.Generator,
+        base_seed: int,
+        first_draw: int = 0,
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
     ) -> None:
@@ -36,7 +42,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
             )
         self.num_samples = num_samples
         self.sample_rate = sample_rate
-        self.generator = generator
+        self.base_seed = base_seed
+        self.next_draw = first_draw
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
         self.num_batches = max(1, round(1 / sample_rate))
@@ -46,7 +53,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.num_batches):
-            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            generator = torch.Generator().manual_seed(derive_seed(self.base_seed, "poisson", self.next_draw))
+            self.next_draw += 1
+            mask = torch.rand(self.num_samples, generator=generator) < self.sample_rate
             selected = mask.nonzero().flatten()
             yield selected[self.data_parallel_rank :: self.data_parallel_size].tolist()
 

@@ -1,0 +1,68 @@
+"""How the strategy feeds data: Poisson logical batches for training, data-parallel splits for evaluation."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
+
+from lightning_longshield.privacy.poisson import CollateAllowingEmpty, PoissonBatchSampler
+
+
+def rebuild_dataloader(
+    dataloader: DataLoader,
+    *,
+    sampler: Optional[Sampler] = None,
+    batch_sampler: Optional[Sampler] = None,
+    collate_fn: Optional[Any] = None,
+) -> DataLoader:
+    """A plain `DataLoader` over the same dataset and worker settings with a new (batch) sampler."""
+    workers = dataloader.num_workers
+    kwargs: dict[str, Any] = dict(
+        collate_fn=collate_fn or dataloader.collate_fn,
+        num_workers=workers,
+        pin_memory=dataloader.pin_memory,
+        timeout=dataloader.timeout,
+        worker_init_fn=dataloader.worker_init_fn,
+        persistent_workers=dataloader.persistent_workers if workers else False,
+    )
+    if workers:
+        kwargs["prefetch_factor"] = dataloader.prefetch_factor
+    if batch_sampler is not None:
+        return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
+    return DataLoader(
+        dataloader.dataset, batch_size=dataloader.batch_size, sampler=sampler, drop_last=dataloader.drop_last, **kwargs
+    )
+
+
+def poisson_dataloader(
+    dataloader: DataLoader, base_seed: int, first_draw: int, data_parallel_rank: int, data_parallel_size: int
+) -> DataLoader:
+    """Replace the sampling of ``dataloader``: every batch is a Poisson sample of expected size ``batch_size``."""
+    dataset = dataloader.dataset
+    size = len(dataset)  # type: ignore[arg-type]
+    sampler = PoissonBatchSampler(
+        size,
+        dataloader.batch_size * data_parallel_size / size,  # type: ignore[operator]
+        base_seed,
+        first_draw=first_draw,
+        data_parallel_rank=data_parallel_rank,
+        data_parallel_size=data_parallel_size,
+    )
+    return rebuild_dataloader(
+        dataloader, batch_sampler=sampler, collate_fn=CollateAllowingEmpty(dataset, dataloader.collate_fn)
+    )
+
+
+def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, data_parallel_size: int) -> DataLoader:
+    """Split ``dataloader`` over data-parallel groups (group ``g`` takes samples g, g+D, ...); CP peers share a split.
+
+    The DataLoader's own shuffling is kept (a `RandomSampler` becomes a shuffling `DistributedSampler`).
+    """
+    if data_parallel_size == 1:
+        return dataloader
+    shuffle = isinstance(dataloader.sampler, RandomSampler)
+    sampler = DistributedSampler(
+        dataloader.dataset, num_replicas=data_parallel_size, rank=data_parallel_rank, shuffle=shuffle
+    )
+    return rebuild_dataloader(dataloader, sampler=sampler)

@@ -1,0 +1,109 @@
+"""Shared test fixtures: small datasets, an independent per-sample-loop DP-SGD reference, trainer factory."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_longshield import CausalLMModule, LongShieldStrategy
+from lightning_longshield.models import LlamaConfig
+
+SMALL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=256)
+
+
+def small_config(**overrides: Any) -> LlamaConfig:
+    return LlamaConfig(**{**SMALL, **overrides})
+
+
+class RandomTokens(Dataset):
+    """Random token sequences; ``ignore_fraction`` of the labels of every other sample are -100, and one sample
+    (index 3) is fully ignored."""
+
+    def __init__(self, size: int = 16, seq_len: int = 16, vocab: int = 64, ignore: bool = True, seed: int = 0):
+        generator = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, vocab, (size, seq_len + 1), generator=generator)
+        self.input_ids, self.labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+        if ignore:
+            self.labels[::2, : seq_len // 3] = -100
+            if size > 3:
+                self.labels[3] = -100
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[index], "labels": self.labels[index]}
+
+
+def make_trainer(strategy: LongShieldStrategy, max_steps: int, **kwargs: Any) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    return L.Trainer(strategy=strategy, **{**defaults, **kwargs})
+
+
+def make_module(config: LlamaConfig, seed: int = 0, **kwargs: Any) -> CausalLMModule:
+    """A module whose model is built now (same init for the same seed), so a reference copy can be taken."""
+    torch.manual_seed(seed)
+    module = CausalLMModule(config, **{"optimizer": "sgd", "learning_rate": 1.0, **kwargs})
+    module.configure_model()
+    return module
+
+
+def loader(dataset: Dataset, batch_size: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+def reference_sample_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One sample's loss, written independently of the library: mean token cross-entropy over labelled tokens."""
+    logits = model(input_ids[None])[0].double()
+    mask = labels != -100
+    if not mask.any():
+        return logits.sum() * 0.0
+    log_probs = torch.log_softmax(logits[mask], dim=-1)
+    return -log_probs.gather(1, labels[mask][:, None]).mean()
+
+
+def reference_dp_sgd(
+    model: torch.nn.Module,
+    batches: list[list[dict[str, torch.Tensor]]],
+    max_grad_norm: float,
+    expected_batch_size: int,
+    learning_rate: float = 1.0,
+    noise: Optional[list[dict[str, torch.Tensor]]] = None,
+) -> torch.nn.Module:
+    """Plain DP-SGD on an unsharded copy: for each batch, a per-sample loop, flat clipping, sum, (noise), SGD."""
+    model = copy.deepcopy(model)
+    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    for step, batch in enumerate(batches):
+        total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        for sample in batch:
+            grads = torch.autograd.grad(
+                reference_sample_loss(model, sample["input_ids"], sample["labels"]), params, allow_unused=True
+            )
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+            norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads))
+            factor = min(1.0, max_grad_norm / norm.item()) if norm > 0 else 1.0
+            for t, g in zip(total, grads):
+                t += factor * g.double()
+        with torch.no_grad():
+            for i, (p, t) in enumerate(zip(params, total)):
+                if noise is not None:
+                    t = t + noise[step][i]
+                p -= learning_rate * (t / expected_batch_size).to(p.dtype)
+    return model
+
+
+def samples(dataset: Dataset, indices: range) -> list[dict[str, torch.Tensor]]:
+    return [dataset[i] for i in indices]
+
+
+def assert_models_close(actual: torch.nn.Module, expected: torch.nn.Module, rtol: float = 1e-4, atol: float = 1e-6):
+    expected_state = expected.state_dict()
+    for name, value in actual.state_dict().items():
+        torch.testing.assert_close(value, expected_state[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
