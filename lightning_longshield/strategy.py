@@ -353,6 +353,11 @@ class LongShieldStrategy(ParallelStrategy):
         self._steps_left_in_budget = self._budgeted_steps(planned_steps)
         if self._steps_left_in_budget == 0:
             self._stop(trainer, "the privacy budget is already spent")
+        elif self._steps_left_in_budget is not None and self._steps_left_in_budget < planned_steps:
+            rank_zero_warn(
+                f"The privacy budget allows {self._steps_left_in_budget} of the {planned_steps} planned steps;"
+                " training will stop there."
+            )
 
     def _budgeted_steps(self, planned_steps: float) -> Optional[int]:
         plan = self.privacy_plan

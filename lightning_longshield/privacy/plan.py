@@ -74,7 +74,7 @@ def resolve_plan(
     """Turn the arguments into a plan for ``planned_steps`` more steps; returns the plan and messages to log.
 
     With only a target epsilon the noise is calibrated so that the accountant's history plus ``planned_steps``
-    steps spend at most the target. With both, the given noise must fit the budget for the planned steps.
+    steps spend at most the target. With both, the target is a budget that training stops at.
     """
     messages: list[str] = []
     sample_rate = expected_batch_size / dataset_size
@@ -82,6 +82,11 @@ def resolve_plan(
     if delta is None:
         delta = 1.0 / (10 * dataset_size)
         messages.append(f"target_delta not set: using 1 / (10 x dataset size) = {delta:.3g}.")
+    elif delta >= 1.0 / dataset_size:
+        raise ValueError(
+            f"target_delta={delta:g} is not below 1 / dataset size = {1 / dataset_size:.3g}: such a guarantee allows"
+            " releasing a whole sample. Lower target_delta (default 1 / (10 x dataset size))."
+        )
     target_epsilon = arguments.target_epsilon
     noise_multiplier = arguments.noise_multiplier
     if noise_multiplier is None and target_epsilon is None:
@@ -102,14 +107,6 @@ def resolve_plan(
         noise_multiplier = calibrate_noise_multiplier(
             target_epsilon, delta, sample_rate, planned_steps, arguments.accountant
         )
-    elif target_epsilon is not None:
-        planned_epsilon = accountant.epsilon_after(planned_steps, noise_multiplier, sample_rate, delta)
-        if planned_epsilon > target_epsilon:
-            raise ValueError(
-                f"noise_multiplier={noise_multiplier} spends epsilon={planned_epsilon:.3f} over the {planned_steps}"
-                f" planned steps, above target_epsilon={target_epsilon}. Raise noise_multiplier, plan fewer steps"
-                " (max_steps / max_epochs), or pass only target_epsilon to calibrate the noise."
-            )
     if noise_multiplier == 0:
         messages.append("noise_multiplier=0: this run is NOT differentially private (epsilon is infinite).")
     plan = PrivacyPlan(

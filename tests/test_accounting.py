@@ -1,0 +1,83 @@
+"""Epsilon equals Opacus's accountant for the same (sigma, q, steps); calibration lands on the target; budget stops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from opacus.accountants import create_accountant
+
+from helpers import RandomTokens, loader, make_module, make_trainer, small_config
+from lightning_longshield import LongShieldStrategy
+from lightning_longshield.privacy import PrivacyAccountant
+
+DATASET, BATCH = 32, 4
+
+
+def fit(strategy: LongShieldStrategy, max_steps: int):
+    trainer = make_trainer(strategy, max_steps=max_steps)
+    trainer.fit(make_module(small_config(n_layers=1)), loader(RandomTokens(size=DATASET, seq_len=8), BATCH))
+    return trainer
+
+
+@pytest.mark.parametrize("mechanism", ["prv", "rdp"])
+def test_epsilon_matches_opacus(mechanism):
+    sigma, steps, delta = 1.1, 5, 1e-4
+    strategy = LongShieldStrategy(noise_multiplier=sigma, accountant=mechanism, target_delta=delta, seed=0)
+    trainer = fit(strategy, steps)
+    assert trainer.global_step == steps
+    reference = create_accountant(mechanism)
+    for _ in range(steps):
+        reference.step(noise_multiplier=sigma, sample_rate=BATCH / DATASET)
+    assert strategy.get_epsilon() == pytest.approx(reference.get_epsilon(delta=delta), rel=1e-9)
+    assert strategy.get_epsilon(delta=1e-6) == pytest.approx(reference.get_epsilon(delta=1e-6), rel=1e-9)
+
+
+def test_calibration_lands_on_target():
+    target, steps = 3.0, 6
+    strategy = LongShieldStrategy(target_epsilon=target, accountant="rdp", seed=0)
+    fit(strategy, steps)
+    epsilon = strategy.get_epsilon()
+    assert target - 0.05 <= epsilon <= target
+    assert strategy.privacy_plan.delta == pytest.approx(1 / (10 * DATASET))
+
+
+def test_default_is_target_epsilon_8_and_is_announced(recwarn):
+    strategy = LongShieldStrategy(accountant="rdp", seed=0)
+    fit(strategy, 2)
+    assert strategy.privacy_plan.target_epsilon == 8.0
+    assert 7.9 <= strategy.get_epsilon() <= 8.0
+    assert any("target_epsilon=8" in str(w.message) for w in recwarn)
+
+
+def test_noise_zero_means_infinite_epsilon():
+    strategy = LongShieldStrategy(noise_multiplier=0.0, seed=0)
+    fit(strategy, 1)
+    assert math.isinf(strategy.get_epsilon())
+
+
+def test_training_stops_at_budget(recwarn):
+    """With fixed noise and a budget, training stops cleanly at the last step that keeps epsilon within the target."""
+    sigma, target, delta, q = 1.5, 2.0, 1e-4, BATCH / DATASET
+    budget_steps = PrivacyAccountant("rdp").steps_within_budget(target, sigma, q, delta, limit=1000)
+    assert 1 < budget_steps < 40
+    strategy = LongShieldStrategy(noise_multiplier=sigma, target_epsilon=target, target_delta=delta,
+                                  accountant="rdp", seed=0)
+    trainer = fit(strategy, budget_steps + 10)
+    assert trainer.global_step == budget_steps
+    assert strategy.get_epsilon() <= target
+    assert strategy.accountant.epsilon_after(1, sigma, q, delta) > target
+    messages = [str(w.message) for w in recwarn]
+    assert any(f"allows {budget_steps} of the {budget_steps + 10} planned steps" in m for m in messages)
+    assert any("Stopping DP training" in m for m in messages)
+
+
+def test_delta_must_be_below_one_over_dataset_size():
+    with pytest.raises(ValueError, match="target_delta"):
+        fit(LongShieldStrategy(noise_multiplier=1.0, target_delta=1 / DATASET), 1)
+
+
+def test_steps_within_budget_is_the_exact_boundary():
+    accountant = PrivacyAccountant("rdp")
+    k = accountant.steps_within_budget(2.0, 0.9, 0.05, 1e-5, limit=10_000)
+    assert accountant.epsilon_after(k, 0.9, 0.05, 1e-5) <= 2.0 < accountant.epsilon_after(k + 1, 0.9, 0.05, 1e-5)

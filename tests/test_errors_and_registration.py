@@ -1,0 +1,111 @@
+"""Registration in Lightning and clear errors for bad input (nothing half-done)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import DataLoader
+
+import lightning_longshield  # noqa: F401  (registers the strategy)
+from helpers import RandomTokens, loader, make_module, make_trainer, small_config
+from lightning_longshield import LongShieldStrategy
+
+
+def test_registered_names():
+    trainer = L.Trainer(strategy="longshield", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, LongShieldStrategy)
+    assert trainer.strategy._start_method == "popen"
+    trainer = L.Trainer(strategy="longshield_spawn", accelerator="cpu", devices=1, logger=False)
+    assert trainer.strategy._start_method == "spawn"
+
+
+def test_string_strategy_trains_with_defaults():
+    trainer = L.Trainer(strategy="longshield", accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(make_module(small_config(n_layers=1)), loader(RandomTokens(size=16, seq_len=8), 4))
+    assert trainer.global_step == 1
+    assert trainer.strategy.privacy_plan.target_epsilon == 8.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(noise_multiplier=0.0, target_epsilon=3.0), "conflicts with target_epsilon"),
+        (dict(noise_multiplier=-1.0), "noise_multiplier must be >= 0"),
+        (dict(target_epsilon=0.0), "target_epsilon must be > 0"),
+        (dict(target_delta=1.5), "target_delta must be in"),
+        (dict(max_grad_norm=0.0), "max_grad_norm must be > 0"),
+        (dict(micro_batch_size=0), "micro_batch_size must be >= 1"),
+        (dict(accountant="gdp"), "accountant='gdp' is not supported"),
+        (dict(grad_sample_pattern="diagonal"), "grad_sample_pattern"),
+        (dict(context_parallel_size=0), "context_parallel_size must be >= 1"),
+        (dict(secure_mode=True, seed=1), "secure_mode=True draws its seeds"),
+    ],
+)
+def test_invalid_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LongShieldStrategy(**kwargs)
+
+
+def fit(strategy, module=None, data=None, **trainer_kwargs):
+    module = module or make_module(small_config(n_layers=1))
+    data = data if data is not None else loader(RandomTokens(size=8, seq_len=8), 2)
+    make_trainer(strategy, max_steps=1, **trainer_kwargs).fit(module, data)
+    return module
+
+
+def test_gradient_clip_val_is_refused():
+    with pytest.raises(ValueError, match="remove gradient_clip_val"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), gradient_clip_val=1.0)
+
+
+def test_accumulate_grad_batches_is_refused():
+    with pytest.raises(ValueError, match="accumulate_grad_batches must be 1"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), accumulate_grad_batches=2)
+
+
+def test_fp16_grad_scaler_is_refused():
+    # On CPU Lightning maps precision="16-mixed" to bf16; pass the fp16 plugin (as on CUDA) explicitly.
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="GradScaler is not supported"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), plugins=[plugin])
+
+
+def test_unsupported_layer_is_refused_before_training():
+    module = make_module(small_config(n_layers=1))
+    module.model.extra = torch.nn.Conv1d(2, 2, 1)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(TypeError, match=r"model.extra \(Conv1d\)"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+
+
+def test_empty_dataset_is_refused():
+    with pytest.raises(ValueError, match="training dataset is empty"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), data=DataLoader(RandomTokens(size=0), batch_size=2))
+
+
+def test_missing_labels_are_named():
+    class NoLabels(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.zeros(8, dtype=torch.long)}
+
+    with pytest.raises(ValueError, match="'input_ids' and 'labels'"):
+        fit(LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False), data=DataLoader(NoLabels(), batch_size=2))
+
+
+def test_context_parallel_size_must_divide_world_size():
+    with pytest.raises(ValueError, match="context_parallel_size=2 must be a positive divisor"):
+        fit(LongShieldStrategy(noise_multiplier=1.0, context_parallel_size=2))
+
+
+def test_manual_optimization_is_refused():
+    module = make_module(small_config(n_layers=1))
+    module.automatic_optimization = False
+    with pytest.raises(ValueError, match="automatic_optimization=True"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
