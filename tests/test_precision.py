@@ -1,0 +1,43 @@
+"""bf16 precisions train, with norms and noise in fp32, and stay close to the fp32 update."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from helpers import RandomTokens, loader, make_module, make_trainer, reference_dp_sgd, samples, small_config
+from lightning_longshield import LongShieldStrategy
+
+
+class RecordGradients(Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.gradient = torch.cat([p.grad.float().flatten() for p in pl_module.model.parameters()])
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("micro_batch_size", [1, 2])
+def test_bf16_private_gradient_close_to_fp32_reference(precision, micro_batch_size):
+    dataset = RandomTokens(size=8, seq_len=16)
+    module = make_module(small_config(), learning_rate=1.0)
+    initial = copy.deepcopy(module.model)
+    strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=0.1, micro_batch_size=micro_batch_size,
+                                  poisson_sampling=False, seed=0)
+    recorder = RecordGradients()
+    make_trainer(strategy, max_steps=1, precision=precision, callbacks=[recorder]).fit(module, loader(dataset, 4))
+    assert strategy._engine.last_per_sample_norms.dtype == torch.float32
+    expected = reference_dp_sgd(initial, [samples(dataset, range(4))], 0.1, 4)
+    expected_gradient = torch.cat([(p - q).detach().flatten() for p, q in zip(initial.parameters(), expected.parameters())])
+    relative_error = (recorder.gradient - expected_gradient).norm() / expected_gradient.norm()
+    assert relative_error < 0.05
+
+
+def test_noise_accumulates_in_fp32_for_bf16_parameters():
+    module = make_module(small_config(), learning_rate=1.0)
+    strategy = LongShieldStrategy(noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, seed=0)
+    make_trainer(strategy, max_steps=1, precision="bf16-true").fit(module, loader(RandomTokens(size=8), 4))
+    sums = strategy._engine.accumulator.sums
+    assert sums and all(s.dtype == torch.float32 for s in sums.values())
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
