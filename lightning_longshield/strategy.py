@@ -50,6 +50,8 @@ CHECKPOINT_KEY = "longshield"
 class LongShieldStrategy(ParallelStrategy):
     """Differentially private training (DP-SGD) of a LightningModule on a (data_parallel, context_parallel) mesh.
 
+    Training runs on one process for now; the (data_parallel, context_parallel) mesh is built already.
+
     Every optimizer step is one DP step over one logical batch: the batch (Poisson-sampled by default) is split
     into micro-batches of ``micro_batch_size``; each sample's gradient over all trainable parameters is clipped to
     norm ``max_grad_norm``; the clipped sum gets Gaussian noise ``N(0, (noise_multiplier * max_grad_norm)^2)`` once,
@@ -67,10 +69,11 @@ class LongShieldStrategy(ParallelStrategy):
         poisson_sampling: ``False`` uses the DataLoader's own batches as logical batches; the accountant still
             assumes Poisson sampling, so the reported epsilon is then not a formal guarantee.
         shard_per_sample_grads: ``True`` reduce-scatters per-sample gradients over the CP group (LongShield-V2),
-            ``False`` all-reduces them (V1).
-        grad_sample_pattern: ``"input_stationary"`` or ``"output_stationary"`` communication for V2.
-        overlap_communication: overlap per-sample-gradient communication with backward.
-        activation_checkpointing: DP-safe block-level activation checkpointing (LongShield-V3).
+            ``False`` all-reduces them (V1). Validated now; takes effect with context parallelism.
+        grad_sample_pattern: ``"input_stationary"`` or ``"output_stationary"`` communication for V2 (as above).
+        overlap_communication: overlap per-sample-gradient communication with backward (as above).
+        activation_checkpointing: DP-safe block-level activation checkpointing (LongShield-V3); not implemented
+            yet, so ``True`` raises.
         accountant: ``"prv"`` or ``"rdp"``.
         secure_mode: seed noise and sampling from the OS CSPRNG and harden the Gaussian sampler.
         seed: seed of the sampling and noise generators (``None``: random, shared by all processes).
@@ -125,6 +128,11 @@ class LongShieldStrategy(ParallelStrategy):
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
         if grad_sample_pattern not in GRAD_SAMPLE_PATTERNS:
             raise ValueError(f"grad_sample_pattern={grad_sample_pattern!r}; choose one of {GRAD_SAMPLE_PATTERNS}.")
+        if activation_checkpointing:
+            raise NotImplementedError(
+                "activation_checkpointing=True (DP-safe activation checkpointing, LongShield-V3) is not implemented"
+                " yet; leave it False."
+            )
         if secure_mode and seed is not None:
             raise ValueError("secure_mode=True draws its seeds from the OS; remove `seed` or set secure_mode=False.")
         self.context_parallel_size = context_parallel_size
@@ -228,6 +236,11 @@ class LongShieldStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         data_parallel_size, context_parallel_size = resolve_parallel_sizes(self.world_size, self.context_parallel_size)
+        if self.world_size > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} trains on one process for now (devices=1); data- and context-parallel"
+                " training across processes is not implemented yet."
+            )
         self._device_mesh = build_device_mesh(self.root_device.type, data_parallel_size, context_parallel_size)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh

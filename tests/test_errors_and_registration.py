@@ -109,3 +109,8 @@ def test_manual_optimization_is_refused():
     module.automatic_optimization = False
     with pytest.raises(ValueError, match="automatic_optimization=True"):
         fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
+
+
+def test_not_yet_available_features_are_refused_loudly():
+    with pytest.raises(NotImplementedError, match="activation_checkpointing"):
+        LongShieldStrategy(activation_checkpointing=True)
