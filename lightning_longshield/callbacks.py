@@ -16,7 +16,7 @@ class PrivacyMonitor(Callback):
     """
 
     def on_train_batch_end(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         strategy = trainer.strategy
         if not hasattr(strategy, "get_epsilon") or getattr(strategy, "privacy_plan", None) is None:

@@ -1,12 +1,12 @@
-"""`LongShieldStrategy`: DP-SGD (flat clipping, Gaussian noise, Poisson sampling, accounting) as a Lightning strategy."""
+"""`LongShieldStrategy`: DP-SGD (flat clipping, noise, Poisson sampling, accounting) as a Lightning strategy."""
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -40,8 +40,8 @@ from lightning_longshield.callbacks import PrivacyMonitor
 from lightning_longshield.context_parallel import build_device_mesh, resolve_parallel_sizes
 from lightning_longshield.data_loading import data_parallel_dataloader, poisson_dataloader
 from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
-from lightning_longshield.privacy.seeding import derive_seed
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, resolve_plan
+from lightning_longshield.privacy.seeding import derive_seed
 
 GRAD_SAMPLE_PATTERNS = ("input_stationary", "output_stationary")
 CHECKPOINT_KEY = "longshield"
@@ -98,7 +98,7 @@ class LongShieldStrategy(ParallelStrategy):
         accountant: Literal["prv", "rdp"] = "prv",
         secure_mode: bool = False,
         seed: Optional[int] = None,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -248,7 +248,7 @@ class LongShieldStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ setup and validation
 
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         # The strategy splits data over data-parallel groups itself (CP peers share batches; Poisson sampling).
@@ -271,7 +271,7 @@ class LongShieldStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
 
-    def _check_trainer_configuration(self, trainer: "pl.Trainer") -> None:
+    def _check_trainer_configuration(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
         if not module.automatic_optimization:
@@ -382,7 +382,7 @@ class LongShieldStrategy(ParallelStrategy):
             plan.target_epsilon, plan.noise_multiplier, plan.sample_rate, plan.delta, limit
         )
 
-    def _stop(self, trainer: "pl.Trainer", reason: str) -> None:
+    def _stop(self, trainer: pl.Trainer, reason: str) -> None:
         plan = self.privacy_plan
         assert plan is not None
         trainer.should_stop = True
@@ -441,7 +441,7 @@ class LongShieldStrategy(ParallelStrategy):
         self,
         optimizer: Optimizer,
         closure: Callable[[], Any],
-        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        model: Optional[Union[pl.LightningModule, torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
         if self._steps_left_in_budget == 0:
@@ -512,7 +512,10 @@ class LongShieldStrategy(ParallelStrategy):
 
     @override
     def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Tensor:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)

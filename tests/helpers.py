@@ -106,4 +106,6 @@ def samples(dataset: Dataset, indices: range) -> list[dict[str, torch.Tensor]]:
 def assert_models_close(actual: torch.nn.Module, expected: torch.nn.Module, rtol: float = 1e-4, atol: float = 1e-6):
     expected_state = expected.state_dict()
     for name, value in actual.state_dict().items():
-        torch.testing.assert_close(value, expected_state[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            value, expected_state[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )

@@ -42,7 +42,7 @@ def test_resume_continues_the_same_run(tmp_path):
     assert resumed_strategy.accountant.history == [(0.8, 4 / 32, 4)]
     assert resumed_strategy.get_epsilon() == reference_strategy.get_epsilon()
     for (name, value), expected in zip(resumed.state_dict().items(), uninterrupted.state_dict().values()):
-        torch.testing.assert_close(value, expected, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(value, expected, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_resume_respects_spent_budget(tmp_path):

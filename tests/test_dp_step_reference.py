@@ -8,8 +8,16 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from helpers import RandomTokens, assert_models_close, loader, make_module, make_trainer, reference_dp_sgd, samples
-from helpers import small_config
+from helpers import (
+    RandomTokens,
+    assert_models_close,
+    loader,
+    make_module,
+    make_trainer,
+    reference_dp_sgd,
+    samples,
+    small_config,
+)
 from lightning_longshield import LongShieldStrategy
 
 BATCH = 4

@@ -38,7 +38,7 @@ def test_capture_matches_torch_func(tie_embeddings):
     expected = vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, input_ids, labels)
     assert set(captured) == set(expected)
     for name, value in expected.items():
-        torch.testing.assert_close(captured[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(captured[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_disabled_capture_leaves_autograd_untouched():

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.data import default_collate
 
 from helpers import RandomTokens
 from lightning_longshield.privacy import CollateAllowingEmpty, PoissonBatchSampler
-from torch.utils.data import default_collate
 
 
 def test_inclusion_rate_and_epoch_length():

@@ -29,7 +29,8 @@ def test_bf16_private_gradient_close_to_fp32_reference(precision, micro_batch_si
     make_trainer(strategy, max_steps=1, precision=precision, callbacks=[recorder]).fit(module, loader(dataset, 4))
     assert strategy._engine.last_per_sample_norms.dtype == torch.float32
     expected = reference_dp_sgd(initial, [samples(dataset, range(4))], 0.1, 4)
-    expected_gradient = torch.cat([(p - q).detach().flatten() for p, q in zip(initial.parameters(), expected.parameters())])
+    pairs = zip(initial.parameters(), expected.parameters())
+    expected_gradient = torch.cat([(p - q).detach().flatten() for p, q in pairs])
     relative_error = (recorder.gradient - expected_gradient).norm() / expected_gradient.norm()
     assert relative_error < 0.05
 

@@ -43,7 +43,7 @@ class LlamaConfig:
         return self.dim // self.n_heads
 
     @classmethod
-    def from_name(cls, name: str, **overrides: Any) -> "LlamaConfig":
+    def from_name(cls, name: str, **overrides: Any) -> LlamaConfig:
         """Build the preset called ``name`` (see ``simulate.specs.MODEL_PRESETS``), then apply ``overrides``."""
         spec = get_model_spec(name)
         config = cls(**{f: getattr(spec, f) for f in cls.__dataclass_fields__})

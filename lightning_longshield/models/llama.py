@@ -7,7 +7,8 @@ attention kernel is the replaceable `Attention.attention_fn`, and blocks live in
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

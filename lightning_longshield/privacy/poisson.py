@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection

@@ -6,7 +6,7 @@ so a partial per-sample gradient over a shard of the tokens is meaningful and sh
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from opacus.grad_sample import GradSampleModule

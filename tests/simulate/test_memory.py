@@ -1,0 +1,103 @@
+"""Per-rank memory model: tensor counts, model states, per-method ordering, the breakdown's arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from simulate import calibration, layers, make_config
+from simulate.memory import GIB, estimate_memory, model_state_bytes
+from simulate.specs import MODEL_PRESETS, get_model_spec
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+def test_blocks_and_root_partition_the_parameters(name: str) -> None:
+    m = get_model_spec(name)
+    assert m.n_layers * layers.block_numel(m) + layers.root_numel(m) == m.num_parameters
+
+
+def test_block_saved_bytes_match_a_hand_count() -> None:
+    """bf16: two composite RMSNorms (fp32 input + fp32 rstd + bf16 normalised), two shared linear inputs, q, k, v,
+    SDPA output and wo's contiguous copy (d each), fp32 log-sum-exp per head, SwiGLU's four ffn-wide tensors."""
+    m = get_model_spec("llama3.1-8b")
+    d, f, h = m.dim, m.ffn_dim, m.n_heads
+    by_hand = 2 * (4 * d + 4 + 2 * d) + 2 * 2 * d + 5 * 2 * d + 4 * h + 4 * 2 * f
+    saved = layers.block_saved_tensors(m, act=2, context_parallel=False)
+    assert sum(s.nbytes(1, 1) for s in saved) == by_hand
+
+
+def test_cp_attention_saves_the_gathered_kv() -> None:
+    m = get_model_spec("llama3.2-1b")
+    local, n = 1000, 4
+    plain = sum(s.nbytes(local, n) for s in layers.block_saved_tensors(m, 2, context_parallel=False))
+    cp = sum(s.nbytes(local, n) for s in layers.block_saved_tensors(m, 2, context_parallel=True))
+    assert cp - plain == 2 * m.dim * 2 * local * (n - 1)
+
+
+def test_model_states_are_16_bytes_per_parameter_sharded_over_all_gpus() -> None:
+    cfg = make_config(model="llama3.1-8b", gpus=4, method="v2", seq_len=4096)
+    assert model_state_bytes(cfg) == pytest.approx(16 * cfg.model.num_parameters / 4)
+    assert model_state_bytes(cfg.replace(gpus="inf", cp=4)) == 0.0
+
+
+def test_v1_accumulator_is_replicated_over_cp() -> None:
+    v2 = make_config(model="llama3.2-1b", gpus=8, method="v2", cp=4, seq_len=4096)
+    v1 = v2.replace(method="v1")
+    extra = model_state_bytes(v1) - model_state_bytes(v2)
+    assert extra == pytest.approx(4 * v2.model.num_parameters * (1 / 2 - 1 / 8))  # sharded over DP=2 vs all 8
+
+
+def test_reserved_and_fit_arithmetic() -> None:
+    mem = estimate_memory(make_config(model="llama3.1-8b", gpus=4, method="v2", mbs=1, seq_len=16384))
+    assert mem.reserved == pytest.approx(mem.allocated * (1 + calibration.ALLOCATOR_FRAGMENTATION))
+    outside = (calibration.CUDA_CONTEXT_GIB + calibration.NCCL_BUFFERS_GIB) * GIB
+    assert mem.device_total == pytest.approx(mem.reserved + outside)
+    assert mem.fits == (mem.device_total <= mem.capacity)
+    gib = mem.as_gib()
+    assert gib["reserved"] == pytest.approx(mem.peak_gib)
+    assert gib["allocated"] == pytest.approx(sum(gib[k] for k in ("model_states", "fsdp_buffers", "activations",
+                                                                  "logits_loss", "per_sample_grads", "ghost_norm",
+                                                                  "communication")))
+
+
+def test_sharding_per_sample_grads_and_checkpointing_save_memory() -> None:
+    cfg = make_config(model="llama3.1-8b", gpus=4, method="v1", mbs=2, seq_len=8192)
+    v1, v2, v3 = (estimate_memory(cfg.replace(method=m)).reserved for m in ("v1", "v2", "v3"))
+    assert v3 < v2 < v1
+
+
+def test_full_per_sample_grads_peak_at_the_end_of_backward() -> None:
+    """V1 with MBS 4: per-sample gradients of the whole model outgrow the activations they replace."""
+    cfg = make_config(model="llama3.1-8b", gpus=4, method="v1", mbs=4, seq_len=4096)
+    mem = estimate_memory(cfg)
+    assert mem.phase == "backward: embedding"
+    assert mem.per_sample_grads == pytest.approx(4 * 2 * cfg.model.num_parameters)
+
+
+def test_zero_dp_needs_more_than_non_dp_fsdp() -> None:
+    cfg = make_config(model="llama3.1-8b", gpus=4, method="nondp-fsdp", mbs=1, seq_len=4096)
+    assert estimate_memory(cfg.replace(method="zero-dp")).reserved > estimate_memory(cfg).reserved
+
+
+def test_ghost_buffers_appear_once_ghost_norm_is_chosen() -> None:
+    short = estimate_memory(make_config(model="llama3.2-1b", gpus=4, method="zero-dp", mbs=8, seq_len=2048))
+    assert short.ghost_norm > 0
+
+
+@pytest.mark.parametrize("method", ["nondp-fsdp", "zero-dp", "nondp-cp", "nondp-cp-ac", "v1", "v2", "v3"])
+def test_memory_grows_with_seq_len_and_shrinks_with_gpus(method: str) -> None:
+    cfg = make_config(model="llama3.2-3b", gpus=8, method=method, mbs=1, seq_len=4096)
+    assert estimate_memory(cfg.replace(seq_len=8192)).reserved > estimate_memory(cfg).reserved
+    more_gpus = cfg.replace(gpus=16, cp=cfg.cp_size)
+    assert estimate_memory(more_gpus).reserved < estimate_memory(cfg).reserved
+
+
+def test_fp32_training_needs_more_memory_than_bf16() -> None:
+    cfg = make_config(model="llama3.2-1b", gpus=4, method="v2", seq_len=16384)
+    assert estimate_memory(cfg.replace(precision="fp32")).reserved > estimate_memory(cfg).reserved
+
+
+def test_loss_memory_is_fp32_cross_entropy_over_the_vocabulary() -> None:
+    m = get_model_spec("llama3.2-1b")
+    assert layers.loss_backward_bytes_per_token(m, 2) == 12 * m.vocab_size
+    assert layers.loss_forward_bytes_per_token(m, 2) == 10 * m.vocab_size
+    assert layers.loss_forward_bytes_per_token(m, 4) == 8 * m.vocab_size  # fp32 logits need no upcast copy

@@ -1,0 +1,93 @@
+"""Alpha-beta collectives, FLOP counts and the time model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from simulate import comm, make_config
+from simulate.flops import attention_forward_flops, linear_params, microbatch_flops
+from simulate.specs import get_gpu_spec
+from simulate.throughput import estimate_step_time
+
+H100 = get_gpu_spec("h100")
+
+
+def test_ring_collectives_follow_alpha_beta() -> None:
+    link = comm.Link(bandwidth=100e9, latency=10e-6)
+    assert comm.all_gather(4e9, 4, link) == pytest.approx(3 * 10e-6 + 0.75 * 4e9 / 100e9)
+    assert comm.reduce_scatter(4e9, 4, link) == comm.all_gather(4e9, 4, link)
+    assert comm.all_reduce(4e9, 4, link) == pytest.approx(2 * comm.reduce_scatter(4e9, 4, link))
+    assert comm.all_to_all(4e9, 4, link) == pytest.approx(3 * 10e-6 + 0.75 * 1e9 / 100e9)
+    assert comm.all_gather(4e9, 1, link) == 0.0
+
+
+def test_groups_beyond_one_node_use_the_network() -> None:
+    inside, across = comm.link_for(H100, 8), comm.link_for(H100, 16)
+    assert across.bandwidth < inside.bandwidth and across.latency > inside.latency
+    with pytest.raises(ValueError, match="finite"):
+        comm.all_gather(1e9, math.inf, across)
+
+
+def test_non_dp_flops_are_six_per_parameter_and_token_plus_attention() -> None:
+    cfg = make_config(model="llama3.1-8b", gpus=4, method="nondp-fsdp", mbs=2, seq_len=4096)
+    f = microbatch_flops(cfg)
+    assert f.matmul == pytest.approx(6 * linear_params(cfg) * 2 * 4096)
+    assert f.attention == pytest.approx(3.5 * 2 * 2 * 4096**2 * 4096 * 32)
+    assert f.ghost_norm == 0.0
+
+
+def test_attention_is_quadratic_and_split_over_cp() -> None:
+    cfg = make_config(model="llama3.2-1b", gpus=4, method="nondp-cp", mbs=1, seq_len=8192)
+    assert attention_forward_flops(cfg.replace(seq_len=16384)) == pytest.approx(4 * attention_forward_flops(cfg))
+    assert attention_forward_flops(cfg.replace(cp=2)) == pytest.approx(2 * attention_forward_flops(cfg))
+
+
+def test_grad_sample_adds_no_matmul_flops_and_ac_adds_a_block_forward() -> None:
+    cfg = make_config(model="llama3.2-1b", gpus=4, method="nondp-cp", mbs=1, seq_len=16384)
+    base = microbatch_flops(cfg)
+    assert microbatch_flops(cfg.replace(method="v2")) == base
+    ac = microbatch_flops(cfg.replace(method="v3"))
+    head = 2 * cfg.model.vocab_size * cfg.model.dim * cfg.tokens_per_rank
+    assert ac.matmul - base.matmul == pytest.approx(base.matmul / 3 - head)
+    assert ac.attention == pytest.approx(base.attention * 4.5 / 3.5)
+
+
+def test_ghost_norm_flops_follow_the_mixed_rule() -> None:
+    cfg = make_config(model="llama3.1-8b", gpus=4, method="zero-dp", mbs=8, seq_len=512)
+    f = microbatch_flops(cfg)  # T = 512: every layer takes the ghost norm
+    m = cfg.model
+    fan = m.n_layers * sum(p + d for p, d in ((4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096),
+                                              (4096, 14336), (4096, 14336), (14336, 4096))) + 4096 + m.vocab_size
+    assert f.ghost_norm == pytest.approx(2 * 8 * 512**2 * fan)
+    assert f.matmul == microbatch_flops(cfg.replace(method="nondp-fsdp")).matmul
+
+
+def test_longer_context_lowers_tokens_per_second() -> None:
+    cfg = make_config(model="llama3.2-1b", gpus=4, method="v2", mbs=1, seq_len=16384)
+    assert (estimate_step_time(cfg.replace(seq_len=65536)).tokens_per_second_per_gpu
+            < estimate_step_time(cfg).tokens_per_second_per_gpu)
+
+
+def test_dp_costs_throughput_and_v2_beats_v1() -> None:
+    cfg = make_config(model="llama3.2-1b", gpus=4, method="nondp-cp", mbs=4, seq_len=16384)
+    tps = {m: estimate_step_time(cfg.replace(method=m)).tokens_per_second_per_gpu for m in ("nondp-cp", "v1", "v2")}
+    assert tps["nondp-cp"] > tps["v2"] > tps["v1"]
+
+
+def test_step_time_parts() -> None:
+    cfg = make_config(model="llama3.1-8b", gpus=4, method="v2", mbs=1, seq_len=16384)
+    step = estimate_step_time(cfg)
+    assert step.total == pytest.approx(step.compute + step.dp_memory_bound + step.exposed_fsdp
+                                       + step.exposed_cp_attention + step.exposed_per_sample_grads)
+    assert 0 < step.mfu < 1
+    assert estimate_step_time(cfg.replace(cp=1, method="v2")).exposed_cp_attention == 0.0
+    assert estimate_step_time(cfg.replace(gpus="inf")) is None
+
+
+def test_slower_hardware_and_fp32_are_slower() -> None:
+    cfg = make_config(model="llama3.2-1b", gpus=4, method="nondp-cp", mbs=1, seq_len=16384)
+    h100 = estimate_step_time(cfg).tokens_per_second_per_gpu
+    assert estimate_step_time(cfg.replace(gpu="a100-80")).tokens_per_second_per_gpu < h100
+    assert estimate_step_time(cfg.replace(precision="fp32")).tokens_per_second_per_gpu < h100
