@@ -93,11 +93,13 @@ class GPUSpec:
     ``memory_gib`` is the capacity the CUDA caching allocator can see (``torch.cuda.get_device_properties(i)
     .total_memory``, which TorchTitan logs as "CUDA capacity"), not the marketing number. Bandwidths are
     unidirectional per GPU in bytes/s; ``latency_s`` is the per-step latency (alpha) of an NCCL ring step.
+    FLOP/s are dense tensor-core peaks (bf16, and TF32 for fp32 training).
     """
 
     name: str
     memory_gib: float
     bf16_flops: float
+    tf32_flops: float
     hbm_bytes_per_s: float
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
@@ -113,24 +115,24 @@ class GPUSpec:
 GPU_PRESETS: dict[str, GPUSpec] = {
     # H100 SXM5 80GB: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 (900 GB/s bidirectional), 400 Gb/s NIC/GPU.
     "h100": GPUSpec(
-        name="NVIDIA H100 SXM 80GB", memory_gib=79.11, bf16_flops=989e12, hbm_bytes_per_s=3.35e12,
+        name="NVIDIA H100 SXM 80GB", memory_gib=79.11, bf16_flops=989e12, tf32_flops=494e12, hbm_bytes_per_s=3.35e12,
         intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9,
         intra_node_latency_s=10e-6, inter_node_latency_s=20e-6,
     ),
     # H200 SXM 141GB: same compute and NVLink as H100, 4.8 TB/s HBM3e.
     "h200": GPUSpec(
-        name="NVIDIA H200 SXM 141GB", memory_gib=139.81, bf16_flops=989e12, hbm_bytes_per_s=4.8e12,
+        name="NVIDIA H200 SXM 141GB", memory_gib=139.81, bf16_flops=989e12, tf32_flops=494e12, hbm_bytes_per_s=4.8e12,
         intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9,
         intra_node_latency_s=10e-6, inter_node_latency_s=20e-6,
     ),
     # A100 SXM4: 312 TFLOP/s dense bf16, NVLink 3 (600 GB/s bidirectional), 200 Gb/s HDR NIC/GPU.
     "a100-80": GPUSpec(
-        name="NVIDIA A100 SXM 80GB", memory_gib=79.15, bf16_flops=312e12, hbm_bytes_per_s=2.04e12,
+        name="NVIDIA A100 SXM 80GB", memory_gib=79.15, bf16_flops=312e12, tf32_flops=156e12, hbm_bytes_per_s=2.04e12,
         intra_node_bytes_per_s=300e9, inter_node_bytes_per_s=25e9,
         intra_node_latency_s=10e-6, inter_node_latency_s=20e-6,
     ),
     "a100-40": GPUSpec(
-        name="NVIDIA A100 SXM 40GB", memory_gib=39.39, bf16_flops=312e12, hbm_bytes_per_s=1.56e12,
+        name="NVIDIA A100 SXM 40GB", memory_gib=39.39, bf16_flops=312e12, tf32_flops=156e12, hbm_bytes_per_s=1.56e12,
         intra_node_bytes_per_s=300e9, inter_node_bytes_per_s=25e9,
         intra_node_latency_s=10e-6, inter_node_latency_s=20e-6,
     ),

@@ -39,11 +39,12 @@ def test_model_states_are_16_bytes_per_parameter_sharded_over_all_gpus() -> None
     assert model_state_bytes(cfg.replace(gpus="inf", cp=4)) == 0.0
 
 
-def test_v1_accumulator_is_replicated_over_cp() -> None:
+def test_dp_accumulator_follows_the_per_sample_gradients() -> None:
+    """Per data-parallel group: 1/N of the model under V2, the whole model on every CP rank under V1."""
     v2 = make_config(model="llama3.2-1b", gpus=8, method="v2", cp=4, seq_len=4096)
-    v1 = v2.replace(method="v1")
-    extra = model_state_bytes(v1) - model_state_bytes(v2)
-    assert extra == pytest.approx(4 * v2.model.num_parameters * (1 / 2 - 1 / 8))  # sharded over DP=2 vs all 8
+    p = v2.model.num_parameters
+    assert model_state_bytes(v2) == pytest.approx(12 * p / 8 + 4 * p / 4)
+    assert model_state_bytes(v2.replace(method="v1")) == pytest.approx(12 * p / 8 + 4 * p)
 
 
 def test_reserved_and_fit_arithmetic() -> None:
@@ -78,9 +79,10 @@ def test_zero_dp_needs_more_than_non_dp_fsdp() -> None:
     assert estimate_memory(cfg.replace(method="zero-dp")).reserved > estimate_memory(cfg).reserved
 
 
-def test_ghost_buffers_appear_once_ghost_norm_is_chosen() -> None:
-    short = estimate_memory(make_config(model="llama3.2-1b", gpus=4, method="zero-dp", mbs=8, seq_len=2048))
-    assert short.ghost_norm > 0
+def test_zero_dp_peaks_after_backward_with_book_kept_gradients() -> None:
+    """The retained graph plus book-kept output gradients outgrow the loss peak for the 8B model."""
+    mem = estimate_memory(make_config(model="llama3.1-8b", gpus=4, method="zero-dp", mbs=1, seq_len=4096))
+    assert mem.phase == "book-keeping: clipped sum" and mem.ghost_norm > 0
 
 
 @pytest.mark.parametrize("method", ["nondp-fsdp", "zero-dp", "nondp-cp", "nondp-cp-ac", "v1", "v2", "v3"])

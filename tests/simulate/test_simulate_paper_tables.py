@@ -25,9 +25,9 @@ from simulate import max_seq_len, plan
 from simulate.memory import uses_ghost_norm
 
 _ZERO_DP_8B_SHORT_T = (
-    "ZeRO-DP+ 8B at T <= 2k: the paper measures 2.0-2.6x slowdowns that it attributes to unoptimised DP "
+    "ZeRO-DP+ 8B at T <= 2k: the paper measures 1.8-2.6x slowdowns that it attributes to unoptimised DP "
     "communication and ineffective batching in its Opacus-based prototype; counted ghost-norm Gram FLOPs, "
-    "grad-sample einsums and reduce-scatter predict ~1.5x"
+    "grad-sample einsums and reduce-scatter predict 1.1-1.4x"
 )
 _V2_8B_MBS4 = (
     "V2 8B MBS 4: the paper's 2.27x gap is an outlier it calls exposed communication in an ill-formed CP setting; "
@@ -41,13 +41,9 @@ _KNOWN_THROUGHPUT_MISSES = {
 }
 
 
-def _params(rows, ids, key=None):
-    out = []
-    for row in rows:
-        reason = _KNOWN_THROUGHPUT_MISSES.get(key(row)) if key else None
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-        out.append(pytest.param(row, id=ids(row), marks=marks))
-    return out
+def _known_miss(method: str, model: str, mbs: int) -> list[pytest.MarkDecorator]:
+    reason = _KNOWN_THROUGHPUT_MISSES.get((method, model, mbs))
+    return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
 
 
 def _within(predicted: float, reported: float, tolerance: float) -> None:
@@ -56,7 +52,7 @@ def _within(predicted: float, reported: float, tolerance: float) -> None:
 
 # --- Table 2: ZeRO-DP+ maximum sequence length --------------------------------------------------------------
 
-@pytest.mark.parametrize("row", _params(TABLE2, lambda r: f"{r.model}-{r.gpus}gpu-mbs{r.mbs}"))
+@pytest.mark.parametrize("row", [pytest.param(r, id=f"{r.model}-{r.gpus}gpu-mbs{r.mbs}") for r in TABLE2])
 def test_table2_zero_dp_max_seq_len(row: MaxSeqRow) -> None:
     best = max_seq_len(model=row.model, gpus=row.gpus, method="zero-dp", mbs=row.mbs)
     assert (best.config.seq_len if best else None) == row.max_seq_len
@@ -64,8 +60,9 @@ def test_table2_zero_dp_max_seq_len(row: MaxSeqRow) -> None:
 
 # --- Table 3: non-DP FSDP and ZeRO-DP+ throughput at Table 2's maximum T ------------------------------------
 
-def _table3(method: str):
-    return _params(TABLE3, lambda r: f"{r.model}-mbs{r.mbs}-T{r.seq_len}", key=lambda r: (method, r.model, r.mbs))
+def _table3(method: str) -> list:
+    return [pytest.param(r, id=f"{r.model}-mbs{r.mbs}-T{r.seq_len}", marks=_known_miss(method, r.model, r.mbs))
+            for r in TABLE3]
 
 
 @pytest.mark.parametrize("row", _table3("nondp-fsdp"))
@@ -95,12 +92,8 @@ def _reported(row: CpRow, method: str) -> tuple[float | None, float | None]:
 
 
 _CP_METHODS = ("nondp-cp", "zero-dp", "v1", "v2")
-_VERDICTS = [pytest.param(row, m, id=f"{m}-{_cp_id(row)}") for row in TABLE4 for m in _CP_METHODS]
-_MEASURED = [pytest.param(row, m, id=f"{m}-{_cp_id(row)}",
-                          marks=[pytest.mark.xfail(strict=True, reason=_KNOWN_THROUGHPUT_MISSES[(m, row.model,
-                                                                                                row.mbs)])]
-                          if (m, row.model, row.mbs) in _KNOWN_THROUGHPUT_MISSES else [])
-             for row in TABLE4 for m in ("nondp-cp", "v1", "v2") if _reported(row, m)[0] is not None]
+_VERDICTS = [pytest.param(r, m, id=f"{m}-{_cp_id(r)}") for r in TABLE4 for m in _CP_METHODS]
+_MEASURED = [(r, m) for r in TABLE4 for m in ("nondp-cp", "v1", "v2") if _reported(r, m)[0] is not None]
 
 
 @pytest.mark.parametrize(("row", "method"), _VERDICTS)
@@ -109,21 +102,21 @@ def test_table4_fit_verdict(row: CpRow, method: str) -> None:
     assert p.fits == (_reported(row, method)[1] is not None)
 
 
-@pytest.mark.parametrize(("row", "method"), [pytest.param(r, m, id=p.id) for p in _MEASURED
-                                             for r, m in [p.values]])
+@pytest.mark.parametrize(("row", "method"), [pytest.param(r, m, id=f"{m}-{_cp_id(r)}") for r, m in _MEASURED])
 def test_table4_peak_memory(row: CpRow, method: str) -> None:
     p = plan(model=row.model, gpus=4, method=method, mbs=row.mbs, seq_len=row.seq_len)
     _within(p.peak_memory_gib, _reported(row, method)[1], MEMORY_TOLERANCE)
 
 
-@pytest.mark.parametrize(("row", "method"), _MEASURED)
+@pytest.mark.parametrize(("row", "method"), [pytest.param(r, m, id=f"{m}-{_cp_id(r)}",
+                                                          marks=_known_miss(m, r.model, r.mbs))
+                                             for r, m in _MEASURED])
 def test_table4_throughput(row: CpRow, method: str) -> None:
     p = plan(model=row.model, gpus=4, method=method, mbs=row.mbs, seq_len=row.seq_len)
     _within(p.tokens_per_second_per_gpu, _reported(row, method)[0], THROUGHPUT_TOLERANCE)
 
 
-@pytest.mark.parametrize(("row", "method"), [pytest.param(r, m, id=f"{m}-{_cp_id(r)}") for r in TABLE4
-                                             for m in ("nondp-cp", "v1", "v2") if _reported(r, m)[1] is not None])
+@pytest.mark.parametrize(("row", "method"), [pytest.param(r, m, id=f"{m}-{_cp_id(r)}") for r, m in _MEASURED])
 def test_table4_rows_are_the_maximum_seq_len(row: CpRow, method: str) -> None:
     """Table 4 reports each run 'at the maximum sequence length reached': doubling T must not fit."""
     best = max_seq_len(model=row.model, gpus=4, method=method, mbs=row.mbs)

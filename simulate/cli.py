@@ -1,0 +1,279 @@
+"""``longshield-plan``: will a DP long-context run fit, how fast is it, how far can the context go.
+
+    longshield-plan fit --model llama3.1-8b --gpus 4 --method v2 --mbs 1 --seq-len 16384
+    longshield-plan max-seq --model llama3.2-1b --gpus 4 --method v3 --mbs 1
+    longshield-plan compare --model llama3.1-8b --gpus 4
+    longshield-plan recommend --model llama3.1-8b --gpus 4 --seq-len 16k
+    longshield-plan plot --model llama3.1-8b --gpus 4 --out memory.png
+
+Every command takes ``--json`` and then prints exactly one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from simulate import planner
+from simulate.config import METHODS, PRECISIONS, parse_gpus
+from simulate.specs import GPU_PRESETS, MODEL_PRESETS
+
+BREAKDOWN_ROWS = (
+    ("model_states", "model states (params, grads/accumulator, AdamW)"),
+    ("fsdp_buffers", "FSDP unsharded params/grads"),
+    ("activations", "activations"),
+    ("logits_loss", "logits + fp32 cross entropy"),
+    ("per_sample_grads", "per-sample gradients"),
+    ("ghost_norm", "ghost norm + book-keeping"),
+    ("communication", "communication buffers"),
+    ("fragmentation", "allocator fragmentation"),
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``longshield-plan`` console script; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    console = Console(highlight=False, soft_wrap=True)
+    try:
+        result = args.handler(args, console)
+    except (ValueError, ImportError) as err:
+        args.parser.error(str(err))  # exits with status 2 and the command's usage line
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+# --- commands -------------------------------------------------------------------------------------------------
+
+def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
+    p = planner.plan(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, seq_len=args.seq_len,
+                     cp=args.cp, gpu=args.gpu, precision=args.precision)
+    if not args.json:
+        _print_plan(console, p)
+    return p.to_dict()
+
+
+def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:
+    inputs = dict(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, cp=args.cp, gpu=args.gpu,
+                  precision=args.precision)
+    best = planner.max_seq_len(**inputs)
+    probe = planner.probe_config(**inputs)
+    out = {k: v for k, v in probe.inputs().items() if k != "seq_len"}
+    out.update(max_seq_len=None, fits=False, peak_memory_gib=None, tokens_per_second_per_gpu=None)
+    if best is not None:
+        summary = best.to_dict()
+        out.update(max_seq_len=best.config.seq_len, fits=True, peak_memory_gib=summary["peak_memory_gib"],
+                   tokens_per_second_per_gpu=summary["tokens_per_second_per_gpu"], plan=summary)
+    if not args.json:
+        console.print(_title(probe.inputs(), with_seq=False))
+        if best is None:
+            smallest = planner.evaluate(probe)
+            console.print(f"[bold red]Nothing fits[/]: even {probe.seq_len} tokens need "
+                          f"{smallest.peak_memory_gib:.1f} GiB per GPU of {probe.gpu.memory_gib:.1f} GiB; "
+                          "add GPUs or lower --mbs.")
+        else:
+            console.print(f"Largest power-of-two sequence length that fits: [bold green]{best.config.seq_len:,}[/] "
+                          f"tokens (peak {best.peak_memory_gib:.1f} GiB of {probe.gpu.memory_gib:.1f} GiB, "
+                          f"{_tps(best.tokens_per_second_per_gpu)} tokens/s/GPU).")
+    return out
+
+
+def _compare(args: argparse.Namespace, console: Console) -> dict[str, object]:
+    rows = planner.compare(args.model, args.gpus, gpu=args.gpu, precision=args.precision, methods=tuple(args.methods),
+                           mbs_options=tuple(args.mbs), cp=args.cp)
+    records = []
+    for method, mbs, p in rows:
+        records.append({
+            "method": method, "mbs": mbs, "cp": p.config.cp_size if p else None, "fits": p is not None,
+            "max_seq_len": p.config.seq_len if p else None,
+            "peak_memory_gib": round(p.peak_memory_gib, 3) if p else None,
+            "tokens_per_second_per_gpu": _round(p.tokens_per_second_per_gpu) if p else None,
+        })
+    out = {"model": args.model, "gpus": _gpus_json(args.gpus), "gpu": args.gpu, "precision": args.precision,
+           "cp": args.cp, "rows": records}
+    if not args.json:
+        table = Table(title=f"{args.model} on {_gpus_text(args.gpus)} x {args.gpu}: largest power-of-two T per "
+                            "method and micro-batch size")
+        for col in ("method", "MBS", "CP", "max T", "peak GiB", "tokens/s/GPU"):
+            table.add_column(col, justify="left" if col == "method" else "right")
+        for r in records:
+            table.add_row(r["method"], str(r["mbs"]), _cell(r["cp"]),
+                          f"{r['max_seq_len']:,}" if r["max_seq_len"] else "[red]OOM[/]",
+                          _cell(r["peak_memory_gib"], "{:.1f}"), _tps(r["tokens_per_second_per_gpu"]))
+        console.print(table)
+    return out
+
+
+def _recommend(args: argparse.Namespace, console: Console) -> dict[str, object]:
+    plans = planner.recommend(args.model, args.gpus, args.seq_len, gpu=args.gpu, precision=args.precision,
+                              methods=tuple(args.methods), mbs_options=tuple(args.mbs))
+    out = {"model": args.model, "gpus": _gpus_json(args.gpus), "gpu": args.gpu, "precision": args.precision,
+           "seq_len": args.seq_len, "fits": bool(plans), "recommendations": [p.to_dict() for p in plans]}
+    if not args.json:
+        if not plans:
+            console.print(f"[bold red]No configuration fits {args.seq_len:,} tokens[/] on {_gpus_text(args.gpus)} x "
+                          f"{args.gpu}; try `longshield-plan max-seq` or more GPUs.")
+            return out
+        table = Table(title=f"{args.model}, T = {args.seq_len:,} on {_gpus_text(args.gpus)} x {args.gpu}: "
+                            "configurations that fit, fastest first")
+        for col in ("#", "method", "MBS", "CP", "AC", "peak GiB", "tokens/s/GPU", "DP gap"):
+            table.add_column(col, justify="left" if col == "method" else "right")
+        for i, p in enumerate(plans, 1):
+            table.add_row(str(i), p.config.method.name, str(p.config.micro_batch_size), str(p.config.cp_size),
+                          "yes" if p.config.method.activation_checkpointing else "no", f"{p.peak_memory_gib:.1f}",
+                          _tps(p.tokens_per_second_per_gpu), _cell(p.dp_gap, "{:.2f}"))
+        console.print(table)
+    return out
+
+
+def _plot(args: argparse.Namespace, console: Console) -> dict[str, object]:
+    from simulate.plot import plot_memory_vs_seq_len
+
+    path = plot_memory_vs_seq_len(args.out, args.model, args.gpus, tuple(args.methods), mbs=args.mbs, cp=args.cp,
+                                  gpu=args.gpu, precision=args.precision, min_seq_len=args.min_seq_len,
+                                  max_seq_len=args.max_seq_len)
+    if not args.json:
+        console.print(f"Wrote {path}")
+    return {"path": str(path), "model": args.model, "gpus": _gpus_json(args.gpus), "gpu": args.gpu,
+            "methods": list(args.methods), "mbs": args.mbs, "cp": args.cp, "precision": args.precision}
+
+
+# --- argument parsing -----------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longshield-plan", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{fit,max-seq,compare,recommend,plot}")
+    fit = _command(sub, "fit", _fit, "verdict, peak memory breakdown, tokens/s/GPU and DP/non-DP gap")
+    _add_run_args(fit, seq_len=True)
+    max_seq = _command(sub, "max-seq", _max_seq, "largest power-of-two sequence length that fits")
+    _add_run_args(max_seq, seq_len=False)
+    compare = _command(sub, "compare", _compare, "methods x micro-batch sizes: max T, peak GiB, tokens/s/GPU")
+    compare.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), metavar="METHOD")
+    compare.add_argument("--mbs", nargs="+", type=_positive_int, default=list(planner.MBS_OPTIONS))
+    compare.add_argument("--cp", type=_positive_int, default=None, help="CP size for CP methods (default: all GPUs)")
+    recommend = _command(sub, "recommend", _recommend, "ranked (method, MBS, CP, AC) that fit a target length")
+    recommend.add_argument("--seq-len", type=_power_of_two, required=True, help="target T, a power of two (16k ok)")
+    recommend.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(planner.DP_METHODS),
+                           metavar="METHOD")
+    recommend.add_argument("--mbs", nargs="+", type=_positive_int, default=list(planner.MBS_OPTIONS))
+    plot = _command(sub, "plot", _plot, "PNG of peak memory vs sequence length per method")
+    plot.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), metavar="METHOD")
+    plot.add_argument("--mbs", type=_positive_int, default=1)
+    plot.add_argument("--cp", type=_positive_int, default=None)
+    plot.add_argument("--min-seq-len", type=_power_of_two, default=1024)
+    plot.add_argument("--max-seq-len", type=_power_of_two, default=262144)
+    plot.add_argument("--out", default="longshield-plan.png", help="PNG path (default: %(default)s)")
+    return parser
+
+
+def _command(sub: argparse._SubParsersAction, name: str, handler: object, help_text: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    p.set_defaults(handler=handler, parser=p)
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="llama3.1-8b")
+    p.add_argument("--gpus", type=_gpus, default=4.0, help="GPU count, or 'inf' for the FSDP ceiling")
+    p.add_argument("--gpu", choices=list(GPU_PRESETS), default="h100")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16-mixed")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    return p
+
+
+def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
+    p.add_argument("--method", choices=list(METHODS), default="v2")
+    p.add_argument("--mbs", type=_positive_int, default=1, help="micro-batch size")
+    p.add_argument("--cp", type=_positive_int, default=None, help="CP size (default: all GPUs for CP methods)")
+    if seq_len:
+        p.add_argument("--seq-len", type=_power_of_two, required=True, help="sequence length, a power of two (16k ok)")
+
+
+def _gpus(text: str) -> float:
+    try:
+        return parse_gpus(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {text!r}")
+    return int(text)
+
+
+def _power_of_two(text: str) -> int:
+    raw = text.strip().lower()
+    scale = 1024 if raw.endswith("k") else 1
+    digits = raw[:-1] if scale > 1 else raw
+    if not digits.isdigit() or int(digits) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive power of two such as 16384 or 16k, got {text!r}")
+    value = int(digits) * scale
+    if value & (value - 1):
+        lower = 1 << (value.bit_length() - 1)
+        raise argparse.ArgumentTypeError(f"must be a power of two, got {value}; try {lower} or {2 * lower}")
+    return value
+
+
+# --- rendering ------------------------------------------------------------------------------------------------
+
+def _print_plan(console: Console, p: planner.Plan) -> None:
+    cfg, mem = p.config, p.memory
+    console.print(_title(cfg.inputs(), with_seq=True))
+    verdict = "[bold green]FITS[/]" if p.fits else "[bold red]OOM[/]"
+    console.print(f"{verdict}: peak reserved {p.peak_memory_gib:.1f} GiB + {mem.runtime / 2**30:.1f} GiB outside "
+                  f"the allocator = {mem.device_total / 2**30:.1f} of {cfg.gpu.memory_gib:.1f} GiB "
+                  f"(peak during {mem.phase})")
+    table = Table(title="Peak memory per GPU")
+    table.add_column("component")
+    table.add_column("GiB", justify="right")
+    gib = mem.as_gib()
+    for key, label in BREAKDOWN_ROWS:
+        table.add_row(label, f"{gib[key]:.2f}")
+    table.add_row("[bold]peak reserved[/]", f"[bold]{gib['reserved']:.2f}[/]")
+    table.add_row("CUDA context + NCCL (outside the allocator)", f"{gib['runtime']:.2f}")
+    console.print(table)
+    if p.step is None:
+        console.print("Throughput: undefined for an infinite GPU count.")
+        return
+    line = f"Throughput: {_tps(p.tokens_per_second_per_gpu)} tokens/s/GPU (MFU {p.step.mfu:.1%})"
+    if p.dp_gap is not None:
+        line += (f"; non-DP {planner.BASELINES[cfg.method.name]}: {_tps(p.baseline_tokens_per_second)} tokens/s/GPU,"
+                 f" DP/non-DP gap {p.dp_gap:.2f}x")
+    console.print(line)
+
+
+def _title(inputs: dict[str, object], with_seq: bool) -> str:
+    parts = [f"[bold]{inputs['model']}[/]", str(inputs["method"]), f"{inputs['gpus']} x {inputs['gpu']}",
+             f"MBS {inputs['mbs']}", f"CP {inputs['cp']}"]
+    if with_seq:
+        parts.append(f"T {inputs['seq_len']:,}")
+    return " | ".join(parts)
+
+
+def _tps(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:,.0f}"
+
+
+def _cell(x: float | None, fmt: str = "{}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+def _gpus_json(g: float) -> int | str:
+    return "inf" if math.isinf(g) else int(g)
+
+
+def _gpus_text(g: float) -> str:
+    return "inf" if math.isinf(g) else str(int(g))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

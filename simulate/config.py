@@ -1,0 +1,170 @@
+"""Validated inputs of one simulated run: model, hardware, method, batch geometry and precision."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from simulate.specs import GPUSpec, ModelSpec, get_gpu_spec, get_model_spec
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """How a training method lays out work and memory.
+
+    ``per_sample_grads`` is ``"none"`` (non-DP), ``"ghost"`` (FSDP + mixed ghost clipping with book-keeping,
+    the paper's ZeRO-DP+), ``"full"`` (LongShield-V1: every CP rank all-reduces and keeps full per-sample
+    gradients, and so accumulates their clipped sum whole) or ``"sharded"`` (LongShield-V2/V3: reduce-scatter
+    over CP, each rank keeps and accumulates 1/N of them).
+    """
+
+    name: str
+    description: str
+    context_parallel: bool
+    activation_checkpointing: bool
+    per_sample_grads: str
+    overlap_grad_comm: bool = False
+
+    @property
+    def private(self) -> bool:
+        return self.per_sample_grads != "none"
+
+
+METHODS: dict[str, MethodSpec] = {
+    m.name: m
+    for m in (
+        MethodSpec("nondp-fsdp", "non-private FSDP (TorchTitan baseline)", False, False, "none"),
+        MethodSpec("zero-dp", "FSDP + mixed ghost clipping + book-keeping (ZeRO-DP+)", False, False, "ghost"),
+        MethodSpec("nondp-cp", "non-private FSDP + context parallelism", True, False, "none"),
+        MethodSpec("nondp-cp-ac", "non-private CP + block activation checkpointing", True, True, "none"),
+        MethodSpec("v1", "LongShield-V1: CP + per-sample grads all-reduced over CP", True, False, "full"),
+        MethodSpec("v2", "LongShield-V2: CP + per-sample grads reduce-scattered over CP (overlapped)", True, False,
+                   "sharded", overlap_grad_comm=True),
+        MethodSpec("v3", "LongShield-V3: V2 + DP-safe block activation checkpointing", True, True, "sharded",
+                   overlap_grad_comm=True),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each tensor family under a training precision."""
+
+    name: str
+    activation_bytes: int  # activations, unsharded compute parameters, per-sample gradients
+    master_bytes: int = 4  # sharded master parameters, gradients / DP accumulator, AdamW moments
+    reduce_bytes: int = 4  # FSDP gradient reduce-scatter dtype
+    tensor_core_tf32: bool = False  # matmuls run at the TF32 rate instead of the bf16 rate
+
+
+PRECISIONS: dict[str, Precision] = {
+    "bf16-mixed": Precision("bf16-mixed", activation_bytes=2),
+    "fp32": Precision("fp32", activation_bytes=4, tensor_core_tf32=True),
+}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One (model, hardware, method, MBS, T, CP) point. Build it with :func:`make_config`."""
+
+    model_name: str
+    model: ModelSpec
+    gpu_name: str
+    gpu: GPUSpec
+    num_gpus: float  # an int, or math.inf for the FSDP ceiling
+    method: MethodSpec
+    micro_batch_size: int
+    seq_len: int
+    cp_size: int
+    precision: Precision
+
+    @property
+    def tokens_per_rank(self) -> float:
+        """Tokens one rank holds activations for in one microbatch."""
+        return self.micro_batch_size * self.seq_len / self.cp_size
+
+    def replace(self, **changes: object) -> RunConfig:
+        """A validated copy with some inputs changed (same names as :func:`make_config`)."""
+        inputs = self.inputs()
+        inputs.update(changes)
+        return make_config(**inputs)  # type: ignore[arg-type]
+
+    def inputs(self) -> dict[str, object]:
+        """The inputs as :func:`make_config` takes them (JSON friendly, ``inf`` GPUs as the string "inf")."""
+        return {
+            "model": self.model_name,
+            "gpus": "inf" if math.isinf(self.num_gpus) else int(self.num_gpus),
+            "method": self.method.name,
+            "mbs": self.micro_batch_size,
+            "seq_len": self.seq_len,
+            "cp": self.cp_size,
+            "gpu": self.gpu_name,
+            "precision": self.precision.name,
+        }
+
+
+def parse_gpus(value: int | float | str) -> float:
+    """GPU count from ``4``, ``"4"`` or ``"inf"``; anything else is a clear error."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("inf", "infinite", "infinity"):
+            return math.inf
+        if not text.isdigit():
+            raise ValueError(f"--gpus must be a positive integer or 'inf', got {value!r}.")
+        value = int(text)
+    if value != math.inf and (value != int(value) or value < 1):
+        raise ValueError(f"--gpus must be a positive integer or 'inf', got {value!r}.")
+    return float(value)
+
+
+def make_config(
+    model: str = "llama3.1-8b",
+    gpus: int | float | str = 4,
+    method: str = "v2",
+    mbs: int = 1,
+    seq_len: int = 4096,
+    cp: int | None = None,
+    gpu: str = "h100",
+    precision: str = "bf16-mixed",
+) -> RunConfig:
+    """Validate raw inputs into a :class:`RunConfig`; every error says how to fix the input.
+
+    ``cp=None`` means: all GPUs form one CP group for CP methods, and 1 for FSDP methods.
+    """
+    spec = get_model_spec(model)
+    gpu_spec = get_gpu_spec(gpu)
+    if method not in METHODS:
+        raise ValueError(f"Unknown method {method!r}; choose one of {list(METHODS)}.")
+    method_spec = METHODS[method]
+    if precision not in PRECISIONS:
+        raise ValueError(f"Unknown precision {precision!r}; choose one of {list(PRECISIONS)}.")
+    num_gpus = parse_gpus(gpus)
+    if int(mbs) != mbs or mbs < 1:
+        raise ValueError(f"Micro-batch size must be a positive integer, got {mbs!r}; use --mbs 1 or more.")
+    if int(seq_len) != seq_len or seq_len < 1:
+        raise ValueError(f"Sequence length must be a positive integer, got {seq_len!r}.")
+    cp_size = _resolve_cp(method_spec, num_gpus, cp)
+    if method_spec.context_parallel and seq_len % (2 * cp_size):
+        raise ValueError(
+            f"Sequence length {seq_len} must be divisible by 2 x CP size = {2 * cp_size} "
+            "(load-balanced sharding cuts it into 2N chunks); pick a multiple of it."
+        )
+    return RunConfig(model, spec, gpu, gpu_spec, num_gpus, method_spec, int(mbs), int(seq_len), cp_size,
+                     PRECISIONS[precision])
+
+
+def _resolve_cp(method: MethodSpec, num_gpus: float, cp: int | None) -> int:
+    if not method.context_parallel:
+        if cp not in (None, 1):
+            raise ValueError(f"Method {method.name!r} does not use context parallelism; drop --cp or pick a CP "
+                             "method (nondp-cp, nondp-cp-ac, v1, v2, v3).")
+        return 1
+    if cp is None:
+        if math.isinf(num_gpus):
+            raise ValueError(f"Method {method.name!r} needs a finite CP size; give --cp N with --gpus inf.")
+        return int(num_gpus)
+    if int(cp) != cp or cp < 1:
+        raise ValueError(f"CP size must be a positive integer, got {cp!r}.")
+    if not math.isinf(num_gpus) and int(num_gpus) % cp:
+        raise ValueError(f"CP size {cp} must divide the GPU count {int(num_gpus)}; pick a divisor.")
+    return int(cp)

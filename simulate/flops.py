@@ -1,0 +1,75 @@
+"""FLOPs of one microbatch on one rank, by kind of kernel.
+
+* Linear layers: forward ``2 p d`` per token and layer, backward ``2 p d`` for the input gradient and ``2 p d``
+  for the weight gradient. A per-sample gradient ``einsum(BTp,BTd->Bpd)`` costs what the weight gradient costs
+  and replaces it (LongShield), so grad-sample DP adds no matmul FLOPs.
+* Attention (flash, causal): forward ``2 T d`` per token and layer (``QK^T`` and ``PV``, halved by the mask),
+  backward 2.5x forward (five GEMMs against two). Context parallelism splits it evenly (load-balanced chunks).
+* Activation checkpointing recomputes each block's forward once more.
+* ZeRO-DP+ (book-keeping): the weight gradient becomes the clipped-sum einsum over book-kept tensors (same cost);
+  grad-sample layers add their per-sample einsum; ghost layers add the two Gram matrices ``2 B T^2 (p + d)``.
+  The embedding is a lookup and is left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simulate import layers
+from simulate.config import RunConfig
+from simulate.memory import uses_ghost_norm
+
+ATTENTION_BACKWARD_RATIO = 2.5
+
+
+@dataclass(frozen=True)
+class Flops:
+    """FLOPs per rank per microbatch."""
+
+    matmul: float  # linear layers, forward + backward (+ recompute, + grad-sample einsums)
+    attention: float  # flash attention, forward + backward (+ recompute)
+    ghost_norm: float  # Gram matrices of ghost-norm layers (ZeRO-DP+)
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.attention + self.ghost_norm
+
+
+def linear_params(cfg: RunConfig) -> int:
+    """Weights that go through a matmul: every block projection and the output head."""
+    m = cfg.model
+    return m.n_layers * sum(lin.numel for lin in layers.block_linears(m)) + m.vocab_size * m.dim
+
+
+def attention_forward_flops(cfg: RunConfig) -> float:
+    """Causal flash-attention forward FLOPs on one rank: ``2 T^2 d`` per sample and layer, split over CP."""
+    m = cfg.model
+    return cfg.micro_batch_size * 2 * cfg.seq_len**2 * m.dim * m.n_layers / cfg.cp_size
+
+
+def microbatch_flops(cfg: RunConfig) -> Flops:
+    """FLOPs of one microbatch (forward, backward, recompute, DP extras) on one rank."""
+    t = cfg.tokens_per_rank
+    lin_forward = 2 * linear_params(cfg) * t
+    attn_forward = attention_forward_flops(cfg)
+    matmul = 3 * lin_forward
+    attention = (1 + ATTENTION_BACKWARD_RATIO) * attn_forward
+    if cfg.method.activation_checkpointing:
+        matmul += lin_forward - 2 * cfg.model.vocab_size * cfg.model.dim * t  # the head is not checkpointed
+        attention += attn_forward
+    ghost = 0.0
+    if cfg.method.per_sample_grads == "ghost":
+        for numel, fan_sum in _ghost_layers(cfg):
+            if uses_ghost_norm(cfg.seq_len, numel):
+                ghost += 2 * cfg.micro_batch_size * cfg.seq_len**2 * fan_sum
+            else:
+                matmul += 2 * numel * t
+    return Flops(matmul=matmul, attention=attention, ghost_norm=ghost)
+
+
+def _ghost_layers(cfg: RunConfig) -> list[tuple[int, int]]:
+    """(p d, p + d) of every linear layer ZeRO-DP+ takes a per-sample norm of."""
+    m = cfg.model
+    out = [(lin.numel, lin.in_features + lin.out_features) for lin in layers.block_linears(m)] * m.n_layers
+    out.extend((lin.numel, lin.in_features + lin.out_features) for lin in layers.head_linears(m))
+    return out

@@ -1,0 +1,288 @@
+"""Per-rank peak memory of one training step, by method, with a breakdown.
+
+The step is walked phase by phase (loss forward, loss backward, output projection backward, each block's
+backward from the top, the embedding at the end of backward, ZeRO-DP+'s book-keeping) and the memory alive in
+each phase is summed by category; the peak is the largest phase. What is alive where:
+
+* model states: fp32 master parameters and AdamW's two fp32 moments (FSDP2-sharded over all GPUs), fp32
+  gradients (non-DP, ZeRO-DP+; sharded over all GPUs) or LongShield's fp32 clipped-sum accumulator (per
+  data-parallel group: 1/N of the model under V2/V3, all of it under V1);
+* FSDP buffers: the root group (embedding, final norm, output) stays unsharded from forward through backward,
+  two blocks are unsharded at a time (current + prefetched), and non-DP backward holds the current block's
+  unsharded gradient (compute dtype + fp32 reduce-scatter copy) and the head's unsharded gradient;
+* activations: :mod:`simulate.layers` tensor by tensor; under activation checkpointing only block inputs, plus
+  one recomputed block during its backward; plus the backward working set of the block being differentiated;
+* logits and the fp32 cross entropy (:mod:`simulate.layers`);
+* per-sample gradients ``(MBS, *param.shape)``, in the compute dtype, growing layer by layer during backward:
+  full on every CP rank under V1, ``1/N`` under V2/V3 plus the in-flight unreduced partials;
+* ZeRO-DP+ (Opacus FSDP ghost clipping): its norm pass retains the autograd graph (``retain_graph=True``), so
+  no activation is freed; book-keeping keeps every linear layer's output gradient until the clipping factors are
+  known, then forms one layer's clipped sum at a time; the norm of the layer being differentiated needs either
+  its per-sample gradient (grad sample) or the two ``(MBS, T, T)`` Gram matrices (ghost norm, when ``2 T^2 < p d``);
+* communication: the gathered dK/dV being reduce-scattered over CP (the gathered K/V themselves are saved
+  activations).
+
+Reserved memory (what TorchTitan reports) adds allocator fragmentation; the fit check adds the CUDA context and
+NCCL buffers, which live outside the allocator. Constants: :mod:`simulate.calibration`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from simulate import calibration, layers
+from simulate.config import RunConfig
+
+GIB = 2**30
+FP32 = 4
+
+CATEGORIES = ("model_states", "fsdp_buffers", "activations", "logits_loss", "per_sample_grads", "ghost_norm",
+              "communication")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Per-rank memory in bytes at the peak phase of a step."""
+
+    phase: str
+    model_states: float
+    fsdp_buffers: float
+    activations: float
+    logits_loss: float
+    per_sample_grads: float
+    ghost_norm: float
+    communication: float
+    fragmentation: float
+    runtime: float
+    capacity: float
+
+    @property
+    def allocated(self) -> float:
+        """Peak memory handed out by the caching allocator."""
+        return sum(getattr(self, name) for name in CATEGORIES)
+
+    @property
+    def reserved(self) -> float:
+        """Peak reserved memory: what TorchTitan (and the paper's tables) report."""
+        return self.allocated + self.fragmentation
+
+    @property
+    def device_total(self) -> float:
+        """Reserved memory plus what lives outside the allocator; must not exceed the GPU's capacity."""
+        return self.reserved + self.runtime
+
+    @property
+    def fits(self) -> bool:
+        return self.device_total <= self.capacity
+
+    @property
+    def peak_gib(self) -> float:
+        return self.reserved / GIB
+
+    def as_gib(self) -> dict[str, float]:
+        """Every byte field in GiB, plus the derived totals (for tables and JSON)."""
+        out = {f.name: getattr(self, f.name) / GIB for f in fields(self) if f.name != "phase"}
+        out.update(allocated=self.allocated / GIB, reserved=self.reserved / GIB,
+                   device_total=self.device_total / GIB)
+        return out
+
+
+def estimate_memory(cfg: RunConfig) -> MemoryBreakdown:
+    """Walk one step of ``cfg`` and return the breakdown at its peak phase."""
+    peak_name, peak = max(_phases(cfg), key=lambda item: sum(item[1].values()))
+    allocated = sum(peak.values())
+    return MemoryBreakdown(
+        phase=peak_name,
+        **{name: peak.get(name, 0.0) for name in CATEGORIES},
+        fragmentation=allocated * calibration.ALLOCATOR_FRAGMENTATION,
+        runtime=(calibration.CUDA_CONTEXT_GIB + calibration.NCCL_BUFFERS_GIB) * GIB,
+        capacity=cfg.gpu.memory_bytes,
+    )
+
+
+def model_state_bytes(cfg: RunConfig) -> float:
+    """fp32 master parameters, gradients (or the DP clipped-sum accumulator) and AdamW moments per rank.
+
+    Parameters, moments and FSDP gradients are sharded over every GPU. LongShield's accumulator follows its
+    per-sample gradients: each data-parallel group accumulates its own clipped sum (summed over groups once per
+    logical batch), sharded over the CP group under V2/V3 and whole on every CP rank under V1.
+    """
+    if math.isinf(cfg.num_gpus):
+        return 0.0
+    params, master = cfg.model.num_parameters, cfg.precision.master_bytes
+    accumulator_shards = {"full": 1, "sharded": cfg.cp_size}.get(cfg.method.per_sample_grads, cfg.num_gpus)
+    return params * (master + 2 * FP32) / cfg.num_gpus + params * master / accumulator_shards
+
+
+def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
+    """(name, bytes by category) for every phase of the step that can hold the peak."""
+    m, a, n = cfg.model, cfg.precision.activation_bytes, cfg.cp_size
+    t = cfg.tokens_per_rank
+    method = cfg.method
+    block_numel, root_numel = layers.block_numel(m), layers.root_numel(m)
+    vd = m.vocab_size * m.dim
+    grad_reduce = a + (cfg.precision.reduce_bytes if cfg.precision.reduce_bytes != a else 0)
+
+    states = model_state_bytes(cfg)
+    fsdp_params = a * (root_numel + 2 * block_numel)
+    full_block = _sum_saved(layers.block_saved_tensors(m, a, method.context_parallel), t, n)
+    kept_block = (_sum_saved(layers.checkpoint_saved_tensors(m, a), t, n)
+                  if method.activation_checkpointing else full_block)
+    head = _sum_saved(layers.head_saved_tensors(m, a), t, n)
+    acts_all = m.n_layers * kept_block + head
+    work_act, work_comm = _block_backward_working_set(cfg)
+
+    psg = _PerSampleGrads(cfg)
+    ghost = _GhostClipping(cfg)
+    # Weight gradients autograd hands to FSDP during backward: only without DP. LongShield's per-sample gradients
+    # are its only weight gradients; ZeRO-DP+'s norm pass skips them (origin-parameter trick) and forms the
+    # clipped sum per layer afterwards.
+    head_grad = 0.0 if method.private else a * vd
+    block_grad = 0.0 if method.private else grad_reduce * block_numel
+
+    def phase(**parts: float) -> dict[str, float]:
+        parts["model_states"] = states
+        parts["fsdp_buffers"] = fsdp_params + parts.get("fsdp_buffers", 0.0)
+        return parts
+
+    out = [
+        ("forward: loss", phase(activations=acts_all, logits_loss=t * layers.loss_forward_bytes_per_token(m, a))),
+        ("backward: loss", phase(activations=acts_all, logits_loss=t * layers.loss_backward_bytes_per_token(m, a))),
+        ("backward: output", phase(
+            activations=acts_all + t * m.dim * a,
+            logits_loss=t * layers.logits_grad_bytes_per_token(m, a),
+            fsdp_buffers=head_grad,
+            per_sample_grads=psg.head_kept() + psg.head_in_flight(),
+            ghost_norm=ghost.head_transient(),
+        )),
+    ]
+    # ZeRO-DP+ (Opacus FSDP ghost clipping) runs its norm pass with ``retain_graph=True``: nothing is freed.
+    retained = method.per_sample_grads == "ghost"
+    for i in reversed(range(m.n_layers)):
+        done = m.n_layers - 1 - i  # blocks already differentiated
+        out.append((f"backward: block {i}", phase(
+            activations=(acts_all if retained else i * kept_block + full_block + head) + work_act,
+            fsdp_buffers=head_grad + block_grad,
+            per_sample_grads=psg.head_kept() + done * psg.block_kept() + psg.block_in_flight(),
+            ghost_norm=ghost.head_kept() + done * ghost.block_kept() + ghost.block_transient(),
+            communication=work_comm,
+        )))
+    out.append(("backward: embedding", phase(
+        activations=acts_all if retained else 0.0,
+        fsdp_buffers=head_grad + (0.0 if m.tie_embeddings or method.private else a * vd),
+        per_sample_grads=psg.head_kept() + m.n_layers * psg.block_kept() + psg.embedding(),
+        ghost_norm=ghost.head_kept() + m.n_layers * ghost.block_kept() + ghost.embedding_transient(),
+    )))
+    if retained:  # book-keeping: one layer's clipped sum at a time, unsharded, then its fp32 reduce-scatter copy
+        out.append(("book-keeping: clipped sum", phase(
+            activations=acts_all,
+            fsdp_buffers=grad_reduce * max(vd, block_numel),
+            ghost_norm=ghost.head_kept() + m.n_layers * ghost.block_kept(),
+        )))
+    return out
+
+
+def _sum_saved(saved: list[layers.SavedTensor], local_tokens: float, cp_size: int) -> float:
+    return sum(s.nbytes(local_tokens, cp_size) for s in saved)
+
+
+def _block_backward_working_set(cfg: RunConfig) -> tuple[float, float]:
+    """(activation-gradient bytes, CP communication bytes) of the largest op in one block's backward.
+
+    SwiGLU: grads of w2's input, of silu's output and w3's output, of w1's output, plus the block input grad.
+    Attention: dq and flash's fp32 dq accumulator, plus dK/dV of the K/V SDPA saw: under CP these span the
+    gathered sequence and are the reduce-scatter's input, next to its local output.
+    """
+    m, a, n, t = cfg.model, cfg.precision.activation_bytes, cfg.cp_size, cfg.tokens_per_rank
+    mlp = (3 * m.ffn_dim + m.dim) * a * t
+    dq = m.dim * (a + FP32) * t
+    dkv_local = 2 * m.dim * a * t
+    attn_act, attn_comm = dq + dkv_local, (dkv_local * n if cfg.method.context_parallel else 0.0)
+    return (mlp, 0.0) if mlp >= attn_act + attn_comm else (attn_act, attn_comm)
+
+
+class _PerSampleGrads:
+    """Per-sample gradient buffers of LongShield (V1: full on each CP rank; V2/V3: 1/N plus in-flight).
+
+    A tied head/embedding weight can only be reduce-scattered once the embedding has added its part, so under
+    V2/V3 its unreduced partial stays whole from the head's backward to the end.
+    """
+
+    def __init__(self, cfg: RunConfig) -> None:
+        kind = cfg.method.per_sample_grads
+        self.active = kind in ("full", "sharded")
+        self.unit = cfg.micro_batch_size * cfg.precision.activation_bytes  # bytes per parameter per microbatch
+        self.share = 1.0 / cfg.cp_size if kind == "sharded" else 1.0
+        self.reduced = kind == "sharded" and cfg.cp_size > 1  # partials wait for a reduce-scatter
+        m = cfg.model
+        self.block_numel = layers.block_numel(m)
+        self.largest = max(lin.numel for lin in layers.block_linears(m))
+        self.vd = m.vocab_size * m.dim
+        self.tied = m.tie_embeddings
+
+    def block_kept(self) -> float:
+        return self.unit * self.block_numel * self.share if self.active else 0.0
+
+    def block_in_flight(self) -> float:
+        """Two unreduced layer partials: one being reduce-scattered while the next is computed."""
+        return 2 * self.unit * self.largest if self.active and self.reduced else 0.0
+
+    def head_kept(self) -> float:
+        if not self.active:
+            return 0.0
+        whole = self.tied and self.reduced
+        return self.unit * self.vd * (1.0 if whole else self.share)
+
+    def head_in_flight(self) -> float:
+        return self.unit * self.vd if self.active and self.reduced and not self.tied else 0.0
+
+    def embedding(self) -> float:
+        """The embedding's buffer (untied: its own, plus its unreduced partial; tied: the head's reduced shard)."""
+        if not self.active:
+            return 0.0
+        if self.tied:
+            return self.unit * self.vd * self.share if self.reduced else 0.0
+        return self.unit * self.vd * self.share + self.head_in_flight()
+
+
+class _GhostClipping:
+    """ZeRO-DP+ buffers: book-kept output gradients of every linear layer (their inputs stay alive in the
+    retained graph), and the norm work of the layer being differentiated (grad sample or ghost norm)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        m, a, t = cfg.model, cfg.precision.activation_bytes, cfg.tokens_per_rank
+        self.active = cfg.method.per_sample_grads == "ghost"
+        self.a, self.t, self.b, self.seq = a, t, cfg.micro_batch_size, cfg.seq_len
+        self.m = m
+        output_grads = sum(lin.out_features for lin in layers.block_linears(m))
+        self._block_kept = output_grads * a * t
+        self._head_kept = m.vocab_size * a * t  # the logits gradient
+
+    def norm_buffer(self, numel: int) -> float:
+        """Bytes to get one layer's per-sample norms under the mixed rule (ghost iff 2 T^2 < p d)."""
+        if uses_ghost_norm(self.seq, numel):
+            return 2 * self.b * self.seq**2 * self.a  # a a^T and g g^T per sample
+        return self.b * numel * self.a  # the per-sample gradient, freed after its norm
+
+    def block_kept(self) -> float:
+        return self._block_kept if self.active else 0.0
+
+    def block_transient(self) -> float:
+        if not self.active:
+            return 0.0
+        return max(self.norm_buffer(lin.numel) for lin in layers.block_linears(self.m))
+
+    def head_kept(self) -> float:
+        return self._head_kept if self.active else 0.0
+
+    def head_transient(self) -> float:
+        return self.norm_buffer(self.m.vocab_size * self.m.dim) if self.active else 0.0
+
+    def embedding_transient(self) -> float:
+        return self.head_transient()
+
+
+def uses_ghost_norm(seq_len: int, numel: int) -> bool:
+    """The mixed ghost-norm rule (Bu et al. 2022): ghost norm when ``2 T^2 < p d``, else grad sample."""
+    return 2 * seq_len**2 < numel

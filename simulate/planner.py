@@ -1,0 +1,180 @@
+"""Answers for a user planning a run: does it fit, how fast, how long can the context go, what to pick."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from simulate.config import METHODS, RunConfig, make_config, parse_gpus
+from simulate.memory import GIB, MemoryBreakdown, estimate_memory
+from simulate.throughput import StepTime, estimate_step_time
+
+DP_METHODS = ("zero-dp", "v1", "v2", "v3")
+MBS_OPTIONS = (1, 2, 4, 8)
+MAX_SEARCH_EXPONENT = 24  # max-seq searches T = 2^0 .. 2^24 (16M tokens)
+
+# The non-private run each DP method is compared with (same parallelism, same checkpointing).
+BASELINES = {"zero-dp": "nondp-fsdp", "v1": "nondp-cp", "v2": "nondp-cp", "v3": "nondp-cp-ac"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Memory and speed of one configuration, plus its non-private baseline's speed."""
+
+    config: RunConfig
+    memory: MemoryBreakdown
+    step: StepTime | None
+    baseline_tokens_per_second: float | None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    @property
+    def peak_memory_gib(self) -> float:
+        """Peak reserved memory per GPU (what TorchTitan reports)."""
+        return self.memory.peak_gib
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float | None:
+        return self.step.tokens_per_second_per_gpu if self.step else None
+
+    @property
+    def dp_gap(self) -> float | None:
+        """Non-private over private throughput (the paper's "gap"); ``None`` for non-private methods."""
+        tps = self.tokens_per_second_per_gpu
+        if self.baseline_tokens_per_second is None or not tps:
+            return None
+        return self.baseline_tokens_per_second / tps
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready summary: inputs echoed, verdict, peak memory with breakdown, throughput."""
+        out: dict[str, object] = dict(self.config.inputs())
+        out.update(
+            activation_checkpointing=self.config.method.activation_checkpointing,
+            fits=self.fits,
+            peak_memory_gib=round(self.peak_memory_gib, 3),
+            capacity_gib=round(self.memory.capacity / GIB, 3),
+            peak_phase=self.memory.phase,
+            breakdown_gib={k: round(v, 3) for k, v in self.memory.as_gib().items()},
+            tokens_per_second_per_gpu=_round(self.tokens_per_second_per_gpu),
+            mfu=_round(self.step.mfu, 4) if self.step else None,
+            baseline_method=BASELINES.get(self.config.method.name),
+            baseline_tokens_per_second_per_gpu=_round(self.baseline_tokens_per_second),
+            dp_gap=_round(self.dp_gap, 3),
+        )
+        return out
+
+
+def evaluate(cfg: RunConfig) -> Plan:
+    """Memory, speed and DP/non-DP gap of one configuration."""
+    baseline = BASELINES.get(cfg.method.name)
+    baseline_tps = None
+    if baseline is not None:
+        step = estimate_step_time(cfg.replace(method=baseline, cp=cfg.cp_size))
+        baseline_tps = step.tokens_per_second_per_gpu if step else None
+    return Plan(cfg, estimate_memory(cfg), estimate_step_time(cfg), baseline_tps)
+
+
+def plan(**inputs: object) -> Plan:
+    """:func:`evaluate` straight from :func:`simulate.config.make_config` keyword inputs."""
+    return evaluate(make_config(**inputs))  # type: ignore[arg-type]
+
+
+def candidate_seq_lens(cp_size: int) -> list[int]:
+    """Powers of two a CP group of ``cp_size`` can split into ``2 x cp_size`` equal chunks."""
+    if cp_size & (cp_size - 1):
+        raise ValueError(f"CP size {cp_size} cannot split a power-of-two sequence into 2 x {cp_size} equal chunks; "
+                         "use a power-of-two --cp that divides --gpus.")
+    return [2**k for k in range(MAX_SEARCH_EXPONENT + 1) if 2**k % (2 * cp_size) == 0]
+
+
+def max_seq_len(**inputs: object) -> Plan | None:
+    """The plan at the largest power-of-two sequence length that fits, or ``None`` if none does.
+
+    Takes :func:`make_config`'s inputs without ``seq_len``. Memory grows with T, so this bisects.
+    """
+    probe = probe_config(**inputs)
+    lengths = candidate_seq_lens(probe.cp_size)
+    lo, hi = 0, len(lengths)  # invariant: lengths[:lo] fit, lengths[hi:] do not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if estimate_memory(probe.replace(seq_len=lengths[mid])).fits:
+            lo = mid + 1
+        else:
+            hi = mid
+    return evaluate(probe.replace(seq_len=lengths[lo - 1])) if lo else None
+
+
+def probe_config(**inputs: object) -> RunConfig:
+    """A valid config from :func:`make_config`'s inputs without ``seq_len`` (at ``2 x CP`` tokens), for searches."""
+    if "seq_len" in inputs:
+        raise TypeError("This search chooses the sequence length itself; do not pass seq_len.")
+    return make_config(**inputs, seq_len=2 * _cp_of(inputs))  # type: ignore[arg-type]
+
+
+def recommend(model: str, gpus: int | float | str, seq_len: int, gpu: str = "h100",
+              precision: str = "bf16-mixed", methods: tuple[str, ...] = DP_METHODS,
+              mbs_options: tuple[int, ...] = MBS_OPTIONS) -> list[Plan]:
+    """Every (method, MBS, CP size) that fits ``seq_len``, fastest first (least memory first with infinite GPUs).
+
+    CP methods try every power-of-two CP size that divides the GPU count and splits ``seq_len`` evenly.
+    """
+    probe = make_config(model=model, gpus=gpus, method="nondp-fsdp", seq_len=seq_len, gpu=gpu, precision=precision)
+    plans = []
+    for name in methods:
+        for cp in _cp_sizes(probe, METHODS[name].context_parallel, seq_len):
+            for mbs in mbs_options:
+                cfg = probe.replace(method=name, mbs=mbs, cp=cp)
+                if estimate_memory(cfg).fits:
+                    plans.append(evaluate(cfg))
+    return sorted(plans, key=_rank_key)
+
+
+def compare(model: str, gpus: int | float | str, gpu: str = "h100", precision: str = "bf16-mixed",
+            methods: tuple[str, ...] = tuple(METHODS), mbs_options: tuple[int, ...] = MBS_OPTIONS,
+            cp: int | None = None) -> list[tuple[str, int, Plan | None]]:
+    """(method, MBS, plan at the largest fitting power-of-two T or ``None``) for every pair.
+
+    With infinite GPUs and no ``cp``, CP methods have no CP size and are left out (the FSDP ceiling view).
+    """
+    unbounded = math.isinf(parse_gpus(gpus)) and cp is None
+    rows = []
+    for name in methods:
+        context_parallel = METHODS[name].context_parallel
+        if context_parallel and unbounded:
+            continue
+        for mbs in mbs_options:
+            rows.append((name, mbs, max_seq_len(model=model, gpus=gpus, method=name, mbs=mbs,
+                                                cp=cp if context_parallel else None, gpu=gpu, precision=precision)))
+    return rows
+
+
+def _cp_of(inputs: dict[str, object]) -> int:
+    """The CP size make_config will pick, to build a valid probe (2 x CP tokens)."""
+    method = METHODS.get(str(inputs.get("method", "v2")))
+    if method is None or not method.context_parallel:
+        return 1
+    cp = inputs.get("cp")
+    if cp is not None:
+        return int(cp)  # type: ignore[arg-type]
+    gpus = parse_gpus(inputs.get("gpus", 4))  # type: ignore[arg-type]
+    return 1 if math.isinf(gpus) else int(gpus)
+
+
+def _cp_sizes(probe: RunConfig, context_parallel: bool, seq_len: int) -> list[int | None]:
+    if not context_parallel:
+        return [None]
+    if math.isinf(probe.num_gpus):
+        raise ValueError("Recommendations for CP methods need a finite --gpus.")
+    g = int(probe.num_gpus)
+    return [n for n in (2**k for k in range(g.bit_length())) if g % n == 0 and seq_len % (2 * n) == 0]
+
+
+def _rank_key(p: Plan) -> tuple[float, float]:
+    tps = p.tokens_per_second_per_gpu
+    return (-tps if tps is not None else 0.0, p.peak_memory_gib)
+
+
+def _round(x: float | None, digits: int = 1) -> float | None:
+    return None if x is None else round(x, digits)

@@ -1,0 +1,149 @@
+"""Time of one microbatch per rank and tokens/s/GPU.
+
+``time = compute + DP memory-bound passes + exposed communication`` where
+
+* compute (:mod:`simulate.flops`): matmul and ghost-norm Gram FLOPs at ``MFU_MATMUL``, attention FLOPs at
+  ``MFU_ATTENTION``, and the ghost norm's final reduction as ``GHOST_REDUCTION_TIME_RATIO`` times its Gram time;
+* DP memory-bound passes (LongShield): per-sample norms, clipping and the fp32 accumulate read the kept
+  per-sample gradients and the accumulator once more at HBM bandwidth;
+* communication (:mod:`simulate.comm`): FSDP all-gathers (and, without DP, the gradient reduce-scatter) are
+  prefetched and hidden behind compute except for any excess; ZeRO-DP+'s reduce-scatter of the clipped sum can
+  only hide behind the book-keeping einsums; the CP K/V all-gather (forward, recompute) and dK/dV
+  reduce-scatter (backward) sit on the attention's critical path; V1's per-sample all-reduce is exposed, V2/V3's
+  reduce-scatter of block ``i`` hides behind block ``i-1``'s backward.
+
+Steady state per microbatch: the optimizer step, once per logical batch, is amortised over gradient accumulation.
+All constants: :mod:`simulate.calibration`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from simulate import calibration, comm, layers
+from simulate.config import RunConfig
+from simulate.flops import Flops, linear_params, microbatch_flops
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per microbatch on one rank, by part."""
+
+    compute: float
+    dp_memory_bound: float
+    exposed_fsdp: float
+    exposed_cp_attention: float
+    exposed_per_sample_grads: float
+    tokens_per_rank: float
+    flops: Flops
+    peak_flops: float
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.dp_memory_bound + self.exposed_fsdp + self.exposed_cp_attention
+                + self.exposed_per_sample_grads)
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        return self.tokens_per_rank / self.total
+
+    @property
+    def mfu(self) -> float:
+        """Achieved useful-FLOP utilisation (every counted FLOP, DP work included)."""
+        return self.flops.total / self.total / self.peak_flops
+
+
+def estimate_step_time(cfg: RunConfig) -> StepTime | None:
+    """Per-microbatch time of ``cfg`` on one rank; ``None`` for an infinite GPU count (no finite answer)."""
+    if math.isinf(cfg.num_gpus):
+        return None
+    peak = peak_flops(cfg)
+    f = microbatch_flops(cfg)
+    mm_rate, attn_rate = peak * calibration.MFU_MATMUL, peak * calibration.MFU_ATTENTION
+    compute = (f.matmul / mm_rate + f.attention / attn_rate
+               + f.ghost_norm / mm_rate * (1 + calibration.GHOST_REDUCTION_TIME_RATIO))
+    return StepTime(
+        compute=compute,
+        dp_memory_bound=_dp_memory_bound(cfg),
+        exposed_fsdp=_exposed_fsdp(cfg, compute),
+        exposed_cp_attention=_cp_attention_comm(cfg),
+        exposed_per_sample_grads=_exposed_per_sample_grads(cfg, compute),
+        tokens_per_rank=cfg.tokens_per_rank,
+        flops=f,
+        peak_flops=peak,
+    )
+
+
+def peak_flops(cfg: RunConfig) -> float:
+    """Dense tensor-core peak for the run's matmul precision."""
+    return cfg.gpu.tf32_flops if cfg.precision.tensor_core_tf32 else cfg.gpu.bf16_flops
+
+
+def _dp_memory_bound(cfg: RunConfig) -> float:
+    """LongShield's norm and clip-accumulate passes over the kept per-sample gradients (HBM-bound)."""
+    kind = cfg.method.per_sample_grads
+    if kind not in ("full", "sharded"):
+        return 0.0
+    params, a = cfg.model.num_parameters, cfg.precision.activation_bytes
+    kept = params / cfg.cp_size if kind == "sharded" else params
+    accumulator = kept  # each data-parallel group accumulates what its ranks keep
+    passes = 2 * cfg.micro_batch_size * kept * a + 3 * accumulator * FP32  # norm read, clip read; acc r/w + temp
+    return passes / cfg.gpu.hbm_bytes_per_s
+
+
+def _exposed_fsdp(cfg: RunConfig, compute: float) -> float:
+    """FSDP parameter all-gathers (and gradient reduce-scatter) not hidden behind compute."""
+    g = cfg.num_gpus
+    if g <= 1:
+        return 0.0
+    m, a = cfg.model, cfg.precision.activation_bytes
+    link = comm.link_for(cfg.gpu, g)
+    blocks = m.n_layers * layers.block_numel(m)
+    gathers = 2 * blocks * a + layers.root_numel(m) * a  # blocks re-gathered for backward, root kept
+    gather_time = comm.all_gather(gathers, g, link)
+    reduce_time = comm.reduce_scatter(m.num_parameters * cfg.precision.reduce_bytes, g, link)
+    kind = cfg.method.per_sample_grads
+    if kind == "none":
+        return max(0.0, gather_time + reduce_time - compute)
+    if kind == "ghost":  # the clipped sum exists only after the norms: its reduce-scatter hides behind BK einsums
+        bk_einsums = 2 * linear_params(cfg) * cfg.tokens_per_rank / (peak_flops(cfg) * calibration.MFU_MATMUL)
+        return max(0.0, gather_time - compute) + max(0.0, reduce_time - bk_einsums)
+    return max(0.0, gather_time - compute)  # LongShield accumulates locally; no per-microbatch reduce-scatter
+
+
+def _cp_attention_comm(cfg: RunConfig) -> float:
+    """All-gather of expanded K/V per layer (again under recompute) and reduce-scatter of dK/dV, not hidden."""
+    n = cfg.cp_size
+    if n <= 1:
+        return 0.0
+    m, a = cfg.model, cfg.precision.activation_bytes
+    link = comm.link_for(cfg.gpu, n, efficiency=calibration.CP_KV_EXCHANGE_EFFICIENCY)
+    gathered = 2 * m.dim * a * cfg.tokens_per_rank * n  # K and V, all heads, whole sequence
+    gathers = 2 if cfg.method.activation_checkpointing else 1
+    per_layer = gathers * comm.all_gather(gathered, n, link) + comm.reduce_scatter(gathered, n, link)
+    return m.n_layers * per_layer
+
+
+def _exposed_per_sample_grads(cfg: RunConfig, compute: float) -> float:
+    """V1: all-reduce of every layer's per-sample gradients, exposed. V2/V3: reduce-scatter of block ``i``
+    hidden behind the backward of block ``i-1`` (the head's behind the last block); the embedding's (or the tied
+    head's, which the embedding completes) comes last and is exposed."""
+    kind, n = cfg.method.per_sample_grads, cfg.cp_size
+    if kind not in ("full", "sharded") or n <= 1:
+        return 0.0
+    m = cfg.model
+    unit = cfg.micro_batch_size * cfg.precision.activation_bytes
+    link = comm.link_for(cfg.gpu, n)
+    block, vd = unit * layers.block_numel(m), unit * m.vocab_size * m.dim
+    untied_head = 0.0 if m.tie_embeddings else vd
+    if kind == "full":
+        return m.n_layers * comm.all_reduce(block, n, link) + comm.all_reduce(vd + untied_head, n, link)
+    if not cfg.method.overlap_grad_comm:
+        return m.n_layers * comm.reduce_scatter(block, n, link) + comm.reduce_scatter(vd + untied_head, n, link)
+    block_backward = compute * 2 / 3 / m.n_layers  # backward share of compute, per block
+    overhang = (m.n_layers * max(0.0, comm.reduce_scatter(block, n, link) - block_backward)
+                + max(0.0, comm.reduce_scatter(untied_head, n, link) - block_backward))
+    return overhang + comm.reduce_scatter(vd, n, link)
