@@ -10,6 +10,8 @@ from lightning.pytorch.callbacks import Callback
 
 from helpers import RandomTokens, loader, make_module, make_trainer, reference_dp_sgd, samples, small_config
 from lightning_longshield import LongShieldStrategy
+from lightning_longshield.privacy import GaussianNoise
+from lightning_longshield.privacy.accumulator import ClippedGradientSum
 
 
 class RecordGradients(Callback):
@@ -35,10 +37,15 @@ def test_bf16_private_gradient_close_to_fp32_reference(precision, micro_batch_si
     assert relative_error < 0.05
 
 
-def test_noise_accumulates_in_fp32_for_bf16_parameters():
-    module = make_module(small_config(), learning_rate=1.0)
-    strategy = LongShieldStrategy(noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, seed=0)
-    make_trainer(strategy, max_steps=1, precision="bf16-true").fit(module, loader(RandomTokens(size=8), 4))
-    sums = strategy._engine.accumulator.sums
-    assert sums and all(s.dtype == torch.float32 for s in sums.values())
-    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+def test_sums_and_noise_are_fp32_for_bf16_parameters():
+    param = torch.nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16))
+    accumulator = ClippedGradientSum({"w": param})
+    grad_samples = torch.full((2, 1000), 1e-3, dtype=torch.bfloat16)
+    for _ in range(300):  # 300 additions of 2e-3 would stall near 0.5 in bf16 accumulation
+        accumulator.add({"w": grad_samples}, torch.ones(2))
+    assert accumulator.sums["w"].dtype == torch.float32
+    torch.testing.assert_close(accumulator.sums["w"], torch.full((1000,), 0.6), rtol=1e-2, atol=0)
+    noise = GaussianNoise(torch.device("cpu"), seed=0)
+    accumulator.release(noise, noise_std=1e-3, expected_batch_size=1.0)
+    assert param.grad.dtype == torch.bfloat16 and accumulator.sums == {}
+    assert 0.5 < param.grad.float().mean().item() < 0.7

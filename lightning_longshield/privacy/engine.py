@@ -2,36 +2,57 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
 from lightning_longshield.privacy.clipping import clip_factors, per_sample_squared_norms
 from lightning_longshield.privacy.grad_sample import PerSampleGradCapture
+from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.noise import GaussianNoise
+from lightning_longshield.privacy.shards import ParamShard
 
 
 class DPSGDEngine:
     """Owns the per-sample-gradient capture of a model and turns micro-batch backwards into one private gradient.
 
-    Per micro-batch: `prepare_microbatch` before forward, `accumulate_microbatch` after backward (clip each sample
-    to norm ``max_grad_norm`` and add to the fp32 sum). Per logical batch: `release` adds Gaussian noise with std
-    ``noise_multiplier * max_grad_norm``, divides by the expected logical batch size, fills ``param.grad`` and
-    records the step with the accountant.
+    Per micro-batch: `prepare_microbatch` before forward, `accumulate_microbatch` after backward (per-sample squared
+    norms of the local shards, summed over the context-parallel group when shards are held, so every rank clips with
+    the same complete norm; then add to the fp32 sum). Per logical batch: `release` adds the data-parallel groups'
+    sums and Gaussian noise with std ``noise_multiplier * max_grad_norm``, divides by the expected logical batch
+    size, fills ``param.grad`` and records the step with the accountant.
+
+    ``shards`` (name -> `ParamShard`) is given when parameters are FSDP2-sharded over ``context_parallel_group``.
     """
 
-    def __init__(self, model: nn.Module, max_grad_norm: float, noise: GaussianNoise, accountant: PrivacyAccountant):
-        self.capture = PerSampleGradCapture(model)
-        self.accumulator = ClippedGradientSum(self.capture.parameters)
+    def __init__(
+        self,
+        model: nn.Module,
+        max_grad_norm: float,
+        noise: GaussianNoise,
+        accountant: PrivacyAccountant,
+        exchange: Optional[LocalExchange] = None,
+        shards: Optional[dict[str, ParamShard]] = None,
+        context_parallel_group: Optional[dist.ProcessGroup] = None,
+        data_parallel_group: Optional[dist.ProcessGroup] = None,
+    ):
+        self.capture = PerSampleGradCapture(model, exchange)
+        self.accumulator = ClippedGradientSum(self.capture.parameters, shards, data_parallel_group)
         self.max_grad_norm = max_grad_norm
         self.noise = noise
         self.accountant = accountant
-        self.last_per_sample_norms: torch.Tensor | None = None
+        self.sharded = shards is not None
+        self.context_parallel_group = context_parallel_group
+        self.last_per_sample_norms: Optional[torch.Tensor] = None
+        self.last_held_bytes = 0
 
     def begin_logical_batch(self) -> None:
         """Drop the previous step's gradients: until `release`, ``.grad`` only ever holds one micro-batch's."""
-        for param in self.capture.parameters:
+        for param in self.capture.parameters.values():
             param.grad = None
 
     def prepare_microbatch(self, batch_size: int) -> None:
@@ -40,9 +61,12 @@ class DPSGDEngine:
 
     def accumulate_microbatch(self, batch_size: int) -> None:
         """Clip the per-sample gradients of the last backward and add them to the logical batch's sum."""
+        holds_shards = self.capture.exchange.holds_shards if self.capture.enabled else self.sharded
         grad_samples = self.capture.collect()
-        self.capture.enabled = False
+        self.last_held_bytes = sum(g.numel() * g.element_size() for g in grad_samples.values())
         squared_norms = per_sample_squared_norms(grad_samples.values(), batch_size)
+        if holds_shards and self.context_parallel_group is not None:
+            dist.all_reduce(squared_norms, group=self.context_parallel_group)
         self.accumulator.add(grad_samples, clip_factors(squared_norms, self.max_grad_norm))
         self.last_per_sample_norms = squared_norms.sqrt()
 

@@ -8,33 +8,44 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_longshield.privacy.grad_sample.layers import check_supported_layers, grad_sampler_for, trainable_layers
+from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
+from lightning_longshield.privacy.grad_sample.layers import check_supported_layers, trainable_layers
 from lightning_longshield.privacy.grad_sample.tap import PerSampleGradTap
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2 parameters and gradients), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 class PerSampleGradCapture:
-    """Computes per-sample gradients ``(B, *param.shape)`` of all trainable parameters of ``model``.
+    """Computes per-sample gradients ``(B, *shape)`` of all trainable parameters of ``model``, keyed by name.
 
     In per-sample mode (``enabled``) each trainable layer runs its forward with detached parameters and its output
-    passes through a `PerSampleGradTap`; the Opacus sampler of the layer turns (activation, output gradient) into
-    per-sample gradients during backward, and autograd never builds the summed ``.grad``. A parameter shared by
-    several layers (tied embeddings) receives the sum of its uses, as one parameter.
+    passes through a `PerSampleGradTap`; in backward, the exchange turns (activation, output gradient) into
+    per-sample gradients (with the layer's Opacus sampler, completing context-parallel partials by communication),
+    and autograd never builds the summed ``.grad``. A parameter shared by several layers (tied embeddings) receives
+    the sum of its uses, under its first name.
 
     When a micro-batch holds a single sample, the summed gradient *is* its per-sample gradient, so the capture stays
-    disabled and plain autograd fills ``.grad``: no extra buffer and no extra work.
+    disabled and plain autograd (with FSDP2's reduce-scatter, if the model is sharded) fills ``.grad``.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, exchange: Optional[LocalExchange] = None) -> None:
         check_supported_layers(model)
-        self.parameters: list[nn.Parameter] = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-        self.names: dict[nn.Parameter, str] = {}
-        for name, p in model.named_parameters():
-            self.names.setdefault(p, name)
-        self.grad_samples: dict[nn.Parameter, torch.Tensor] = {}
-        self.enabled = False
+        self.exchange = exchange or LocalExchange()
+        self.parameters: dict[str, nn.Parameter] = {
+            name: p for name, p in model.named_parameters() if p.requires_grad
+        }
+        name_of_param = {id(p): name for name, p in self.parameters.items()}
+        self._layer_names: dict[int, dict[str, str]] = {}
         self._detached: dict[int, dict[str, nn.Parameter]] = {}
         self._handles: list[RemovableHandle] = []
+        self.enabled = False
         for _, layer in trainable_layers(model):
+            self._layer_names[id(layer)] = {
+                attr: name_of_param[id(p)] for attr, p in layer._parameters.items() if p is not None and p.requires_grad
+            }
             self._handles.append(layer.register_forward_pre_hook(self._detach_parameters))
             self._handles.append(layer.register_forward_hook(self._attach_tap, always_call=True))
 
@@ -47,9 +58,9 @@ class PerSampleGradCapture:
     def _detach_parameters(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
         if not (self.enabled and torch.is_grad_enabled()):
             return
-        originals = {n: p for n, p in layer._parameters.items() if p is not None and p.requires_grad}
-        for name, param in originals.items():
-            layer._parameters[name] = param.detach()  # type: ignore[assignment]
+        originals = {attr: layer._parameters[attr] for attr in self._layer_names[id(layer)]}
+        for attr, param in originals.items():
+            layer._parameters[attr] = param.detach()  # type: ignore[assignment]
         self._detached[id(layer)] = originals
 
     def _attach_tap(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> Optional[torch.Tensor]:
@@ -62,23 +73,27 @@ class PerSampleGradCapture:
         return PerSampleGradTap.apply(self._receive, layer, output, args[0], *originals.values())
 
     def _receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
-        for param, grad_sample in grad_sampler_for(layer)(layer, [activation], grad_output).items():
-            previous = self.grad_samples.get(param)
-            self.grad_samples[param] = grad_sample if previous is None else previous + grad_sample
+        self.exchange.receive(layer, activation, grad_output, self._name_of)
 
-    def collect(self) -> dict[nn.Parameter, torch.Tensor]:
+    def _name_of(self, layer: nn.Module, param: nn.Parameter) -> str:
+        for attr, name in self._layer_names[id(layer)].items():
+            if layer._parameters[attr] is param:
+                return name
+        raise KeyError(f"{type(layer).__name__} returned a per-sample gradient for a parameter it does not own.")
+
+    def collect(self) -> dict[str, torch.Tensor]:
         """Per-sample gradients of the last backward, then forget them (and any ``.grad``) to free memory."""
         if self.enabled:
-            leaked = [self.names[p] for p in self.parameters if p.grad is not None]
+            self.enabled = False
+            leaked = [name for name, p in self.parameters.items() if p.grad is not None]
             if leaked:
                 raise RuntimeError(
                     "These parameters received a summed gradient outside a supported layer's forward, so their"
                     f" per-sample gradients are unknown: {leaked}. Use parameters only inside the module that owns"
                     " them (tie weights by sharing the nn.Parameter between modules, not with functional calls)."
                 )
-            grads, self.grad_samples = self.grad_samples, {}
-            return grads
-        grads = {p: p.grad.unsqueeze(0) for p in self.parameters if p.grad is not None}
-        for p in self.parameters:
+            return self.exchange.finish()
+        grads = {name: local_tensor(p.grad).unsqueeze(0) for name, p in self.parameters.items() if p.grad is not None}
+        for p in self.parameters.values():
             p.grad = None
         return grads

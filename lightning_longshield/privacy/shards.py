@@ -1,0 +1,50 @@
+"""Which slice of each parameter a context-parallel rank owns (the same slice FSDP2 keeps on that rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """Rank ``rank`` of ``world`` owns chunk ``rank`` of dimension ``dim`` (full length ``size``).
+
+    Chunks have ``torch.chunk`` sizes, ``ceil(size / world)`` (the last ones may be shorter or empty), as FSDP2 uses.
+    ``offset`` arguments skip leading dimensions of a tensor that holds the parameter, e.g. the per-sample one.
+    """
+
+    dim: int
+    rank: int
+    world: int
+    size: int
+
+    @property
+    def chunk_size(self) -> int:
+        return -(-self.size // self.world)
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        start = min(self.size, self.rank * self.chunk_size)
+        return start, min(self.size, start + self.chunk_size)
+
+    def take(self, tensor: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """This rank's slice of a full tensor."""
+        start, stop = self.bounds
+        return tensor.narrow(self.dim + offset, start, stop - start)
+
+    def padded_chunks_first(self, tensor: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Zero-pad the shard dim to ``world`` equal chunks and make them the leading axis: ``(world, ..., chunk)``.
+
+        Contiguous, in the layout ``reduce_scatter_tensor``, ``all_to_all_single`` and `from_chunk` expect.
+        """
+        moved = tensor.movedim(self.dim + offset, -1)
+        padded = F.pad(moved, (0, self.chunk_size * self.world - self.size))
+        return padded.unflatten(-1, (self.world, self.chunk_size)).movedim(-2, 0).contiguous()
+
+    def from_chunk(self, chunk: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """This rank's chunk of `padded_chunks_first` with the padding trimmed and the shard dim back in place."""
+        start, stop = self.bounds
+        return chunk.narrow(-1, 0, stop - start).movedim(-1, self.dim + offset)
