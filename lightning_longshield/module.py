@@ -9,21 +9,27 @@ import lightning as L
 import torch
 from torchmetrics.text import Perplexity
 
-from lightning_longshield.loss import IGNORE_INDEX, causal_lm_loss
+from lightning_longshield.loss import IGNORE_INDEX, per_sample_token_loss
 from lightning_longshield.models import Llama, LlamaConfig
 
 OPTIMIZERS = ("adamw", "sgd")
 
 
-def unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``(input_ids, labels, position_ids)`` of a batch dict; a clear error when a required key is missing."""
+def unpack_batch(
+    batch: Any,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(input_ids, labels, position_ids, token_counts)`` of a batch dict; a clear error for a missing key.
+
+    ``position_ids`` and ``token_counts`` (labelled tokens per sample over the whole sequence) are present when the
+    strategy has sharded the sequence over a context-parallel group.
+    """
     if not isinstance(batch, Mapping) or "input_ids" not in batch or "labels" not in batch:
         keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
         raise ValueError(
             f"A batch must be a dict with 'input_ids' and 'labels' (labels[t] is the token after input_ids[t], -100"
             f" to ignore); got {keys}. Build samples as {{'input_ids': LongTensor[T], 'labels': LongTensor[T]}}."
         )
-    return batch["input_ids"], batch["labels"], batch.get("position_ids")
+    return batch["input_ids"], batch["labels"], batch.get("position_ids"), batch.get("token_counts")
 
 
 class CausalLMModule(L.LightningModule):
@@ -62,17 +68,30 @@ class CausalLMModule(L.LightningModule):
         return self.model(input_ids, position_ids)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        input_ids, labels, position_ids = unpack_batch(batch)
-        loss = causal_lm_loss(self(input_ids, position_ids), labels)
-        self.log("train_loss", loss, prog_bar=True, batch_size=input_ids.shape[0])
+        input_ids, labels, position_ids, token_counts = unpack_batch(batch)
+        loss = per_sample_token_loss(self(input_ids, position_ids), labels, token_counts).mean()
+        self.log("train_loss", self._whole_sequence(loss), prog_bar=True, batch_size=input_ids.shape[0])
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        input_ids, labels, position_ids = unpack_batch(batch)
+        input_ids, labels, position_ids, token_counts = unpack_batch(batch)
         logits = self(input_ids, position_ids)
-        self.log("val_loss", causal_lm_loss(logits, labels), batch_size=input_ids.shape[0])
+        loss = per_sample_token_loss(logits, labels, token_counts).mean()
+        self.log("val_loss", self._whole_sequence(loss), batch_size=input_ids.shape[0])
         self.val_perplexity.update(logits.float(), labels)
         self.log("val_perplexity", self.val_perplexity, prog_bar=True)
+
+    def _whole_sequence(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss of whole sequences for logging: a shard's loss summed over the context-parallel group."""
+        mesh = self.device_mesh
+        if mesh is None or "context_parallel" not in (mesh.mesh_dim_names or ()):
+            return loss.detach()
+        context_parallel = mesh["context_parallel"]
+        if context_parallel.size() == 1:
+            return loss.detach()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total, group=context_parallel.get_group())
+        return total
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.parameters() if p.requires_grad]

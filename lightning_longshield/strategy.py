@@ -30,6 +30,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -37,9 +44,21 @@ from typing_extensions import override
 
 from lightning_longshield.batching import batch_size_of, split_into_microbatches
 from lightning_longshield.callbacks import PrivacyMonitor
-from lightning_longshield.context_parallel import build_device_mesh, resolve_parallel_sizes
+from lightning_longshield.context_parallel import (
+    apply_context_parallel_attention,
+    build_device_mesh,
+    resolve_parallel_sizes,
+    shard_batch,
+)
 from lightning_longshield.data_loading import data_parallel_dataloader, poisson_dataloader
+from lightning_longshield.parallelize import shard_with_fsdp
 from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
+from lightning_longshield.privacy.grad_sample.exchange import (
+    AllReduceExchange,
+    LocalExchange,
+    OutputStationaryExchange,
+    ReduceScatterExchange,
+)
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, resolve_plan
 from lightning_longshield.privacy.seeding import derive_seed
 
@@ -153,6 +172,7 @@ class LongShieldStrategy(ParallelStrategy):
         self.privacy_plan: Optional[PrivacyPlan] = None
         self._engine: Optional[DPSGDEngine] = None
         self._noise: Optional[GaussianNoise] = None
+        self._noise_seed: Optional[int] = None
         self._sampling_seed: Optional[int] = None
         self._train_dataset_size: Optional[int] = None
         self._dataloader_batch_size: Optional[int] = None
@@ -200,6 +220,15 @@ class LongShieldStrategy(ParallelStrategy):
         return self.device_mesh["data_parallel"].get_local_rank()
 
     @property
+    def context_parallel_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of this process's context-parallel group (its peers share every batch)."""
+        return self.device_mesh["context_parallel"]
+
+    @property
+    def is_context_parallel(self) -> bool:
+        return self.context_parallel_mesh.size() > 1
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
@@ -236,11 +265,6 @@ class LongShieldStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         data_parallel_size, context_parallel_size = resolve_parallel_sizes(self.world_size, self.context_parallel_size)
-        if self.world_size > 1:
-            raise NotImplementedError(
-                f"{type(self).__name__} trains on one process for now (devices=1); data- and context-parallel"
-                " training across processes is not implemented yet."
-            )
         self._device_mesh = build_device_mesh(self.root_device.type, data_parallel_size, context_parallel_size)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -258,18 +282,43 @@ class LongShieldStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            # Generators are created once per strategy: a second `fit` continues their streams, never replays them.
-            if self._noise is None:
-                self._noise = GaussianNoise(self.root_device, self._derived_seed("noise"), self.secure_mode)
+            # Seeds are drawn once per strategy and draws are keyed by the DP step: a second `fit` continues the
+            # streams, never replays them. Each CP rank draws its own shard's noise; DP replicas draw the same.
+            if self._noise_seed is None:
+                self._noise_seed = self._derived_seed("noise")
                 self._sampling_seed = self._derived_seed("sampling")
-            self._engine = DPSGDEngine(
-                self.lightning_module, self._privacy_arguments.max_grad_norm, self._noise, self.accountant
+            self._noise = GaussianNoise(
+                self.root_device, self._noise_seed, self.context_parallel_mesh.get_local_rank(), self.secure_mode
             )
+            self._engine = self._build_engine()
             if not any(isinstance(cb, PrivacyMonitor) for cb in trainer.callbacks):
                 trainer.callbacks.append(PrivacyMonitor())
             self.setup_optimizers(trainer)
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
+
+    def _build_engine(self) -> DPSGDEngine:
+        """Shard the model over the CP group (FSDP2, CP attention) and wire the matching per-sample exchange."""
+        module = self.lightning_module
+        assert module is not None and self._noise is not None
+        exchange: Optional[LocalExchange] = None
+        shards = cp_group = None
+        if self.is_context_parallel:
+            cp_mesh = self.context_parallel_mesh
+            cp_group = cp_mesh.get_group()
+            apply_context_parallel_attention(module, cp_group)
+            output_stationary = self.grad_sample_pattern == "output_stationary"
+            shards = shard_with_fsdp(module, cp_mesh, shard_linear_inputs=output_stationary)
+            if not self.shard_per_sample_grads:
+                exchange = AllReduceExchange(cp_group)
+            elif output_stationary:
+                exchange = OutputStationaryExchange(cp_group, shards, self.overlap_communication)
+            else:
+                exchange = ReduceScatterExchange(cp_group, shards, self.overlap_communication)
+        dp_group = self.device_mesh["data_parallel"].get_group() if self.data_parallel_size > 1 else None
+        return DPSGDEngine(
+            module, self.max_grad_norm, self._noise, self.accountant, exchange, shards, cp_group, dp_group
+        )
 
     def _check_trainer_configuration(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -422,7 +471,18 @@ class LongShieldStrategy(ParallelStrategy):
     def _microbatch_training_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._microbatch_size = batch_size_of(microbatch)
         self._engine.prepare_microbatch(self._microbatch_size)  # type: ignore[union-attr]
-        return super().training_step(microbatch, *rest, **kwargs)
+        return super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
+
+    def _shard_sequence(self, batch: Any) -> Any:
+        """This rank's head-tail shard of every sequence (with global positions and whole-sequence token counts)."""
+        if not self.is_context_parallel:
+            return batch
+        cp = self.context_parallel_mesh
+        return shard_batch(batch, cp.get_local_rank(), cp.size())
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super().validation_step(self._shard_sequence(args[0]), *args[1:], **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
@@ -465,12 +525,36 @@ class LongShieldStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
 
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full, unsharded state dict (gathered over the CP group when parameters are sharded)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.lightning_module, options=options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=options)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The full optimizer state keyed by parameter name, so it loads under any CP size."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        options = StateDictOptions(full_state_dict=True)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            set_optimizer_state_dict(self.lightning_module, optimizer, state, options=options)
+
     def _dp_state_dict(self) -> dict[str, Any]:
         assert self._noise is not None and self.privacy_plan is not None
         return {
             "plan": self.privacy_plan.state_dict(),
             "accountant": self.accountant.state_dict(),
-            "noise": self._noise.state_dict(),
+            "noise_seed": self._noise_seed,
             "sampling_seed": self._sampling_seed,
         }
 
@@ -486,7 +570,7 @@ class LongShieldStrategy(ParallelStrategy):
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None and self._noise is not None:
             self.accountant.load_state_dict(state["accountant"])
-            self._noise.load_state_dict(state["noise"])
+            self._noise_seed = self._noise.seed = state["noise_seed"]
             self._sampling_seed = state["sampling_seed"]
             self._restored_state = state
         return checkpoint

@@ -72,6 +72,7 @@ class DPSGDEngine:
 
     def release(self, noise_multiplier: float, sample_rate: float, expected_batch_size: float) -> None:
         """Write the private gradient of the logical batch to ``param.grad`` and account for the step."""
+        self.noise.start_step(self.accountant.steps)
         self.accumulator.release(self.noise, noise_multiplier * self.max_grad_norm, expected_batch_size)
         self.accountant.step(noise_multiplier, sample_rate)
 

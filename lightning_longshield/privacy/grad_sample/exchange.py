@@ -18,8 +18,8 @@ bytes of per-sample gradients it holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -83,7 +83,7 @@ class ReduceScatterExchange(LocalExchange):
 
     def _store(self, name: str, grad_sample: torch.Tensor) -> None:
         chunks = self.shards[name].padded_chunks_first(grad_sample, offset=1)
-        output = torch.empty_like(chunks[0])
+        output = torch.empty_like(chunks[:1])
         work = dist.reduce_scatter_tensor(output, chunks, group=self.group, async_op=True)
         self._pending.append((work, name, output))
         # Keep one collective in flight: it overlaps the data-gradient compute of the next layer down.
@@ -93,7 +93,7 @@ class ReduceScatterExchange(LocalExchange):
         while len(self._pending) > keep:
             work, name, output = self._pending.pop(0)
             work.wait()
-            super()._store(name, self.shards[name].from_chunk(output, offset=1))
+            super()._store(name, self.shards[name].from_chunk(output[0], offset=1))
 
     def finish(self) -> dict[str, torch.Tensor]:
         self._wait(keep=0)
@@ -122,7 +122,7 @@ class OutputStationaryExchange(ReduceScatterExchange):
 def _all_gather_tokens(x: torch.Tensor, world: int, group: dist.ProcessGroup) -> torch.Tensor:
     """(B, T_local, F) -> (B, world * T_local, F), the ranks' tokens in rank order."""
     gathered = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(gathered, x.contiguous(), group=group)
+    dist.all_gather_into_tensor(gathered, x.unsqueeze(0).contiguous(), group=group)
     return gathered.movedim(0, 1).flatten(1, 2)
 
 

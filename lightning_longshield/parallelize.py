@@ -1,0 +1,48 @@
+"""Parallelism applied from outside the model: FSDP2 over the context-parallel group, aligned with DP shards."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import Shard
+
+from lightning_longshield.privacy.shards import ParamShard
+
+
+def shard_with_fsdp(module: nn.Module, mesh: DeviceMesh, shard_linear_inputs: bool = False) -> dict[str, ParamShard]:
+    """Shard ``module``'s parameters over the 1-D ``mesh``: every block of every `nn.ModuleList`, then each child.
+
+    Gradients are reduce-scattered as plain sums (FSDP2 would otherwise average over the group, but a shard's
+    per-sample gradient is the *sum* of the ranks' token partials). With ``shard_linear_inputs`` a linear weight
+    with more input than output features is sharded along its input dimension (the output-stationary pattern
+    all-to-alls the larger of activation and output gradient, and the shard dimension follows it).
+    Returns the shard every trainable parameter has on this rank, by parameter name.
+    """
+    input_sharded = set()
+    if shard_linear_inputs:
+        input_sharded = {
+            id(m.weight) for m in module.modules() if type(m) is nn.Linear and m.in_features > m.out_features
+        }
+
+    def placement(param: nn.Parameter) -> Shard:
+        return Shard(1) if id(param) in input_sharded else Shard(0)
+
+    for list_module in [m for m in module.modules() if isinstance(m, nn.ModuleList)]:
+        for block in list_module:
+            fully_shard(block, mesh=mesh, shard_placement_fn=placement)
+    if any(p.requires_grad for p in module.parameters(recurse=False)):
+        raise TypeError(f"{type(module).__name__} owns parameters directly; put them in a submodule to shard it.")
+    for child in module.children():
+        if any(True for _ in child.parameters()) and not isinstance(child, FSDPModule):
+            fully_shard(child, mesh=mesh, shard_placement_fn=placement)
+    for submodule in module.modules():
+        if isinstance(submodule, FSDPModule):
+            submodule.set_gradient_divide_factor(1.0)
+            submodule.set_force_sum_reduction_for_comms(True)
+    rank, world = mesh.get_local_rank(), mesh.size()
+    shards = {}
+    for name, param in module.named_parameters():
+        dim = param.placements[0].dim
+        shards[name] = ParamShard(dim=dim, rank=rank, world=world, size=param.shape[dim])
+    return shards

@@ -1,0 +1,38 @@
+"""Run a test function in N fresh processes joined by a gloo process group (file rendezvous, no ports)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    # Lightning sees an externally launched process (like torchrun) and reuses the initialised group.
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_processes(world_size: int, tmp_path: Path, fn: Callable[..., Any], *args: Any) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; any rank's exception fails the caller.
+
+    The forkserver start method (where available) forks workers from a server that imported the test modules once,
+    instead of re-importing torch and Lightning in every worker.
+    """
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    if method == "forkserver":
+        mp.get_context("forkserver").set_forkserver_preload(["lightning_longshield"])
+    mp.start_processes(
+        _worker, args=(world_size, str(tmp_path / "store"), fn, args), nprocs=world_size, join=True,
+        start_method=method,
+    )
