@@ -48,3 +48,61 @@ def train_configurations(rank: int, world_size: int, configurations: list[dict[s
         dist.all_reduce(held, op=dist.ReduceOp.MAX)
         if rank == 0:
             torch.save({"states": states, "held_bytes": held.item(), "config": config}, Path(out_dir) / f"{index}.pt")
+
+
+def flat_state(strategy) -> torch.Tensor:
+    """The gathered full parameters, flat (collective; only rank 0 receives them)."""
+    values = [v.flatten().float() for v in strategy.lightning_module_state_dict().values()]
+    return torch.cat(values) if values else torch.empty(0)
+
+
+def noise_and_epsilon(rank: int, world_size: int, out_dir: str) -> None:
+    """Data 2 x CP 2: one pure-noise step (sigma C >> clipped sum) and a short Poisson-sampled run for epsilon."""
+    results: dict[str, Any] = {}
+    strategy = LongShieldStrategy(context_parallel_size=2, noise_multiplier=1000.0, max_grad_norm=1e-3,
+                                  micro_batch_size=2, poisson_sampling=False, seed=11)
+    module = make_module(small_config())
+    trainer = make_trainer(strategy, max_steps=1, devices=world_size)
+    initial = torch.cat([p.detach().flatten().float() for p in module.model.state_dict().values()])
+    trainer.fit(module, loader(RandomTokens(**DATASET), LOGICAL_BATCH // 2))
+    final = flat_state(strategy)
+    if rank == 0:
+        results["update"] = final - initial
+    sigma = 1.1
+    strategy = LongShieldStrategy(context_parallel_size=2, noise_multiplier=sigma, accountant="rdp",
+                                  target_delta=1e-3, seed=12)
+    trainer = make_trainer(strategy, max_steps=3, devices=world_size)
+    trainer.fit(make_module(small_config()), loader(RandomTokens(**DATASET), LOGICAL_BATCH // 2))
+    results.update(epsilon=strategy.get_epsilon(), history=strategy.accountant.history)
+    if rank == 0:
+        torch.save(results, Path(out_dir) / "noise.pt")
+
+
+def save_checkpoint_under_cp(rank: int, world_size: int, path: str) -> None:
+    """CP 2: two Poisson-sampled AdamW steps without noise, then a checkpoint."""
+    strategy = LongShieldStrategy(context_parallel_size=world_size, noise_multiplier=0.0, max_grad_norm=0.05,
+                                  micro_batch_size=2, seed=0)
+    module = make_module(small_config(), optimizer="adamw", learning_rate=1e-2)
+    trainer = make_trainer(strategy, max_steps=2, devices=world_size)
+    trainer.fit(module, loader(RandomTokens(**DATASET), LOGICAL_BATCH))
+    trainer.save_checkpoint(path)
+
+
+def context_parallel_errors(rank: int, world_size: int, out_dir: str) -> None:
+    """Record the errors for an unshardable sequence length and for a model without replaceable attention."""
+    messages = {}
+    try:
+        trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, seed=0), max_steps=1, devices=world_size)
+        trainer.fit(make_module(small_config()), loader(RandomTokens(size=8, seq_len=6), 2))
+    except ValueError as error:
+        messages["seq_len"] = str(error)
+    module = make_module(small_config())
+    for block in module.model.layers:
+        del block.attention.attention_fn  # as if the attention were hard-wired and ignored global positions
+    try:
+        trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, seed=0), max_steps=1, devices=world_size)
+        trainer.fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
+    except TypeError as error:
+        messages["attention"] = str(error)
+    if rank == 0:
+        torch.save(messages, Path(out_dir) / "errors.pt")

@@ -7,10 +7,20 @@ import copy
 
 import pytest
 import torch
-from cp_training_workers import DATASET, LOGICAL_BATCH, STEPS, train_configurations
-from multiprocess import run_processes
+from opacus.accountants import create_accountant
 
-from helpers import RandomTokens, make_module, reference_dp_sgd, samples, small_config
+from cp_training_workers import (
+    DATASET,
+    LOGICAL_BATCH,
+    STEPS,
+    context_parallel_errors,
+    noise_and_epsilon,
+    save_checkpoint_under_cp,
+    train_configurations,
+)
+from helpers import RandomTokens, loader, make_module, make_trainer, reference_dp_sgd, samples, small_config
+from lightning_longshield import LongShieldStrategy
+from multiprocess import run_processes
 
 CLIP = 0.05
 EXCHANGES = {
@@ -67,3 +77,47 @@ def test_context_parallel_updates_match_reference(tmp_path, world_size, context_
     v1, v2_input, v2_output = held[2], held[5], held[8]
     assert v2_input == pytest.approx(v1 / context_parallel_size, rel=0.02)
     assert v2_output == pytest.approx(v1 / context_parallel_size, rel=0.02)
+
+
+@pytest.mark.slow
+def test_noise_is_added_once_across_data_parallel_groups_and_epsilon_matches(tmp_path):
+    run_processes(4, tmp_path, noise_and_epsilon, str(tmp_path))
+    result = torch.load(tmp_path / "noise.pt", weights_only=False)
+    noise = result["update"]  # the clipped sum has norm <= 4e-3 in all; the update is noise / B to within 1e-3
+    expected_std = 1000.0 * 1e-3 / LOGICAL_BATCH
+    assert abs(noise.std().item() / expected_std - 1) < 0.03, "noise added once, not once per data-parallel group"
+    halves = noise[: noise.numel() // 2 * 2].view(2, -1)
+    assert abs(torch.corrcoef(halves)[0, 1].item()) < 0.05
+    reference = create_accountant("rdp")
+    for _ in range(3):
+        reference.step(noise_multiplier=1.1, sample_rate=LOGICAL_BATCH / DATASET["size"])
+    assert result["history"] == [(1.1, LOGICAL_BATCH / DATASET["size"], 3)]
+    assert result["epsilon"] == pytest.approx(reference.get_epsilon(delta=1e-3), rel=1e-9)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_under_cp_resumes_on_one_process(tmp_path):
+    path = tmp_path / "cp2.ckpt"
+    run_processes(2, tmp_path, save_checkpoint_under_cp, str(path))
+    checkpoint = torch.load(path, weights_only=False)
+    module = make_module(small_config(), optimizer="adamw", learning_rate=1e-2)
+    assert set(checkpoint["state_dict"]) == {f"model.{k}" for k in module.model.state_dict()}
+
+    def strategy():
+        # Poisson draws are keyed by the DP step, so the resumed run sees exactly the batches it would have.
+        return LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=0.05, micro_batch_size=2, seed=0)
+
+    resumed = module
+    make_trainer(strategy(), max_steps=3).fit(resumed, loader(RandomTokens(**DATASET), LOGICAL_BATCH), ckpt_path=path)
+    uninterrupted = make_module(small_config(), optimizer="adamw", learning_rate=1e-2)
+    make_trainer(strategy(), max_steps=3).fit(uninterrupted, loader(RandomTokens(**DATASET), LOGICAL_BATCH))
+    for (name, value), expected in zip(resumed.model.state_dict().items(), uninterrupted.model.state_dict().values()):
+        torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_context_parallel_errors_name_the_fix(tmp_path):
+    run_processes(2, tmp_path, context_parallel_errors, str(tmp_path))
+    messages = torch.load(tmp_path / "errors.pt")
+    assert "not divisible by 2 x context_parallel_size" in messages["seq_len"]
+    assert "attention_fn" in messages["attention"] and "context_parallel_size=1" in messages["attention"]
