@@ -69,7 +69,10 @@ CHECKPOINT_KEY = "longshield"
 class LongShieldStrategy(ParallelStrategy):
     """Differentially private training (DP-SGD) of a LightningModule on a (data_parallel, context_parallel) mesh.
 
-    Training runs on one process for now; the (data_parallel, context_parallel) mesh is built already.
+    With several processes, each context-parallel group shares every batch: sequences are sharded head-tail over
+    the group, parameters (and optimizer state) are FSDP2-sharded over it, attention all-gathers K/V, and per-sample
+    gradients are completed by the exchange chosen with ``shard_per_sample_grads`` / ``grad_sample_pattern``.
+    Data-parallel groups draw disjoint Poisson samples and sum their clipped gradients before the noise.
 
     Every optimizer step is one DP step over one logical batch: the batch (Poisson-sampled by default) is split
     into micro-batches of ``micro_batch_size``; each sample's gradient over all trainable parameters is clipped to
@@ -88,9 +91,10 @@ class LongShieldStrategy(ParallelStrategy):
         poisson_sampling: ``False`` uses the DataLoader's own batches as logical batches; the accountant still
             assumes Poisson sampling, so the reported epsilon is then not a formal guarantee.
         shard_per_sample_grads: ``True`` reduce-scatters per-sample gradients over the CP group (LongShield-V2),
-            ``False`` all-reduces them (V1). Validated now; takes effect with context parallelism.
-        grad_sample_pattern: ``"input_stationary"`` or ``"output_stationary"`` communication for V2 (as above).
-        overlap_communication: overlap per-sample-gradient communication with backward (as above).
+            ``False`` all-reduces them (V1). With one sample per micro-batch both use FSDP2's reduce-scatter.
+        grad_sample_pattern: ``"input_stationary"`` (reduce-scatter the local partials) or ``"output_stationary"``
+            (linear layers exchange activations and output gradients instead) for V2.
+        overlap_communication: overlap the per-sample reduce-scatter with the backward of the next layer.
         activation_checkpointing: DP-safe block-level activation checkpointing (LongShield-V3); not implemented
             yet, so ``True`` raises.
         accountant: ``"prv"`` or ``"rdp"``.
