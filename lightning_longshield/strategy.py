@@ -23,7 +23,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -51,6 +51,7 @@ from lightning_longshield.context_parallel import (
     shard_batch,
 )
 from lightning_longshield.data_loading import data_parallel_dataloader, poisson_dataloader
+from lightning_longshield.launcher import GatheringMultiProcessingLauncher
 from lightning_longshield.parallelize import shard_with_fsdp
 from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
 from lightning_longshield.privacy.grad_sample.exchange import (
@@ -251,7 +252,7 @@ class LongShieldStrategy(ParallelStrategy):
                     self.cluster_environment, self.num_processes, self.num_nodes
                 )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = GatheringMultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

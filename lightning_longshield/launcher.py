@@ -1,0 +1,21 @@
+"""Lightning's spawn/fork launcher, returning the full (gathered) weights of an FSDP2-sharded model."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from typing_extensions import override
+
+
+class GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
+    """After training in spawned workers, hand the main process the full state dict, not rank 0's shards."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Optional[_WorkerOutput]:
+        full_state = self._strategy.lightning_module_state_dict()  # collective: every rank takes part
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is not None and output.weights_path is not None:
+            self._strategy.checkpoint_io.save_checkpoint(full_state, output.weights_path)
+        return output
