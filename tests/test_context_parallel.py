@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import cp_workers
 import pytest
 import torch
-from multiprocess import run_processes
 from torch import nn
 
+import cp_workers
 from helpers import small_config
 from lightning_longshield.context_parallel import (
     ContextParallelAttention,
@@ -21,6 +20,7 @@ from lightning_longshield.context_parallel import (
 from lightning_longshield.loss import per_sample_token_loss
 from lightning_longshield.models import Llama
 from lightning_longshield.models.llama import causal_attention
+from multiprocess import run_processes
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
