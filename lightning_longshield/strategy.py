@@ -44,6 +44,7 @@ from typing_extensions import override
 
 from lightning_longshield.batching import batch_size_of, split_into_microbatches
 from lightning_longshield.callbacks import PrivacyMonitor
+from lightning_longshield.checkpointing import CheckpointPolicy, apply_activation_checkpointing, select_blocks
 from lightning_longshield.context_parallel import (
     apply_context_parallel_attention,
     build_device_mesh,
@@ -96,8 +97,8 @@ class LongShieldStrategy(ParallelStrategy):
         grad_sample_pattern: ``"input_stationary"`` (reduce-scatter the local partials) or ``"output_stationary"``
             (linear layers exchange activations and output gradients instead) for V2.
         overlap_communication: overlap the per-sample reduce-scatter with the backward of the next layer.
-        activation_checkpointing: DP-safe block-level activation checkpointing (LongShield-V3); not implemented
-            yet, so ``True`` raises.
+        activation_checkpointing: DP-safe block-level activation checkpointing (LongShield-V3): ``True`` for every
+            block, an int ``k`` for every k-th block, or a callable ``(index, block) -> bool``.
         accountant: ``"prv"`` or ``"rdp"``.
         secure_mode: seed noise and sampling from the OS CSPRNG and harden the Gaussian sampler.
         seed: seed of the sampling and noise generators (``None``: random, shared by all processes).
@@ -118,7 +119,7 @@ class LongShieldStrategy(ParallelStrategy):
         shard_per_sample_grads: bool = True,
         grad_sample_pattern: Literal["input_stationary", "output_stationary"] = "input_stationary",
         overlap_communication: bool = True,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: CheckpointPolicy = False,
         accountant: Literal["prv", "rdp"] = "prv",
         secure_mode: bool = False,
         seed: Optional[int] = None,
@@ -152,11 +153,7 @@ class LongShieldStrategy(ParallelStrategy):
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
         if grad_sample_pattern not in GRAD_SAMPLE_PATTERNS:
             raise ValueError(f"grad_sample_pattern={grad_sample_pattern!r}; choose one of {GRAD_SAMPLE_PATTERNS}.")
-        if activation_checkpointing:
-            raise NotImplementedError(
-                "activation_checkpointing=True (DP-safe activation checkpointing, LongShield-V3) is not implemented"
-                " yet; leave it False."
-            )
+        select_blocks([], activation_checkpointing)  # validates the policy's type and value
         if secure_mode and seed is not None:
             raise ValueError("secure_mode=True draws its seeds from the OS; remove `seed` or set secure_mode=False.")
         self.context_parallel_size = context_parallel_size
@@ -308,6 +305,8 @@ class LongShieldStrategy(ParallelStrategy):
         assert module is not None and self._noise is not None
         exchange: Optional[LocalExchange] = None
         shards = cp_group = None
+        if self.activation_checkpointing is not False:
+            apply_activation_checkpointing(module, self.activation_checkpointing)
         if self.is_context_parallel:
             cp_mesh = self.context_parallel_mesh
             cp_group = cp_mesh.get_group()

@@ -1,5 +1,5 @@
-"""Context-parallel DP-SGD (V1, V2 input- and output-stationary) on a data x context mesh equals CP size 1 and the
-independent per-sample-loop reference (noise 0, SGD lr 1, clipping active)."""
+"""Context-parallel DP-SGD (V1, V2 input- and output-stationary, each also with activation checkpointing) on a data x
+context mesh equals CP size 1 and the independent per-sample-loop reference (noise 0, SGD lr 1, clipping active)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,15 @@ def configurations(context_parallel_size: int) -> list[dict]:
         )
         for exchange in EXCHANGES.values()
         for mbs, tie in ((1, False), (2, True), (2, False))
+    ] + [  # LongShield-V3: the same runs with every block checkpointed
+        dict(
+            strategy_kwargs=dict(context_parallel_size=context_parallel_size, micro_batch_size=mbs,
+                                 activation_checkpointing=True, **exchange),
+            tie_embeddings=False,
+            max_grad_norm=CLIP,
+        )
+        for exchange in EXCHANGES.values()
+        for mbs in (1, 2)
     ]
 
 

@@ -111,6 +111,7 @@ def test_manual_optimization_is_refused():
         fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
 
 
-def test_not_yet_available_features_are_refused_loudly():
-    with pytest.raises(NotImplementedError, match="activation_checkpointing"):
-        LongShieldStrategy(activation_checkpointing=True)
+@pytest.mark.parametrize("policy, error", [(0, ValueError), ("every", TypeError)])
+def test_invalid_checkpointing_policy(policy, error):
+    with pytest.raises(error, match="activation_checkpointing"):
+        LongShieldStrategy(activation_checkpointing=policy)

@@ -1,0 +1,64 @@
+"""DP-safe activation checkpointing of transformer blocks (LongShield-V3).
+
+Hook-based DP libraries keep a reference to every layer input from a forward hook, so checkpointing frees nothing
+and the hook fires again on recomputation. Here per-sample gradients read their activations through autograd's
+saved-tensor mechanism (`PerSampleGradTap` saves with ``save_for_backward``), which non-reentrant checkpointing
+controls: nothing captured in a checkpointed block's first forward outlives it, and backward uses the recomputed
+activations. Layers outside checkpointed blocks are captured as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Union
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+#: ``True``: every block; ``k`` (int): every k-th block (0, k, 2k, ...); a callable ``(index, block) -> bool``.
+CheckpointPolicy = Union[bool, int, Callable[[int, nn.Module], bool]]
+
+
+class CheckpointedForward:
+    """A module's forward run under non-reentrant `torch.utils.checkpoint` (installed as the instance's forward)."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model: the children of every `nn.ModuleList`, in order."""
+    return [block for child in module.modules() if isinstance(child, nn.ModuleList) for block in child]
+
+
+def select_blocks(blocks: list[nn.Module], policy: CheckpointPolicy) -> list[nn.Module]:
+    """The blocks ``policy`` checkpoints."""
+    if policy is True:
+        return list(blocks)
+    if policy is False:
+        return []
+    if isinstance(policy, int):
+        if policy < 1:
+            raise ValueError(f"activation_checkpointing={policy}: an int policy checkpoints every k-th block, k >= 1.")
+        return [block for index, block in enumerate(blocks) if index % policy == 0]
+    if callable(policy):
+        return [block for index, block in enumerate(blocks) if policy(index, block)]
+    raise TypeError(f"activation_checkpointing must be a bool, an int or a callable, got {type(policy).__name__}.")
+
+
+def apply_activation_checkpointing(module: nn.Module, policy: CheckpointPolicy = True) -> int:
+    """Checkpoint the blocks of ``module`` chosen by ``policy``; returns how many. Idempotent."""
+    blocks = transformer_blocks(module)
+    if policy is not False and not blocks:
+        raise TypeError(
+            f"{type(module).__name__} has no nn.ModuleList of blocks to checkpoint; keep the repeated blocks in an"
+            " nn.ModuleList (as Llama.layers) or set activation_checkpointing=False."
+        )
+    selected = select_blocks(blocks, policy)
+    for block in selected:
+        if not isinstance(block.__dict__.get("forward"), CheckpointedForward):
+            block.forward = CheckpointedForward(block.forward)
+    return len(selected)
