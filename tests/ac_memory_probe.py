@@ -1,0 +1,37 @@
+"""Run one DP training step and print the peak-RSS growth during it (run as a script in a fresh process)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from helpers import RandomTokens, loader, make_module, make_trainer, small_config
+from lightning_longshield import LongShieldStrategy
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Baseline(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before = peak_rss_bytes()
+
+
+def main(activation_checkpointing: bool) -> None:
+    torch.manual_seed(0)
+    config = small_config(n_layers=6, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=512, max_seq_len=4096)
+    module = make_module(config)
+    baseline = Baseline()
+    strategy = LongShieldStrategy(noise_multiplier=1.0, micro_batch_size=2, poisson_sampling=False,
+                                  activation_checkpointing=activation_checkpointing, seed=0)
+    make_trainer(strategy, max_steps=1, callbacks=[baseline]).fit(module, loader(RandomTokens(size=2, seq_len=1024), 2))
+    print(json.dumps({"step_peak_growth": peak_rss_bytes() - baseline.before}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] == "1")
