@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,27 @@ def context_parallel_errors(rank: int, world_size: int, out_dir: str) -> None:
         messages["attention"] = str(error)
     if rank == 0:
         torch.save(messages, Path(out_dir) / "errors.pt")
+
+
+def live_tensor_count() -> int:
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+
+
+class CountLiveTensors(Callback):
+    def __init__(self, steps: tuple[int, ...]) -> None:
+        self.steps, self.counts = steps, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step in self.steps:
+            self.counts[trainer.global_step] = live_tensor_count()
+
+
+def leak_check(rank: int, world_size: int, out_dir: str) -> None:
+    """CP 2 with activation checkpointing (V2): live tensors after step 5 and after step 50."""
+    counter = CountLiveTensors((5, 50))
+    strategy = LongShieldStrategy(noise_multiplier=1.0, micro_batch_size=2, activation_checkpointing=True, seed=0)
+    trainer = make_trainer(strategy, max_steps=50, devices=world_size, callbacks=[counter])
+    trainer.fit(make_module(small_config(n_layers=2), optimizer="adamw", learning_rate=1e-3),
+                loader(RandomTokens(size=64), 4))
+    torch.save(counter.counts, Path(out_dir) / f"leak{rank}.pt")

@@ -14,6 +14,7 @@ from cp_training_workers import (
     LOGICAL_BATCH,
     STEPS,
     context_parallel_errors,
+    leak_check,
     noise_and_epsilon,
     save_checkpoint_under_cp,
     train_configurations,
@@ -130,3 +131,11 @@ def test_context_parallel_errors_name_the_fix(tmp_path):
     messages = torch.load(tmp_path / "errors.pt")
     assert "not divisible by 2 x context_parallel_size" in messages["seq_len"]
     assert "attention_fn" in messages["attention"] and "context_parallel_size=1" in messages["attention"]
+
+
+@pytest.mark.slow
+def test_no_leak_with_checkpointing_under_context_parallelism(tmp_path):
+    run_processes(2, tmp_path, leak_check, str(tmp_path))
+    for rank in range(2):
+        counts = torch.load(tmp_path / f"leak{rank}.pt")
+        assert counts[50] <= counts[5] + 5, counts
