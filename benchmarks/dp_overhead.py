@@ -1,0 +1,294 @@
+"""Cost of DP-SGD per optimizer step: LongShield and Opacus, each against a matching non-DP loop. Prints JSON.
+
+Four loops train the same model on the same micro-batches, ``--accumulation`` micro-batches per optimizer step:
+
+- ``longshield``: Lightning + `LongShieldStrategy` (noise_multiplier=1, fixed batches: poisson_sampling=False);
+  the DataLoader yields logical batches and the strategy splits them into micro-batches.
+- ``nondp_lightning``: the same Lightning loop with the default single-device strategy; the DataLoader yields
+  micro-batches and ``accumulate_grad_batches`` makes the same number of forward/backward passes per step.
+- ``opacus``: a plain PyTorch loop with Opacus ``make_private(grad_sample_mode="hooks")`` and its
+  ``BatchMemoryManager`` splitting logical batches into micro-batches.
+- ``nondp_torch``: the same plain loop without Opacus, accumulating gradients over the micro-batches.
+
+Every (loop, micro-batch size) runs in a fresh subprocess, so peak memory is measured in isolation: on CPU the
+growth of peak RSS (``ru_maxrss``) from just before training to the end, on CUDA ``max_memory_allocated`` above
+the memory allocated just before training. Step time is the median over ``--steps`` optimizer steps after
+``--warmup`` steps; with ``--repeats`` every configuration runs that many times, interleaved, and the least
+disturbed (minimum) measurement is reported. Example:
+
+    python benchmarks/dp_overhead.py --seq-len 256 --micro-batch-sizes 1 4 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from opacus import PrivacyEngine
+from opacus.utils.batch_memory_manager import wrap_data_loader
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_longshield import CausalLMModule, LongShieldStrategy
+from lightning_longshield.data import python_stdlib_corpus
+from lightning_longshield.loss import causal_lm_loss
+from lightning_longshield.models import Llama, LlamaConfig
+
+METHODS = ("nondp_lightning", "longshield", "nondp_torch", "opacus")
+NOTES = (
+    "Ratios compare each DP loop with its own non-DP loop: longshield with nondp_lightning (same Lightning loop,"
+    " accumulate_grad_batches = micro-batches per step), opacus (hooks, BatchMemoryManager) with nondp_torch (same"
+    " plain PyTorch loop with gradient accumulation). Every optimizer step runs the same forward/backward passes"
+    " over the same samples: logical batch = accumulation x micro_batch_size, fixed batches (no Poisson"
+    " sampling), noise_multiplier=1, max_grad_norm=1, AdamW, fp32. Step time: median seconds per optimizer step"
+    " after warm-up. Peak memory: each run in a fresh subprocess; on CPU the growth of peak RSS during training"
+    " (optimizer states, activations, gradients, per-sample gradients, loop overheads), on CUDA"
+    " max_memory_allocated above the pre-training allocation. Every configuration runs `repeats` times,"
+    " interleaved, and the minimum of each measurement is reported. With micro_batch_size=1 LongShield needs no"
+    " per-sample-gradient buffer (the micro-batch gradient is the per-sample gradient); Opacus always"
+    " materialises grad_sample."
+)
+
+
+class _Samples(Dataset):
+    """``{"input_ids", "labels"}`` views of (N, T + 1) token rows."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[index, :-1], "labels": self.rows[index, 1:]}
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny", help="LlamaConfig preset")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per optimizer step")
+    parser.add_argument("--data", choices=("random", "stdlib"), default="random")
+    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps not timed (at least 1)")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every configuration, interleaved")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
+    parser.add_argument("--micro-batch-size", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if min(args.warmup, args.steps, args.repeats, args.accumulation) < 1:
+        parser.error("--warmup, --steps, --repeats and --accumulation must be >= 1")
+    return args
+
+
+# ---------------------------------------------------------------------------- worker: one loop in this process
+
+
+def _dataset(args: argparse.Namespace, size: int) -> Dataset:
+    window = args.seq_len + 1
+    if args.data == "random":
+        rows = torch.randint(0, 256, (size, window), generator=torch.Generator().manual_seed(0))
+    else:
+        data = python_stdlib_corpus(max_bytes=size * window).encode("utf-8")
+        if len(data) < size * window:
+            raise ValueError(f"The standard library holds fewer than {size} windows of {window} bytes.")
+        rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).long().view(size, window)
+    return _Samples(rows)
+
+
+def _config(args: argparse.Namespace) -> LlamaConfig:
+    return LlamaConfig.from_name(args.preset)
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _lightning_step_ends(args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int) -> list[float]:
+    ends: list[float] = []
+
+    class StepEnds(Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+            if trainer.global_step > len(ends):
+                _synchronize(args.device)
+                ends.append(time.perf_counter())
+
+    micro, logical = args.micro_batch_size, args.micro_batch_size * args.accumulation
+    if dp:
+        strategy: Any = LongShieldStrategy(
+            noise_multiplier=1.0, max_grad_norm=1.0, micro_batch_size=micro, poisson_sampling=False, seed=0
+        )
+        loader, accumulation = DataLoader(dataset, batch_size=logical), 1
+    else:
+        strategy, loader, accumulation = "auto", DataLoader(dataset, batch_size=micro), args.accumulation
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        devices=1,
+        max_steps=total_steps,
+        accumulate_grad_batches=accumulation,
+        callbacks=[StepEnds()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(CausalLMModule(_config(args), optimizer="adamw", learning_rate=1e-4), loader)
+    return ends
+
+
+def _torch_step_ends(args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int) -> list[float]:
+    torch.manual_seed(0)
+    model = Llama(_config(args)).to(args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    micro, logical = args.micro_batch_size, args.micro_batch_size * args.accumulation
+    loader = DataLoader(dataset, batch_size=micro)
+    scale = 1.0 / args.accumulation
+    if dp:
+        model, optimizer, logical_loader = PrivacyEngine().make_private(
+            module=model,
+            optimizer=optimizer,
+            data_loader=DataLoader(dataset, batch_size=logical),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+            grad_sample_mode="hooks",
+        )
+        # What BatchMemoryManager does: the DP optimizer clips and sums micro-batches until a logical batch ends,
+        # then divides by the logical batch size, so the loss is not scaled by the accumulation.
+        loader = wrap_data_loader(data_loader=logical_loader, max_batch_size=micro, optimizer=optimizer)
+        scale = 1.0
+    ends: list[float] = []
+    for index, batch in enumerate(loader):
+        input_ids, labels = batch["input_ids"].to(args.device), batch["labels"].to(args.device)
+        (causal_lm_loss(model(input_ids), labels) * scale).backward()
+        if dp:
+            optimizer.step()  # a no-op (clip and accumulate only) until the logical batch's last micro-batch
+            optimizer.zero_grad()
+        if (index + 1) % args.accumulation:
+            continue
+        if not dp:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        _synchronize(args.device)
+        ends.append(time.perf_counter())
+        if len(ends) == total_steps:
+            break
+    return ends
+
+
+def _peak_memory_bytes(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def run_worker(args: argparse.Namespace) -> dict[str, float]:
+    """Train with one loop for warmup + steps + 1 optimizer steps; median step time and peak memory growth."""
+    total_steps = args.warmup + args.steps + 1
+    dataset = _dataset(args, total_steps * args.accumulation * args.micro_batch_size)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    else:
+        baseline = _peak_memory_bytes("cpu")
+    dp = args.worker in ("longshield", "opacus")
+    run = _lightning_step_ends if args.worker in ("longshield", "nondp_lightning") else _torch_step_ends
+    ends = run(args, dataset, dp, total_steps)
+    durations = [b - a for a, b in zip(ends, ends[1:])][args.warmup :]
+    return {"step_s": statistics.median(durations), "peak_mem_bytes": _peak_memory_bytes(args.device) - baseline}
+
+
+# ---------------------------------------------------------------------------- driver: one subprocess per config
+
+
+def _measure(method: str, micro_batch_size: int, argv: list[str]) -> dict[str, float]:
+    command = [sys.executable, __file__, *argv, "--worker", method, "--micro-batch-size", str(micro_batch_size)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"{method} (micro_batch_size={micro_batch_size}) failed:\n{result.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def _least_disturbed(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Minimum of each measurement over repeated runs: interference from other work only ever adds time."""
+    return {key: min(run[key] for run in runs) for key in runs[0]}
+
+
+def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    if numerator is None or not denominator:
+        return None
+    return round(numerator / denominator, 3)
+
+
+def _row(micro_batch_size: int, accumulation: int, measured: dict[str, dict[str, float]]) -> dict[str, Any]:
+    def get(method: str, key: str) -> Optional[float]:
+        return measured[method][key] if method in measured else None
+
+    row: dict[str, Any] = {"micro_batch_size": micro_batch_size, "logical_batch_size": micro_batch_size * accumulation}
+    for method in METHODS:
+        if method in measured:
+            row[f"{method}_step_s"] = round(get(method, "step_s"), 4)  # type: ignore[arg-type]
+            row[f"{method}_peak_mem_mib"] = round(get(method, "peak_mem_bytes") / 2**20, 1)  # type: ignore[operator]
+    for dp, nondp in (("longshield", "nondp_lightning"), ("opacus", "nondp_torch")):
+        row[f"{dp}_over_nondp"] = _ratio(get(dp, "step_s"), get(nondp, "step_s"))
+        row[f"{dp}_peak_mem_over_nondp"] = _ratio(get(dp, "peak_mem_bytes"), get(nondp, "peak_mem_bytes"))
+    return row
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_worker(args)))
+        return
+    forwarded = {
+        "--preset": args.preset,
+        "--seq-len": args.seq_len,
+        "--accumulation": args.accumulation,
+        "--data": args.data,
+        "--warmup": args.warmup,
+        "--steps": args.steps,
+        "--device": args.device,
+    }
+    shared = [f"{flag}={value}" for flag, value in forwarded.items()]
+    runs: dict[tuple[int, str], list[dict[str, float]]] = {}
+    for _ in range(args.repeats):
+        for micro_batch_size in args.micro_batch_sizes:
+            for method in args.methods:
+                runs.setdefault((micro_batch_size, method), []).append(_measure(method, micro_batch_size, shared))
+    results = [
+        _row(m, args.accumulation, {method: _least_disturbed(runs[m, method]) for method in args.methods})
+        for m in args.micro_batch_sizes
+    ]
+    config = {
+        "preset": args.preset,
+        "seq_len": args.seq_len,
+        "accumulation": args.accumulation,
+        "data": args.data,
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+        "repeats": args.repeats,
+        "device": args.device,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    print(json.dumps({"config": config, "results": results, "notes": NOTES}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Differentially private language-model training on the Python standard library's source, byte by byte.
+
+Trains the ``tiny`` Llama preset (byte vocabulary, ~3.3M parameters) with DP-SGD through `LongShieldStrategy`:
+each window of ``--seq-len`` bytes is one privacy unit, logical batches are Poisson-sampled with expected size
+``--batch-size``, and the noise is calibrated so that ``--max-steps`` steps spend at most ``--target-epsilon``.
+The last 5% of the windows are held out; the script ends by printing the privacy guarantee and the validation
+perplexity. The defaults take under two minutes on an idle 2-core CPU and reach a validation perplexity near 22
+(a uniform guess over bytes is 256):
+
+    python examples/train_dp_stdlib.py
+    python examples/train_dp_stdlib.py --seq-len 256 --batch-size 32 --max-steps 100 --target-epsilon 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Optional
+
+import lightning as L
+from lightning.pytorch.callbacks import RichProgressBar
+
+from lightning_longshield import CausalLMModule, LongShieldStrategy
+from lightning_longshield.data import StdlibTextDataModule
+from lightning_longshield.models import LlamaConfig
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=1024, help="bytes per sample (the privacy unit)")
+    parser.add_argument("--batch-size", type=int, default=8, help="expected logical (privacy) batch size")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="samples per forward/backward (memory)")
+    parser.add_argument("--max-steps", type=int, default=24, help="DP steps (optimizer steps)")
+    parser.add_argument("--target-epsilon", type=float, default=8.0, help="privacy budget of the whole run")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C")
+    parser.add_argument("--learning-rate", type=float, default=1e-2, help="AdamW learning rate")
+    parser.add_argument("--max-bytes", type=int, default=2_000_000, help="bytes of standard-library source to use")
+    parser.add_argument("--precision", default="32-true", help="Lightning precision, e.g. 32-true or bf16-mixed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--val-check-interval", type=int, default=0, help="also validate every N steps (0: only after training)"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    L.seed_everything(args.seed, verbose=False)
+    data = StdlibTextDataModule(
+        seq_len=args.seq_len, batch_size=args.batch_size, max_bytes=args.max_bytes, val_batch_size=args.micro_batch_size
+    )
+    data.setup()
+    module = CausalLMModule(LlamaConfig.from_name("tiny"), optimizer="adamw", learning_rate=args.learning_rate)
+    strategy = LongShieldStrategy(
+        target_epsilon=args.target_epsilon,
+        max_grad_norm=args.max_grad_norm,
+        micro_batch_size=args.micro_batch_size,
+        seed=args.seed,
+    )
+    validation = (
+        {"val_check_interval": args.val_check_interval, "check_val_every_n_epoch": None}
+        if args.val_check_interval > 0
+        else {}
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        callbacks=[RichProgressBar()],
+        logger=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=5,
+        **validation,
+    )
+    trainer.fit(
+        module,
+        train_dataloaders=data.train_dataloader(),
+        val_dataloaders=data.val_dataloader() if validation else None,
+    )
+    (metrics,) = trainer.validate(module, dataloaders=data.val_dataloader(), verbose=False)
+
+    plan = strategy.privacy_plan
+    assert plan is not None
+    print(
+        f"Privacy guarantee: (epsilon={strategy.get_epsilon():.3f}, delta={plan.delta:.3g})-DP after"
+        f" {trainer.global_step} steps (noise_multiplier={plan.noise_multiplier:.3f}, sampling rate"
+        f" q={plan.sample_rate:.3g} = {plan.expected_batch_size}/{plan.dataset_size} windows of {args.seq_len} bytes)"
+    )
+    print(
+        f"Validation perplexity: {metrics['val_perplexity']:.2f} (loss {metrics['val_loss']:.3f} nats/byte,"
+        f" {metrics['val_loss'] / math.log(2):.3f} bits/byte) on {len(data.val_dataset)} held-out windows"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The DP training example runs end to end and reports a finite privacy guarantee and a validation perplexity."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_dp_stdlib.py"
+
+
+def test_train_dp_stdlib_prints_guarantee_and_perplexity():
+    command = [sys.executable, str(EXAMPLE), "--max-steps", "2", "--seq-len", "64", "--max-bytes", "60000"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    guarantee = re.search(r"Privacy guarantee: \(epsilon=(\S+), delta=(\S+)\)-DP", result.stdout)
+    perplexity = re.search(r"Validation perplexity: (\S+)", result.stdout)
+    assert guarantee and perplexity, result.stdout[-3000:]
+    epsilon, delta = float(guarantee[1]), float(guarantee[2])
+    assert math.isfinite(epsilon) and 0 < epsilon <= 8.0
+    assert 0 < delta < 1
+    assert math.isfinite(float(perplexity[1])) and float(perplexity[1]) > 1
