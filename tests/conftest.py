@@ -1,7 +1,46 @@
 import os
+import random
+import socket
 import sys
 import warnings
+
+import pytest
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*`isinstance\\(treespec, LeafSpec\\)`.*")
+
+# Below Linux's default ephemeral range (32768-60999): a port found free there cannot be taken in the meantime by
+# the outgoing connections (gloo, TCPStore clients) that draw their local ports from the ephemeral range.
+RENDEZVOUS_PORTS = range(20000, 32000)
+
+
+def free_rendezvous_port() -> int:
+    """A TCP port outside the ephemeral range that nothing listens on now."""
+    for port in random.sample(RENDEZVOUS_PORTS, 100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"No free TCP port in {RENDEZVOUS_PORTS}.")
+
+
+@pytest.fixture(autouse=True)
+def isolated_process_group():
+    """Each test gets its own rendezvous port, starts without a process group and leaves the environment it found.
+
+    An in-process ``Trainer`` leaves its (single-rank) process group listening on ``MASTER_PORT`` and that port in
+    ``os.environ``; a later subprocess or spawned run would inherit the port and fail with EADDRINUSE. A port that
+    Lightning picks itself comes from the ephemeral range and can be taken by another connection before the
+    spawned rank 0 binds it.
+    """
+    environ = dict(os.environ)
+    os.environ["MASTER_PORT"] = str(free_rendezvous_port())
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
