@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -21,10 +22,15 @@ class ContextParallelAttention:
     ``(B, H, T_local, head_dim)`` are returned. The all-gather's backward reduce-scatters dK/dV, so each rank's
     K/V receive the gradient of every rank's queries. Works with any sharding layout (the mask only uses positions),
     provided every rank's shard has the same length.
+
+    The mask is additive, in the queries' dtype, and shared by every layer of one forward (layers receive the same
+    ``position_ids`` tensor): autograd saves one ``(B, 1, T_local, T)`` mask per micro-batch, not one per layer.
     """
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
+        # Weak references: the mask lives exactly as long as the autograd graph that saved it.
+        self._mask_for: Optional[tuple[weakref.ref, weakref.ref]] = None
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: Optional[torch.Tensor]
@@ -39,9 +45,19 @@ class ContextParallelAttention:
             keys, values = all_gather_sequence(torch.stack((k, v)), self.group, dim=3).unbind(0)
         else:
             keys, values = all_gather_sequence(k, self.group, dim=2), all_gather_sequence(v, self.group, dim=2)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask(position_ids, q.dtype))
+
+    def _mask(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive causal mask over global positions: 0 where query may attend key, -inf elsewhere."""
+        if self._mask_for is not None:
+            positions, mask = self._mask_for[0](), self._mask_for[1]()
+            if positions is position_ids and mask is not None and mask.dtype == dtype:
+                return mask
         key_positions = gather_along_dim(position_ids, self.group, dim=1)
-        mask = position_ids[:, None, :, None] >= key_positions[:, None, None, :]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        allowed = position_ids[:, None, :, None] >= key_positions[:, None, None, :]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        self._mask_for = (weakref.ref(position_ids), weakref.ref(mask))
+        return mask
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ContextParallelAttention:
         # A process group is a handle to shared communicators, not data: copies of a model share it.
