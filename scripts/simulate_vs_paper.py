@@ -1,6 +1,6 @@
 """Print the markdown predicted-vs-paper tables for the README (``python scripts/simulate_vs_paper.py``).
 
-The paper's numbers come from ``tests/simulate/paper_tables.py``, the same data the tests check.
+The paper's numbers come from ``tests/planner/paper_tables.py``, the same data the tests check.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "simulate")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "planner")]
 
 from paper_tables import MEMORY_TOLERANCE, TABLE2, TABLE3, TABLE4, THROUGHPUT_TOLERANCE  # noqa: E402
 
