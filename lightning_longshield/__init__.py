@@ -7,10 +7,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_longshield.callbacks import PrivacyMonitor
 from lightning_longshield.module import CausalLMModule
+from lightning_longshield.preflight import PreflightMemoryError
 from lightning_longshield.strategy import LongShieldStrategy
 
 if "longshield" not in StrategyRegistry:
     LongShieldStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CausalLMModule", "LongShieldStrategy", "PrivacyMonitor"]
+__all__ = ["CausalLMModule", "LongShieldStrategy", "PreflightMemoryError", "PrivacyMonitor"]
 __version__ = "0.1.0"

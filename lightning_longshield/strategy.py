@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_longshield import preflight as _preflight
 from lightning_longshield.batching import batch_size_of, split_into_microbatches
 from lightning_longshield.callbacks import PrivacyMonitor
 from lightning_longshield.checkpointing import CheckpointPolicy, apply_activation_checkpointing, select_blocks
@@ -103,6 +104,9 @@ class LongShieldStrategy(ParallelStrategy):
         secure_mode: seed noise and sampling from the OS CSPRNG and harden the Gaussian sampler.
         seed: seed of the sampling and noise generators (``None``: random, shared by all processes).
         start_method: ``"popen"`` (torchrun-style script relaunch) or a multiprocessing start method.
+        preflight: before the first step, ask the `simulate` planner whether the run fits the GPU's memory; on CUDA
+            a run that will not fit stops with a `PreflightMemoryError` naming the predicted peak, its breakdown and
+            a configuration that fits (on CPU the prediction is only logged). ``False`` skips the check.
     """
 
     strategy_name = "longshield"
@@ -131,6 +135,7 @@ class LongShieldStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        preflight: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -165,6 +170,7 @@ class LongShieldStrategy(ParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.secure_mode = secure_mode
         self.seed = seed
+        self.preflight = preflight
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -376,11 +382,27 @@ class LongShieldStrategy(ParallelStrategy):
                 " data-parallel group. A custom batch_sampler is replaced by Poisson sampling."
             )
         self._train_dataset_size, self._dataloader_batch_size = size, dataloader.batch_size
+        if self.preflight:
+            self._check_memory(dataloader.dataset)
         if not self.poisson_sampling:
             return data_parallel_dataloader(dataloader, self.data_parallel_rank, self.data_parallel_size)
         assert self._sampling_seed is not None
         return poisson_dataloader(
             dataloader, self._sampling_seed, self.accountant.steps, self.data_parallel_rank, self.data_parallel_size
+        )
+
+    def _check_memory(self, dataset: object) -> None:
+        """Pre-flight: ask the planner whether this run fits the device (raises on CUDA if not, logs on CPU)."""
+        _preflight.run_preflight(
+            module=self.lightning_module,
+            dataset=dataset,
+            device=self.root_device,
+            world_size=self.world_size,
+            cp=self.context_parallel_mesh.size(),
+            mbs=self.micro_batch_size,
+            precision=str(self.precision_plugin.precision),
+            shard_per_sample_grads=self.shard_per_sample_grads,
+            activation_checkpointing=self.activation_checkpointing,
         )
 
     # ------------------------------------------------------------------ privacy plan and budget

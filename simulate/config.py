@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from simulate.specs import GPUSpec, ModelSpec, get_gpu_spec, get_model_spec
+from simulate.specs import GPU_PRESETS, MODEL_PRESETS, GPUSpec, ModelSpec, get_gpu_spec, get_model_spec
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class RunConfig:
     def replace(self, **changes: object) -> RunConfig:
         """A validated copy with some inputs changed (same names as :func:`make_config`)."""
         inputs = self.inputs()
+        inputs.update(model=self.model, gpu=self.gpu)  # the specs themselves, so custom ones carry over
         inputs.update(changes)
         return make_config(**inputs)  # type: ignore[arg-type]
 
@@ -118,21 +120,24 @@ def parse_gpus(value: int | float | str) -> float:
 
 
 def make_config(
-    model: str = "llama3.1-8b",
+    model: str | ModelSpec = "llama3.1-8b",
     gpus: int | float | str = 4,
     method: str = "v2",
     mbs: int = 1,
     seq_len: int = 4096,
     cp: int | None = None,
-    gpu: str = "h100",
+    gpu: str | GPUSpec = "h100",
     precision: str = "bf16-mixed",
 ) -> RunConfig:
     """Validate raw inputs into a :class:`RunConfig`; every error says how to fix the input.
 
+    ``model`` and ``gpu`` are preset names or specs (a custom model, a GPU with its measured capacity).
     ``cp=None`` means: all GPUs form one CP group for CP methods, and 1 for FSDP methods.
     """
-    spec = get_model_spec(model)
-    gpu_spec = get_gpu_spec(gpu)
+    spec = model if isinstance(model, ModelSpec) else get_model_spec(model)
+    gpu_spec = gpu if isinstance(gpu, GPUSpec) else get_gpu_spec(gpu)
+    model_name = model if isinstance(model, str) else _preset_name(spec, MODEL_PRESETS, "custom")
+    gpu_name = gpu if isinstance(gpu, str) else _preset_name(gpu_spec, GPU_PRESETS, gpu_spec.name)
     if method not in METHODS:
         raise ValueError(f"Unknown method {method!r}; choose one of {list(METHODS)}.")
     method_spec = METHODS[method]
@@ -149,8 +154,13 @@ def make_config(
             f"Sequence length {seq_len} must be divisible by 2 x CP size = {2 * cp_size} "
             "(load-balanced sharding cuts it into 2N chunks); pick a multiple of it."
         )
-    return RunConfig(model, spec, gpu, gpu_spec, num_gpus, method_spec, int(mbs), int(seq_len), cp_size,
+    return RunConfig(model_name, spec, gpu_name, gpu_spec, num_gpus, method_spec, int(mbs), int(seq_len), cp_size,
                      PRECISIONS[precision])
+
+
+def _preset_name(spec: object, presets: Mapping[str, object], default: str) -> str:
+    """The name of the preset equal to ``spec``, else ``default``."""
+    return next((name for name, preset in presets.items() if preset == spec), default)
 
 
 def _resolve_cp(method: MethodSpec, num_gpus: float, cp: int | None) -> int:

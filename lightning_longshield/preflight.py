@@ -1,0 +1,335 @@
+"""Pre-flight memory check: before the first step allocates activations, ask `simulate` whether the run fits.
+
+`LongShieldStrategy` calls :func:`run_preflight` when it processes the training DataLoader (parameters are placed,
+nothing has run forward yet). On CUDA, a run the planner predicts will not fit stops with a
+:class:`PreflightMemoryError` naming the predicted peak, its breakdown and the best configuration that does fit; on
+CPU the prediction is only logged. :func:`preflight_check` is the same decision as a pure function.
+
+The estimate models one context-parallel group: the strategy FSDP2-shards parameters, optimizer state and the
+clipped-gradient accumulator over that group only (data-parallel groups are replicas), so the planner is given
+``gpus = cp`` GPUs, whatever the world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_longshield.checkpointing import CheckpointPolicy
+from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory, make_config
+from simulate.throughput import estimate_step_time
+
+GIB = 2**30
+TOTALS = ("capacity", "allocated", "reserved", "device_total")  # `MemoryBreakdown.as_gib` keys that are not parts
+MAX_CP_SIZE = 1024  # the largest context-parallel group an alternative may ask for
+DEFAULT_GPU = "h100"  # speeds (and, on CPU, the capacity) assumed for a device no preset name matches
+DISABLE_HINT = "The estimate is analytic (simulate/); to train anyway, pass LongShieldStrategy(preflight=False)."
+
+
+class PreflightMemoryError(MemoryError):
+    """The planner predicts that the run does not fit the device's memory; raised before the first forward."""
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A configuration that fits: the constructor arguments that change, the GPUs it needs, its memory."""
+
+    arguments: tuple[str, ...]
+    memory: MemoryBreakdown
+    gpus: Optional[int] = None  # ``None``: the GPUs the run already has
+
+    def describe(self) -> str:
+        where = "" if self.gpus is None else f" on {self.gpus} GPUs (Trainer devices x num_nodes)"
+        return (
+            f"LongShieldStrategy({', '.join(self.arguments)}){where}: predicted peak"
+            f" {self.memory.reserved / GIB:.1f} GiB per GPU"
+        )
+
+
+@dataclass(frozen=True)
+class PreflightResult:
+    """The planner's prediction for one run (``config`` models one context-parallel group of it)."""
+
+    config: RunConfig
+    memory: MemoryBreakdown
+    world_size: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    def run(self) -> str:
+        """The run as the planner saw it."""
+        cfg = self.config
+        return (
+            f"model {cfg.model_name}, method {cfg.method.name}, {self.world_size} GPU{'s' * (self.world_size != 1)},"
+            f" context_parallel_size={cfg.cp_size}, micro_batch_size={cfg.micro_batch_size},"
+            f" sequence length {cfg.seq_len}, {cfg.precision.name}"
+        )
+
+    def peak(self) -> str:
+        """Predicted peak per GPU, with and without what lives outside the caching allocator."""
+        memory = self.memory
+        return (
+            f"predicted peak {memory.reserved / GIB:.1f} GiB per GPU"
+            f" ({memory.device_total / GIB:.1f} GiB with the CUDA context and NCCL buffers)"
+        )
+
+    def breakdown(self) -> str:
+        """The non-zero parts of the peak, in GiB (`MemoryBreakdown.as_gib`)."""
+        parts = [f"{name} {gib:.2f}" for name, gib in self.memory.as_gib().items() if name not in TOTALS and gib]
+        return f"Breakdown at the peak ({self.memory.phase}), GiB: {', '.join(parts)}."
+
+    def failure_message(self, alternative: Optional[Alternative]) -> str:
+        """Why the run stops and what fits instead."""
+        capacity = f"{self.memory.capacity / GIB:.1f} GiB capacity of the {self.config.gpu.name}"
+        fix = (
+            f"Fits instead: {alternative.describe()}."
+            if alternative is not None
+            else "Nothing the planner tried fits (activation checkpointing, smaller micro-batches, context-parallel"
+            f" groups of up to {MAX_CP_SIZE} GPUs): shorten the sequences or use GPUs with more memory."
+        )
+        lines = [
+            f"LongShield pre-flight: the run does not fit in GPU memory: {self.peak()} vs {capacity},"
+            f" for {self.run()}.",
+            self.breakdown(),
+            fix,
+            *self.notes,
+            DISABLE_HINT,
+        ]
+        return "\n".join(lines)
+
+
+def simulate_method(
+    shard_per_sample_grads: bool, activation_checkpointing: CheckpointPolicy
+) -> tuple[str, tuple[str, ...]]:
+    """The planner's method for the strategy's settings, with notes on where the estimate is approximate."""
+    if activation_checkpointing is False:
+        return ("v2" if shard_per_sample_grads else "v1"), ()
+    notes = []
+    if not (activation_checkpointing is True or activation_checkpointing == 1):
+        notes.append("Note: the estimate assumes every block is checkpointed (activation_checkpointing is a policy).")
+    if not shard_per_sample_grads:
+        notes.append(
+            "Note: estimated as V3 (sharded per-sample gradients); with shard_per_sample_grads=False every rank keeps"
+            " all of them, so the real peak is higher."
+        )
+    return "v3", tuple(notes)
+
+
+def simulate_precision(precision: str) -> Optional[str]:
+    """The planner's name for a Lightning precision: 16-bit compute is ``"bf16-mixed"``, 32-bit ``"fp32"``."""
+    if precision.startswith(("bf16", "16")):
+        return "bf16-mixed"
+    if precision.startswith("32"):
+        return "fp32"
+    return None
+
+
+def model_spec_of(config: object) -> Optional[ModelSpec]:
+    """The planner's view of a `LlamaConfig` (any object with `ModelSpec`'s field names); ``None`` otherwise."""
+    try:
+        return ModelSpec(**{f.name: getattr(config, f.name) for f in fields(ModelSpec)})
+    except AttributeError:
+        return None
+
+
+def sequence_length(dataset: object) -> Optional[int]:
+    """Tokens per training sample, from the first sample's ``input_ids`` (``None`` if samples are not such dicts)."""
+    try:
+        return len(dataset[0]["input_ids"])  # type: ignore[index]
+    except (AttributeError, IndexError, KeyError, NotImplementedError, TypeError):
+        return None
+
+
+def is_cuda(device: torch.device) -> bool:
+    """Whether the check is enforced on ``device`` (elsewhere it only logs)."""
+    return device.type == "cuda"
+
+
+def device_properties(device: torch.device) -> tuple[str, int]:
+    """``(name, total memory in bytes)`` of a CUDA device: the one place that asks the driver."""
+    properties = torch.cuda.get_device_properties(device)
+    return properties.name, properties.total_memory
+
+
+def gpu_spec_for(name: str, capacity_bytes: float) -> GPUSpec:
+    """A `GPUSpec` with the device's capacity; speeds of the preset whose type ``name`` mentions (default H100)."""
+    lowered = name.lower()
+    key = next((key for key in ("h200", "h100", "a100") if key in lowered), DEFAULT_GPU)
+    if key == "a100":
+        key = "a100-80" if capacity_bytes > 60 * GIB else "a100-40"
+    preset = GPU_PRESETS[key]
+    return replace(preset, name=name or preset.name, memory_gib=capacity_bytes / GIB)
+
+
+def predict(
+    model: ModelSpec,
+    method: str,
+    gpus: int,
+    cp: int,
+    mbs: int,
+    seq_len: int,
+    precision: str,
+    capacity_bytes: float,
+    gpu_name: str = "",
+    notes: tuple[str, ...] = (),
+) -> PreflightResult:
+    """The planner's peak memory per GPU for a run of ``gpus`` processes in context-parallel groups of ``cp``.
+
+    ``seq_len`` is rounded up to a multiple of ``2 x cp`` (the planner's load-balanced sharding needs it).
+    """
+    if cp < 1 or gpus % cp:
+        raise ValueError(f"cp={cp} must be a positive divisor of gpus={gpus}.")
+    padded = -(-seq_len // (2 * cp)) * (2 * cp)
+    config = make_config(model=model, gpus=cp, method=method, mbs=mbs, seq_len=padded, cp=cp,
+                         gpu=gpu_spec_for(gpu_name, capacity_bytes), precision=precision)
+    return PreflightResult(config, estimate_memory(config), gpus, notes)
+
+
+def preflight_check(
+    model: ModelSpec,
+    method: str,
+    gpus: int,
+    cp: int,
+    mbs: int,
+    seq_len: int,
+    precision: str,
+    capacity_bytes: float,
+    gpu_name: str = "",
+    notes: tuple[str, ...] = (),
+) -> PreflightResult:
+    """:func:`predict`, raising :class:`PreflightMemoryError` (with the best fitting alternative) if it does not fit."""
+    result = predict(model, method, gpus, cp, mbs, seq_len, precision, capacity_bytes, gpu_name, notes)
+    if not result.fits:
+        raise PreflightMemoryError(result.failure_message(find_alternative(result.config, gpus)))
+    return result
+
+
+def find_alternative(config: RunConfig, world_size: int) -> Optional[Alternative]:
+    """The best change that fits: the fastest on the same GPUs, else on the fewest more GPUs.
+
+    Changes tried: V2 instead of V1, activation checkpointing (V3), smaller micro-batches, larger context-parallel
+    groups (divisors of the world size; beyond it, doubling up to :data:`MAX_CP_SIZE`).
+    """
+    cp = config.cp_size
+    same_gpus = [n for n in range(cp, world_size + 1) if world_size % n == 0]
+    doublings = (cp * 2**k for k in range(1, MAX_CP_SIZE.bit_length()))
+    more_gpus = [n for n in doublings if world_size % n and n <= MAX_CP_SIZE]
+    found = _fastest_fit(config, same_gpus, world_size)
+    for n in more_gpus:
+        if found is not None:
+            break
+        found = _fastest_fit(config, [n], world_size)
+    return found
+
+
+def _fastest_fit(config: RunConfig, cp_sizes: list[int], world_size: int) -> Optional[Alternative]:
+    """The fitting candidate over ``cp_sizes`` x methods x micro-batch sizes with the most tokens/s per GPU."""
+    best: Optional[tuple[float, RunConfig, MemoryBreakdown]] = None
+    for cp in cp_sizes:
+        if config.seq_len % (2 * cp):
+            continue
+        for method in _stronger_methods(config.method.name):
+            for mbs in _smaller_micro_batches(config.micro_batch_size):
+                candidate = config.replace(method=method, mbs=mbs, cp=cp, gpus=cp)
+                if candidate == config:
+                    continue
+                memory = estimate_memory(candidate)
+                if not memory.fits:
+                    continue
+                step = estimate_step_time(candidate)
+                speed = step.tokens_per_second_per_gpu if step is not None else 0.0
+                if best is None or speed > best[0]:
+                    best = (speed, candidate, memory)
+    if best is None:
+        return None
+    _, candidate, memory = best
+    # A group size that divides the world size reuses the GPUs; a larger one keeps the data-parallel groups.
+    more_gpus = world_size % candidate.cp_size != 0
+    gpus = candidate.cp_size * (world_size // config.cp_size) if more_gpus else None
+    return Alternative(_changed_arguments(config, candidate), memory, gpus)
+
+
+def _stronger_methods(method: str) -> list[str]:
+    """The method and those that need less memory (V1 -> V2 -> V3)."""
+    order = ["v1", "v2", "v3"]
+    return order[order.index(method):] if method in order else [method]
+
+
+def _smaller_micro_batches(mbs: int) -> list[int]:
+    """``mbs``, ``mbs // 2``, ... down to 1."""
+    return sorted({max(1, mbs >> k) for k in range(mbs.bit_length())}, reverse=True)
+
+
+def _changed_arguments(old: RunConfig, new: RunConfig) -> tuple[str, ...]:
+    """The `LongShieldStrategy` constructor arguments that turn ``old`` into ``new``."""
+    arguments = []
+    if old.method.name == "v1" and new.method.name != "v1":
+        arguments.append("shard_per_sample_grads=True")
+    if new.method.activation_checkpointing and not old.method.activation_checkpointing:
+        arguments.append("activation_checkpointing=True")
+    if new.micro_batch_size != old.micro_batch_size:
+        arguments.append(f"micro_batch_size={new.micro_batch_size}")
+    if new.cp_size != old.cp_size:
+        arguments.append(f"context_parallel_size={new.cp_size}")
+    return tuple(arguments)
+
+
+def run_preflight(
+    *,
+    module: object,
+    dataset: object,
+    device: torch.device,
+    world_size: int,
+    cp: int,
+    mbs: int,
+    precision: str,
+    shard_per_sample_grads: bool,
+    activation_checkpointing: CheckpointPolicy,
+) -> Optional[PreflightResult]:
+    """The strategy's pre-flight: on CUDA, raise :class:`PreflightMemoryError` if the run will not fit; else log.
+
+    Skipped (with a log line) when the module has no `LlamaConfig` ``config``, the samples have no ``input_ids``,
+    or the precision is one the planner does not model.
+    """
+    model = model_spec_of(getattr(module, "config", None))
+    seq_len = sequence_length(dataset)
+    planner_precision = simulate_precision(precision)
+    reason = _skip_reason(model, seq_len, planner_precision, precision)
+    if reason is not None:
+        rank_zero_info(f"LongShield pre-flight memory check skipped: {reason}.")
+        return None
+    assert model is not None and seq_len is not None and planner_precision is not None
+    method, notes = simulate_method(shard_per_sample_grads, activation_checkpointing)
+    run = (model, method, world_size, cp, mbs, seq_len, planner_precision)
+    if not is_cuda(device):
+        result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, notes=notes)
+        rank_zero_info(
+            f"LongShield pre-flight ({device.type}: logged, not checked): on CUDA, {result.peak()} for {result.run()}."
+            f" {result.breakdown()}"
+        )
+        return result
+    name, capacity = device_properties(device)
+    result = preflight_check(*run, capacity, gpu_name=name, notes=notes)
+    rank_zero_info(
+        f"LongShield pre-flight: fits, {result.peak()} of {capacity / GIB:.1f} GiB ({name}) for {result.run()}."
+        f" {result.breakdown()}"
+    )
+    return result
+
+
+def _skip_reason(
+    model: Optional[ModelSpec], seq_len: Optional[int], planner_precision: Optional[str], precision: str
+) -> Optional[str]:
+    if model is None:
+        return "the LightningModule has no LlamaConfig `config` attribute to size the model from"
+    if seq_len is None:
+        return 'the training samples are not dicts with "input_ids" (their length is the sequence length)'
+    if planner_precision is None:
+        return f"the planner does not model precision={precision!r}"
+    return None

@@ -1,0 +1,154 @@
+"""Pre-flight memory check: the planner's verdict before the first forward (raises on CUDA, logs on CPU)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import RandomTokens, loader, make_module, make_trainer, small_config
+from lightning_longshield import LongShieldStrategy, PreflightMemoryError, preflight
+from lightning_longshield.models import LlamaConfig
+from simulate import get_gpu_spec, get_model_spec, make_config
+
+GIB = 2**30
+
+
+def check(model: str = "llama3.1-8b", method: str = "v2", gpus: int = 1, cp: int = 1, mbs: int = 1,
+          seq_len: int = 131072, capacity_gib: float = 80) -> preflight.PreflightResult:
+    return preflight.preflight_check(get_model_spec(model), method, gpus, cp, mbs, seq_len, "bf16-mixed",
+                                     capacity_gib * GIB, gpu_name="NVIDIA H100 80GB HBM3")
+
+
+def test_infeasible_config_names_peak_breakdown_and_a_fix():
+    with pytest.raises(PreflightMemoryError) as error:
+        check()
+    message = str(error.value)
+    memory = preflight.predict(get_model_spec("llama3.1-8b"), "v2", 1, 1, 1, 131072, "bf16-mixed", 80 * GIB).memory
+    assert "does not fit in GPU memory" in message and isinstance(error.value, MemoryError)
+    assert f"predicted peak {memory.reserved / GIB:.1f} GiB per GPU" in message
+    assert "vs 80.0 GiB capacity of the NVIDIA H100 80GB HBM3" in message
+    for name in ("model_states", "activations", "logits_loss"):
+        assert f"{name} {memory.as_gib()[name]:.2f}" in message
+    assert "Fits instead: LongShieldStrategy(" in message and "context_parallel_size=" in message
+    assert "preflight=False" in message
+
+
+def test_alternative_on_the_same_gpus_is_a_constructor_change():
+    with pytest.raises(PreflightMemoryError, match=r"instead: LongShieldStrategy\(activation_checkpointing=True\):"):
+        check(gpus=8, cp=8, mbs=2, seq_len=65536)
+    result = preflight.predict(get_model_spec("llama3.1-8b"), "v1", 8, 8, 8, 32768, "bf16-mixed", 80 * GIB)
+    alternative = preflight.find_alternative(result.config, world_size=8)
+    assert alternative is not None and alternative.memory.fits and alternative.gpus is None
+    assert "shard_per_sample_grads=True" in alternative.arguments
+
+
+def test_nothing_fits_says_so():
+    with pytest.raises(PreflightMemoryError, match="Nothing the planner tried fits"):
+        check(capacity_gib=1)
+
+
+def test_feasible_config_passes():
+    result = check(model="tiny", seq_len=1024)
+    assert result.fits and result.config.model_name == "tiny"
+    assert result.memory.capacity == 80 * GIB
+
+
+def test_policy_and_v1_checkpointing_are_estimated_as_v3_with_a_note():
+    assert preflight.simulate_method(True, False) == ("v2", ())
+    assert preflight.simulate_method(False, False) == ("v1", ())
+    assert preflight.simulate_method(True, True) == ("v3", ())
+    method, notes = preflight.simulate_method(False, 2)
+    assert method == "v3" and "every block is checkpointed" in notes[0] and "shard_per_sample_grads" in notes[1]
+
+
+@pytest.mark.parametrize("precision, name", [("bf16-mixed", "bf16-mixed"), ("bf16-true", "bf16-mixed"),
+                                             ("32-true", "fp32"), ("64-true", None)])
+def test_precision_mapping(precision, name):
+    assert preflight.simulate_precision(precision) == name
+
+
+def test_model_spec_from_llama_config():
+    assert preflight.model_spec_of(LlamaConfig.from_name("llama3.1-8b")) == get_model_spec("llama3.1-8b")
+    assert preflight.model_spec_of(small_config()).dim == 32
+    assert preflight.model_spec_of(None) is None
+
+
+def test_gpu_spec_takes_the_device_capacity_and_the_closest_preset():
+    spec = preflight.gpu_spec_for("NVIDIA A100-SXM4-40GB", 39 * GIB)
+    assert spec.memory_bytes == 39 * GIB and spec.bf16_flops == get_gpu_spec("a100-40").bf16_flops
+    assert preflight.gpu_spec_for("", 10 * GIB).bf16_flops == get_gpu_spec("h100").bf16_flops
+
+
+def test_make_config_takes_specs_and_replace_keeps_them():
+    custom = small_config()
+    spec = preflight.model_spec_of(custom)
+    gpu = preflight.gpu_spec_for("My GPU", 24 * GIB)
+    cfg = make_config(model=spec, gpus=2, method="v3", seq_len=64, gpu=gpu)
+    assert (cfg.model_name, cfg.gpu_name) == ("custom", "My GPU")
+    changed = cfg.replace(mbs=2)
+    assert changed.model == spec and changed.gpu == gpu
+    assert make_config(model=get_model_spec("tiny"), gpu=get_gpu_spec("h200")).inputs()["model"] == "tiny"
+
+
+# ---------------------------------------------------------------------- wiring in the strategy
+
+
+def fit(strategy: LongShieldStrategy, module: L.LightningModule | None = None) -> L.LightningModule:
+    module = module or make_module(small_config(n_layers=1))
+    make_trainer(strategy, max_steps=1).fit(module, loader(RandomTokens(size=8, seq_len=16), 2))
+    return module
+
+
+def test_cpu_run_logs_the_prediction_and_trains(monkeypatch):
+    messages = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    strategy = LongShieldStrategy(noise_multiplier=1.0)
+    fit(strategy)
+    assert strategy.lightning_module.trainer.global_step == 1
+    (message,) = [m for m in messages if "pre-flight" in m]
+    assert "logged, not checked" in message and "predicted peak" in message and "sequence length 16" in message
+    assert "Breakdown at the peak" in message
+
+
+def test_preflight_false_skips_the_check(monkeypatch):
+    def refuse(**kwargs):
+        raise AssertionError("the pre-flight check ran")
+
+    monkeypatch.setattr(preflight, "run_preflight", refuse)
+    with pytest.raises(AssertionError, match="pre-flight check ran"):
+        fit(LongShieldStrategy(noise_multiplier=1.0))
+    fit(LongShieldStrategy(noise_multiplier=1.0, preflight=False))
+
+
+def test_module_without_llama_config_skips_with_a_log(monkeypatch):
+    messages = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    module = make_module(small_config(n_layers=1))
+    module.config = None
+    fit(LongShieldStrategy(noise_multiplier=1.0), module)
+    assert any("pre-flight memory check skipped" in m and "LlamaConfig" in m for m in messages)
+
+
+def test_cuda_device_that_is_too_small_stops_before_the_first_forward(monkeypatch):
+    monkeypatch.setattr(preflight, "is_cuda", lambda device: True)
+    monkeypatch.setattr(preflight, "device_properties", lambda device: ("NVIDIA H100 80GB HBM3", GIB))
+    module = make_module(small_config(n_layers=1))
+    forwards = []
+    module.model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(PreflightMemoryError, match=r"vs 1.0 GiB capacity of the NVIDIA H100 80GB HBM3"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), module)
+    assert forwards == []
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+
+
+def test_cuda_device_that_is_large_enough_trains(monkeypatch):
+    messages = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    monkeypatch.setattr(preflight, "is_cuda", lambda device: True)
+    monkeypatch.setattr(preflight, "device_properties", lambda device: ("NVIDIA H100 80GB HBM3", 80 * GIB))
+    strategy = LongShieldStrategy(noise_multiplier=1.0)
+    fit(strategy)
+    assert strategy.lightning_module.trainer.global_step == 1
+    assert any("pre-flight: fits" in m and "of 80.0 GiB" in m for m in messages)
