@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from lightning_longshield.privacy.shards import ParamShard
 
 
-def shard_with_fsdp(module: nn.Module, mesh: DeviceMesh, shard_linear_inputs: bool = False) -> dict[str, ParamShard]:
+def shard_with_fsdp(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    shard_linear_inputs: bool = False,
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
+) -> dict[str, ParamShard]:
     """Shard ``module``'s parameters over the 1-D ``mesh``: every block of every `nn.ModuleList`, then each child.
 
     Gradients are reduce-scattered as plain sums (FSDP2 would otherwise average over the group, but a shard's
@@ -19,6 +27,7 @@ def shard_with_fsdp(module: nn.Module, mesh: DeviceMesh, shard_linear_inputs: bo
     all-to-alls the larger of activation and output gradient, and the shard dimension follows it).
     Returns the shard every trainable parameter has on this rank, by parameter name.
     """
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     input_sharded = set()
     if shard_linear_inputs:
         input_sharded = {
@@ -30,12 +39,12 @@ def shard_with_fsdp(module: nn.Module, mesh: DeviceMesh, shard_linear_inputs: bo
 
     for list_module in [m for m in module.modules() if isinstance(m, nn.ModuleList)]:
         for block in list_module:
-            fully_shard(block, mesh=mesh, shard_placement_fn=placement)
+            fully_shard(block, mesh=mesh, shard_placement_fn=placement, mp_policy=mp_policy)
     if any(p.requires_grad for p in module.parameters(recurse=False)):
         raise TypeError(f"{type(module).__name__} owns parameters directly; put them in a submodule to shard it.")
     for child in module.children():
         if any(True for _ in child.parameters()) and not isinstance(child, FSDPModule):
-            fully_shard(child, mesh=mesh, shard_placement_fn=placement)
+            fully_shard(child, mesh=mesh, shard_placement_fn=placement, mp_policy=mp_policy)
     for submodule in module.modules():
         if isinstance(submodule, FSDPModule):
             submodule.set_gradient_divide_factor(1.0)
@@ -46,3 +55,17 @@ def shard_with_fsdp(module: nn.Module, mesh: DeviceMesh, shard_linear_inputs: bo
         dim = param.placements[0].dim
         shards[name] = ParamShard(dim=dim, rank=rank, world=world, size=param.shape[dim])
     return shards
+
+
+def gather_policy(precision: object) -> Optional[MixedPrecisionPolicy]:
+    """FSDP2's policy for a Lightning precision: bf16-mixed gathers parameters in bf16, the rest as stored.
+
+    bf16-mixed keeps fp32 shards, optimizer state and gradient reductions, as TorchTitan does, and gathers bf16.
+
+    Under autocast alone every linear layer would save its own bf16 copy of the gathered fp32 weight for backward,
+    keeping a bf16 copy of the whole model alive until backward; a bf16 gather is freed after each block's forward
+    and gathered again for its backward. Forward inputs are not cast: the RoPE angles must stay fp32.
+    """
+    if precision != "bf16-mixed":
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)

@@ -54,7 +54,7 @@ from lightning_longshield.context_parallel import (
 )
 from lightning_longshield.data_loading import data_parallel_dataloader, poisson_dataloader
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
-from lightning_longshield.parallelize import shard_with_fsdp
+from lightning_longshield.parallelize import gather_policy, shard_with_fsdp
 from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
 from lightning_longshield.privacy.grad_sample.exchange import (
     AllReduceExchange,
@@ -318,7 +318,8 @@ class LongShieldStrategy(ParallelStrategy):
             cp_group = cp_mesh.get_group()
             apply_context_parallel_attention(module, cp_group)
             output_stationary = self.grad_sample_pattern == "output_stationary"
-            shards = shard_with_fsdp(module, cp_mesh, shard_linear_inputs=output_stationary)
+            mp_policy = gather_policy(self.precision_plugin.precision)
+            shards = shard_with_fsdp(module, cp_mesh, shard_linear_inputs=output_stationary, mp_policy=mp_policy)
             if not self.shard_per_sample_grads:
                 exchange = AllReduceExchange(cp_group)
             elif output_stationary:

@@ -131,3 +131,19 @@ def leak_check(rank: int, world_size: int, out_dir: str) -> None:
     trainer.fit(make_module(small_config(n_layers=2), optimizer="adamw", learning_rate=1e-3),
                 loader(RandomTokens(size=64), 4))
     torch.save(counter.counts, Path(out_dir) / f"leak{rank}.pt")
+
+
+def fit_bf16(rank: int, world_size: int, out_dir: str) -> None:
+    """CP 2, bf16-mixed (bf16 FSDP gathers), V2 micro-batch 2, with and without activation checkpointing."""
+    results = {}
+    for activation_checkpointing in (False, True):
+        strategy = LongShieldStrategy(context_parallel_size=world_size, noise_multiplier=0.0, max_grad_norm=0.05,
+                                      micro_batch_size=2, poisson_sampling=False, seed=0,
+                                      activation_checkpointing=activation_checkpointing)
+        recorder = FullStateAfterEachStep()
+        trainer = make_trainer(strategy, max_steps=1, devices=world_size, precision="bf16-mixed",
+                               callbacks=[recorder])
+        trainer.fit(make_module(small_config()), loader(RandomTokens(**DATASET), LOGICAL_BATCH))
+        results[activation_checkpointing] = recorder.states[0]
+    if rank == 0:
+        torch.save(results, Path(out_dir) / "bf16.pt")
