@@ -158,6 +158,13 @@ def make_config(
                      PRECISIONS[precision])
 
 
+def as_run_by_longshield(method: str, mbs: int) -> str:
+    """The method LongShield's strategy really runs for ``method``: with one sample per micro-batch, V1 takes V2's
+    path (the sample's gradient is FSDP's reduce-scattered gradient shard; no per-sample buffer is all-reduced).
+    ``"v1"`` itself stays the paper's V1, whose prototype keeps full per-sample gradients at any micro-batch size."""
+    return "v2" if method == "v1" and mbs == 1 else method
+
+
 def _preset_name(spec: object, presets: Mapping[str, object], default: str) -> str:
     """The name of the preset equal to ``spec``, else ``default``."""
     return next((name for name, preset in presets.items() if preset == spec), default)

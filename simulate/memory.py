@@ -14,13 +14,18 @@ each phase is summed by category; the peak is the largest phase. What is alive w
   one recomputed block during its backward; plus the backward working set of the block being differentiated;
 * logits and the fp32 cross entropy (:mod:`simulate.layers`);
 * per-sample gradients ``(MBS, *param.shape)``, in the compute dtype, growing layer by layer during backward:
-  full on every CP rank under V1, ``1/N`` under V2/V3 plus the in-flight unreduced partials;
+  full on every CP rank under V1, ``1/N`` under V2/V3 plus the in-flight unreduced partials. With one sample per
+  micro-batch, V2/V3 keep no per-sample buffer: the sample's gradient is FSDP's fp32 gradient shard, reduce-scattered
+  from the unsharded gradients of the block being differentiated, as without DP. (V1 is the paper's: full per-sample
+  gradients on every CP rank at any micro-batch size; LongShield's strategy takes the V2 path at micro-batch 1.)
 * ZeRO-DP+ (Opacus FSDP ghost clipping): its norm pass retains the autograd graph (``retain_graph=True``), so
   no activation is freed; book-keeping keeps every linear layer's output gradient until the clipping factors are
   known, then forms one layer's clipped sum at a time; the norm of the layer being differentiated needs either
   its per-sample gradient (grad sample) or the two ``(MBS, T, T)`` Gram matrices (ghost norm, when ``2 T^2 < p d``);
 * communication: the gathered dK/dV being reduce-scattered over CP (the gathered K/V themselves are saved
-  activations).
+  activations);
+* context-parallel methods at CP size 1 are LongShield's single-process path: no FSDP, and autocast's bf16 weight
+  copies take the place of FSDP's buffers.
 
 Reserved memory (what TorchTitan reports) adds allocator fragmentation; the fit check adds the CUDA context and
 NCCL buffers, which live outside the allocator. Constants: :mod:`simulate.calibration`.
@@ -126,6 +131,8 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
 
     states = model_state_bytes(cfg)
     fsdp_params = a * (root_numel + 2 * block_numel)
+    if method.context_parallel and n == 1:
+        fsdp_params = _unsharded_weight_copies(cfg)
     full_block = _sum_saved(layers.block_saved_tensors(m, a, method.context_parallel), t, n)
     kept_block = (_sum_saved(layers.checkpoint_saved_tensors(m, a), t, n)
                   if method.activation_checkpointing else full_block)
@@ -135,11 +142,12 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
 
     psg = _PerSampleGrads(cfg)
     ghost = _GhostClipping(cfg)
-    # Weight gradients autograd hands to FSDP during backward: only without DP. LongShield's per-sample gradients
-    # are its only weight gradients; ZeRO-DP+'s norm pass skips them (origin-parameter trick) and forms the
-    # clipped sum per layer afterwards.
-    head_grad = 0.0 if method.private else a * vd
-    block_grad = 0.0 if method.private else grad_reduce * block_numel
+    # Weight gradients autograd hands to FSDP during backward: without DP, and for V2/V3 at micro-batch 1 (the
+    # sample's gradient). Otherwise LongShield's per-sample gradients are its only weight gradients; ZeRO-DP+'s norm
+    # pass skips them (origin-parameter trick) and forms the clipped sum per layer afterwards.
+    fsdp_grads = not method.private or psg.fsdp_gradient
+    head_grad = a * vd if fsdp_grads else 0.0
+    block_grad = grad_reduce * block_numel if fsdp_grads else 0.0
 
     def phase(**parts: float) -> dict[str, float]:
         parts["model_states"] = states
@@ -170,7 +178,7 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
         )))
     out.append(("backward: embedding", phase(
         activations=acts_all if retained else 0.0,
-        fsdp_buffers=head_grad + (0.0 if m.tie_embeddings or method.private else a * vd),
+        fsdp_buffers=head_grad + (0.0 if m.tie_embeddings or not fsdp_grads else a * vd),
         per_sample_grads=psg.head_kept() + m.n_layers * psg.block_kept() + psg.embedding(),
         ghost_norm=ghost.head_kept() + m.n_layers * ghost.block_kept() + ghost.embedding_transient(),
     )))
@@ -181,6 +189,17 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
             ghost_norm=ghost.head_kept() + m.n_layers * ghost.block_kept(),
         )))
     return out
+
+
+def _unsharded_weight_copies(cfg: RunConfig) -> float:
+    """LongShield at context-parallel size 1 runs without FSDP: nothing is gathered, but bf16-mixed is autocast
+    over the fp32 weights, and every linear layer saves its own bf16 copy of its weight for backward (in a
+    checkpointed block only while the block is recomputed and differentiated). Counted with the FSDP buffers."""
+    m, a = cfg.model, cfg.precision.activation_bytes
+    if a >= FP32:
+        return 0.0
+    blocks = 1 if cfg.method.activation_checkpointing else m.n_layers
+    return a * (blocks * layers.block_numel(m) + m.vocab_size * m.dim)
 
 
 def _sum_saved(saved: list[layers.SavedTensor], local_tokens: float, cp_size: int) -> float:
@@ -212,9 +231,15 @@ class _PerSampleGrads:
     def __init__(self, cfg: RunConfig) -> None:
         kind = cfg.method.per_sample_grads
         self.active = kind in ("full", "sharded")
-        self.unit = cfg.micro_batch_size * cfg.precision.activation_bytes  # bytes per parameter per microbatch
+        # V2/V3 at micro-batch 1: the sample's gradient is FSDP's fp32 shard; its unreduced form is FSDP's buffer.
+        self.fsdp_gradient = kind == "sharded" and cfg.micro_batch_size == 1
+        if self.fsdp_gradient:
+            self.unit = cfg.precision.reduce_bytes
+        else:
+            self.unit = cfg.micro_batch_size * cfg.precision.activation_bytes  # bytes per parameter per microbatch
         self.share = 1.0 / cfg.cp_size if kind == "sharded" else 1.0
-        self.reduced = kind == "sharded" and cfg.cp_size > 1  # partials wait for a reduce-scatter
+        # Partials wait for a reduce-scatter (at micro-batch 1 they are FSDP's gradient buffers, counted as such).
+        self.reduced = kind == "sharded" and cfg.cp_size > 1 and not self.fsdp_gradient
         m = cfg.model
         self.block_numel = layers.block_numel(m)
         self.largest = max(lin.numel for lin in layers.block_linears(m))
