@@ -5,6 +5,7 @@
     longshield-plan compare --model llama3.1-8b --gpus 4
     longshield-plan recommend --model llama3.1-8b --gpus 4 --seq-len 16k
     longshield-plan plot --model llama3.1-8b --gpus 4 --out memory.png
+    longshield-plan trace --model llama3.1-8b --method v2 --cp 4 --mbs 1 --seq-len 16384   # needs torch
 
 Every command takes ``--json`` and then prints exactly one JSON object.
 """
@@ -145,12 +146,41 @@ def _plot(args: argparse.Namespace, console: Console) -> dict[str, object]:
             "methods": list(args.methods), "mbs": args.mbs, "cp": args.cp, "precision": args.precision}
 
 
+def _trace(args: argparse.Namespace, console: Console) -> dict[str, object]:
+    try:
+        from simulate.trace import trace_step
+    except ImportError as err:
+        raise ImportError(f"`trace` runs the real strategy and needs torch and lightning ({err}); install the"
+                          " package with its dependencies (pip install -e .).") from err
+    if not args.json:
+        console.print(f"Tracing one DP step of rank 0 on fake tensors ({args.model}, {args.method}, CP {args.cp},"
+                      f" data-parallel {args.data_parallel}, MBS {args.mbs}, T {args.seq_len}) ...")
+    result = trace_step(model=args.model, method=args.method, cp=args.cp, data_parallel=args.data_parallel,
+                        mbs=args.mbs, seq_len=args.seq_len, precision=args.precision)
+    analytic = planner.plan(model=args.model, gpus=args.cp, method=args.method, mbs=args.mbs, seq_len=args.seq_len,
+                            cp=args.cp, precision=args.precision).memory
+    out = result.to_dict()
+    out["analytic_allocated_gib"] = round(analytic.allocated / 2**30, 3)
+    out["analytic_vs_traced"] = round(analytic.allocated / result.total - 1, 4)
+    if not args.json:
+        table = Table(title=f"Traced peak of rank 0: {out['peak_memory_gib']:.2f} GiB ({result.seconds:.0f} s)")
+        table.add_column("category")
+        table.add_column("GiB", justify="right")
+        for name, gib in out["breakdown_gib"].items():
+            table.add_row(name.replace("_", " "), f"{gib:.2f}")
+        console.print(table)
+        console.print(f"Analytic allocated peak: {out['analytic_allocated_gib']:.2f} GiB "
+                      f"({100 * out['analytic_vs_traced']:+.1f}% vs traced)")
+    return out
+
+
 # --- argument parsing -----------------------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longshield-plan", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{fit,max-seq,compare,recommend,plot}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{fit,max-seq,compare,recommend,plot,trace}")
     fit = _command(sub, "fit", _fit, "verdict, peak memory breakdown, tokens/s/GPU and DP/non-DP gap")
     _add_run_args(fit, seq_len=True)
     max_seq = _command(sub, "max-seq", _max_seq, "largest power-of-two sequence length that fits")
@@ -171,16 +201,25 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--min-seq-len", type=_power_of_two, default=1024)
     plot.add_argument("--max-seq-len", type=_power_of_two, default=262144)
     plot.add_argument("--out", default="longshield-plan.png", help="PNG path (default: %(default)s)")
+    trace = _command(sub, "trace", _trace, "peak memory of rank 0 in one real DP step, traced on fake tensors",
+                     precisions=("bf16-mixed", "fp32"), hardware=False)
+    trace.add_argument("--method", choices=["nondp-cp", "nondp-cp-ac", "v1", "v2", "v3"], default="v2")
+    trace.add_argument("--cp", type=_positive_int, default=4, help="context-parallel size (default: %(default)s)")
+    trace.add_argument("--data-parallel", type=_positive_int, default=1, help="data-parallel groups (default: 1)")
+    trace.add_argument("--mbs", type=_positive_int, default=1, help="micro-batch size")
+    trace.add_argument("--seq-len", type=_power_of_two, required=True, help="sequence length, a power of two")
     return parser
 
 
-def _command(sub: argparse._SubParsersAction, name: str, handler: object, help_text: str) -> argparse.ArgumentParser:
+def _command(sub: argparse._SubParsersAction, name: str, handler: object, help_text: str,
+             precisions: Sequence[str] = tuple(PRECISIONS), hardware: bool = True) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help_text, description=help_text)
     p.set_defaults(handler=handler, parser=p)
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="llama3.1-8b")
-    p.add_argument("--gpus", type=_gpus, default=4.0, help="GPU count, or 'inf' for the FSDP ceiling")
-    p.add_argument("--gpu", choices=list(GPU_PRESETS), default="h100")
-    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16-mixed")
+    if hardware:  # `trace` measures one rank's tensors: no GPU type or count
+        p.add_argument("--gpus", type=_gpus, default=4.0, help="GPU count, or 'inf' for the FSDP ceiling")
+        p.add_argument("--gpu", choices=list(GPU_PRESETS), default="h100")
+    p.add_argument("--precision", choices=list(precisions), default="bf16-mixed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return p
 

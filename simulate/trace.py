@@ -1,0 +1,339 @@
+"""Traced memory: one real DP step of `LongShieldStrategy` + `CausalLMModule` on fake tensors, for rank 0.
+
+Nothing of the model's size is allocated: parameters, activations and gradients are ``FakeTensor``s (shapes and
+dtypes only), and a fake process group stands in for the other ranks of the ``(data_parallel, context_parallel)``
+mesh, so every collective returns at once with correctly shaped results. The strategy's own code runs unchanged:
+FSDP2 sharding over the CP group, head-tail sequence sharding, CP attention, per-sample-gradient capture and
+exchange (V1 all-reduce, V2 reduce-scatter), flat clipping, the clipped-sum accumulator, noise and the AdamW step.
+`torch.distributed._tools.mem_tracker.MemTracker` records, storage by storage, what is alive, and the peak is
+reported by category.
+
+The non-private methods (``nondp-cp``, ``nondp-cp-ac``) run the same model with the same CP attention, FSDP2
+sharding and checkpointing, but plain autograd and AdamW instead of the DP engine. ``nondp-fsdp`` and
+``zero-dp`` are not LongShield's code paths and are not traced.
+
+This module needs torch and Lightning; ``simulate`` itself does not import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, _RefType
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from simulate.config import METHODS, make_config
+
+TRACEABLE_METHODS = ("nondp-cp", "nondp-cp-ac", "v1", "v2", "v3")
+TRACE_PRECISIONS = {"bf16-mixed": "bf16-mixed", "fp32": "32-true"}
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "per_sample_grads", "temporaries")
+
+
+class _TraceRef(_RefType):
+    """MemTracker's categories plus LongShield's own: per-sample gradients and the clipped-sum accumulator."""
+
+    PARAM = "Parameter"
+    BUFFER = "Buffer"
+    GRAD = "Gradient"
+    ACT = "Activation"
+    TEMP = "Temp"
+    OPT = "Optstate"
+    OTH = "Other"
+    PER_SAMPLE = "Per-sample gradient"
+    ACCUMULATOR = "DP accumulator"
+
+
+# Tracker category -> reported category. Buffers and "other" are tiny here (no model buffers; RoPE is recomputed).
+_REPORTED = {
+    _TraceRef.PARAM: "parameters",
+    _TraceRef.BUFFER: "parameters",
+    _TraceRef.GRAD: "gradients",
+    _TraceRef.ACCUMULATOR: "gradients",
+    _TraceRef.OPT: "optimizer_state",
+    _TraceRef.ACT: "activations",
+    _TraceRef.PER_SAMPLE: "per_sample_grads",
+    _TraceRef.TEMP: "temporaries",
+    _TraceRef.OTH: "temporaries",
+}
+
+
+class _DPMemTracker(MemTracker):
+    """A `MemTracker` that can re-label tensors as per-sample gradients or as the DP accumulator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ref_class = _TraceRef
+        self.per_sample_peak = 0
+
+    def relabel(self, tensor: torch.Tensor, category: _TraceRef) -> None:
+        self._update_and_maybe_create_winfos(tensor, category)
+        if category is _TraceRef.PER_SAMPLE:
+            self.per_sample_peak = max(self.per_sample_peak, _current(self).get(_TraceRef.PER_SAMPLE, 0))
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """Rank 0's peak memory during one traced step, in bytes by category (``total`` is their sum).
+
+    ``at_start`` is what was alive when the step began (parameters, AdamW's moments), so ``total - at_start`` is
+    what the step itself adds; ``per_sample_grads_peak`` is the most per-sample gradient memory held at any time
+    (at the step's overall peak it may be none).
+    """
+
+    model: str
+    method: str
+    cp: int
+    data_parallel: int
+    mbs: int
+    seq_len: int
+    precision: str
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    per_sample_grads: int
+    temporaries: int
+    at_start: int
+    per_sample_grads_peak: int
+    seconds: float
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, name) for name in CATEGORIES)
+
+    def as_gib(self) -> dict[str, float]:
+        return {name: getattr(self, name) / 2**30 for name in (*CATEGORIES, "total")}
+
+    def to_dict(self) -> dict[str, object]:
+        out = asdict(self)
+        out["total"] = self.total
+        out["peak_memory_gib"] = round(self.total / 2**30, 3)
+        out["breakdown_gib"] = {name: round(value, 3) for name, value in self.as_gib().items() if name != "total"}
+        return out
+
+
+def trace_step(
+    model: str = "llama3.1-8b",
+    method: str = "v2",
+    cp: int = 4,
+    data_parallel: int = 1,
+    mbs: int = 1,
+    seq_len: int = 16384,
+    precision: str = "bf16-mixed",
+) -> TraceResult:
+    """Trace one DP step (a logical batch of two micro-batches) of rank 0 and return its peak memory by category.
+
+    ``method`` is one of `TRACEABLE_METHODS` (``v3`` / ``nondp-cp-ac`` checkpoint every block); the world is
+    ``data_parallel x cp`` fake ranks. Takes seconds to a minute for full-size presets and allocates no tensor of
+    the model's size. Must not run inside an initialised (real) process group.
+    """
+    _validate(model, method, cp, data_parallel, mbs, seq_len, precision)
+    if dist.is_initialized():
+        raise RuntimeError("trace_step creates its own fake process group; call it outside a distributed run.")
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp * data_parallel)
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)  # the Trainer's banner
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peak = _traced_peak(model, METHODS[method], cp, mbs, seq_len, TRACE_PRECISIONS[precision])
+    finally:
+        lightning_log.setLevel(level)
+        dist.destroy_process_group()
+    return TraceResult(model, method, cp, data_parallel, mbs, seq_len, precision, **peak,
+                       seconds=round(time.perf_counter() - start, 2))
+
+
+def _validate(model: str, method: str, cp: int, data_parallel: int, mbs: int, seq_len: int, precision: str) -> None:
+    if method not in TRACEABLE_METHODS:
+        raise ValueError(f"Method {method!r} cannot be traced (it is not LongShield's code path); choose one of"
+                         f" {list(TRACEABLE_METHODS)}.")
+    if precision not in TRACE_PRECISIONS:
+        raise ValueError(f"Precision {precision!r} cannot be traced; choose one of {list(TRACE_PRECISIONS)}.")
+    if data_parallel < 1:
+        raise ValueError(f"Data-parallel size must be >= 1, got {data_parallel}.")
+    # The analytic planner's validation: model name, MBS, sequence length divisible by 2 x CP.
+    make_config(model=model, gpus=cp * data_parallel, method=method, mbs=mbs, seq_len=seq_len, cp=cp,
+                precision=precision)
+
+
+def _traced_peak(model: str, method, cp: int, mbs: int, seq_len: int, precision: str) -> dict[str, int]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.trainer import call
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+
+    from lightning_longshield import CausalLMModule, LongShieldStrategy
+    from lightning_longshield.batching import split_into_microbatches
+    from lightning_longshield.models import LlamaConfig
+    from lightning_longshield.privacy.plan import PrivacyPlan
+
+    world = dist.get_world_size()
+    strategy = LongShieldStrategy(
+        context_parallel_size=cp, noise_multiplier=1.0, micro_batch_size=mbs, poisson_sampling=False, seed=0,
+        shard_per_sample_grads=method.per_sample_grads != "full",
+        activation_checkpointing=method.activation_checkpointing, cluster_environment=_FakeRankZero(world),
+    )
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=precision, logger=False,
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    module = CausalLMModule(LlamaConfig.from_name(model), optimizer="adamw")
+    strategy.connect(module)
+    module.trainer = trainer
+    trainer.state.fn, trainer.state.stage = TrainerFn.FITTING, RunningStage.TRAINING
+    strategy.setup_environment()  # the (fake) device mesh, outside fake mode: DeviceMesh reads rank lists
+    module.log = _ignore  # type: ignore[method-assign]  # logging would copy fake tensors into metric states
+    strategy.model_to_device = _ignore  # type: ignore[method-assign]  # fake parameters already live on the CPU
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        _build_fake_model(module, dtype=torch.bfloat16 if precision == "bf16-true" else torch.float32)
+        if method.private:
+            strategy.setup(trainer)
+            optimizer = strategy.optimizers[0]
+            strategy.privacy_plan = PrivacyPlan(1.0, 1e-6, 0.01, mbs, 100 * mbs, 1, None)
+        else:
+            optimizer = _setup_non_private(strategy, module, method)
+        _initialise_optimizer_state(optimizer, module)
+        # Two micro-batches: the second runs with the first one's clipped sum (or gradient) alive, as every
+        # micro-batch but the first of a logical batch does.
+        batch = {"input_ids": torch.zeros(2 * mbs, seq_len, dtype=torch.long),
+                 "labels": torch.zeros(2 * mbs, seq_len, dtype=torch.long)}
+        tracker = _DPMemTracker()
+        tracker.track_external(module, optimizer)
+        at_start = sum(_current(tracker).values())
+        with tracker:
+            if method.private:
+                with _labelled_dp_tensors(strategy, tracker):
+                    loss = call._call_strategy_hook(trainer, "training_step", batch, 0)
+                    strategy.backward(loss, optimizer)
+                    # The closure ran above, outside the optimizer step, so its tensors are not labelled as
+                    # optimizer state; the release (noise) and AdamW run inside the step, as in Lightning.
+                    strategy.optimizer_step(optimizer, _ignore)
+            else:
+                for microbatch in split_into_microbatches(batch, mbs):
+                    tracker.reset_mod_stats()
+                    with trainer.precision_plugin.forward_context():
+                        loss = module.training_step(strategy._shard_sequence(microbatch), 0)
+                    loss.backward()
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    peak = dict.fromkeys(CATEGORIES, 0)
+    for category, reported in _REPORTED.items():
+        peak[reported] += snapshot.get(category, 0)
+    return {**peak, "at_start": at_start, "per_sample_grads_peak": tracker.per_sample_peak}
+
+
+class _FakeRankZero(LightningEnvironment):
+    """Rank 0 of a world of fake ranks (the fake process group is already initialised)."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__()
+        self._world = world_size
+
+    def world_size(self) -> int:
+        return self._world
+
+    def global_rank(self) -> int:
+        return 0
+
+
+def _current(tracker: MemTracker) -> dict[_RefType, int]:
+    """Bytes alive now by category (one device: the fake CPU), without the total."""
+    snapshot = next(iter(tracker.get_tracker_snapshot("current").values()), {})
+    return {category: value for category, value in snapshot.items() if isinstance(category, _RefType)}
+
+
+def _ignore(*args: object, **kwargs: object) -> None:
+    return None
+
+
+def _build_fake_model(module: nn.Module, dtype: torch.dtype) -> None:
+    """``configure_model`` on the meta device, then fake CPU parameters (tied parameters stay tied).
+
+    Initialisation is skipped: it reads values (truncated normal), which fake tensors do not have.
+    """
+    with torch.device("meta"):
+        module.configure_model()
+    fakes: dict[int, nn.Parameter] = {}
+    for submodule in module.modules():
+        for name, param in list(submodule._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in fakes:
+                fake = torch.empty_like(param, device="cpu", dtype=dtype)
+                fakes[id(param)] = nn.Parameter(fake, requires_grad=param.requires_grad)
+            submodule._parameters[name] = fakes[id(param)]
+
+
+def _setup_non_private(strategy, module, method) -> torch.optim.Optimizer:
+    """The strategy's parallelisation (checkpointing, CP attention, FSDP2) without the DP engine."""
+    from lightning_longshield.checkpointing import apply_activation_checkpointing
+    from lightning_longshield.context_parallel import apply_context_parallel_attention
+    from lightning_longshield.parallelize import gather_policy, shard_with_fsdp
+
+    if method.activation_checkpointing:
+        apply_activation_checkpointing(module, True)
+    if strategy.is_context_parallel:
+        cp_mesh = strategy.context_parallel_mesh
+        apply_context_parallel_attention(module, cp_mesh.get_group())
+        shard_with_fsdp(module, cp_mesh, mp_policy=gather_policy(strategy.precision_plugin.precision))
+    return module.configure_optimizers()
+
+
+def _initialise_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    """One step on zero gradients creates AdamW's moments, so the traced step is a steady-state one."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _labelled_dp_tensors(strategy, tracker: _DPMemTracker) -> Iterator[None]:
+    """Label what the DP engine stores: per-sample gradients (exchange) and clipped sums (accumulator).
+
+    Also forgets the tracker's per-module statistics before each micro-batch (MemTracker refuses a second forward
+    of the root module otherwise); the peak it keeps is global.
+    """
+    engine = strategy._engine
+    exchange, accumulator = engine.capture.exchange, engine.accumulator
+    store, add, collect = exchange._store, accumulator.add, engine.capture.collect
+    microbatch_step = strategy._microbatch_training_step
+
+    def tracked_microbatch_step(*args: object) -> object:
+        tracker.reset_mod_stats()
+        return microbatch_step(*args)
+
+    def labelled_store(name: str, grad_sample: torch.Tensor) -> None:
+        tracker.relabel(grad_sample, _TraceRef.PER_SAMPLE)
+        store(name, grad_sample)
+
+    def labelled_collect() -> dict[str, torch.Tensor]:
+        grads = collect()
+        for grad in grads.values():  # micro-batch of one: the sample's gradient is FSDP2's .grad shard
+            tracker.relabel(grad, _TraceRef.PER_SAMPLE)
+        return grads
+
+    def labelled_add(grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
+        add(grad_samples, factors)
+        for total in accumulator.sums.values():
+            tracker.relabel(total, _TraceRef.ACCUMULATOR)
+
+    exchange._store, accumulator.add, engine.capture.collect = labelled_store, labelled_add, labelled_collect
+    strategy._microbatch_training_step = tracked_microbatch_step
+    try:
+        yield
+    finally:
+        del exchange._store, accumulator.add, engine.capture.collect, strategy._microbatch_training_step

@@ -1,0 +1,95 @@
+"""Traced memory (`simulate.trace`): honest against a real CPU step, responsive to CP size, V1/V2 and
+checkpointing, and the analytic model within 10% of it on points of the README's grid."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from simulate import estimate_memory, make_config
+from simulate.config import as_run_by_longshield
+from simulate.trace import trace_step
+
+MIB = 2**20
+
+
+@functools.cache
+def traced(model: str, method: str, cp: int, mbs: int, seq_len: int, precision: str = "bf16-mixed"):
+    return trace_step(model=model, method=method, cp=cp, mbs=mbs, seq_len=seq_len, precision=precision)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["v2", "v3"])
+def test_traced_step_growth_equals_the_measured_cpu_peak(method):
+    """Two real fp32 DP steps in a fresh process: the second step's peak resident growth is the traced growth."""
+    probe = Path(__file__).with_name("trace_honesty_probe.py")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # large tensors are returned to the OS when freed
+    result = subprocess.run([sys.executable, str(probe), "tiny", method, "2", "4096"], env=env, capture_output=True,
+                            text=True, check=True, cwd=probe.parent)
+    measured = json.loads(result.stdout.strip().splitlines()[-1])["step_growth"]
+    trace = traced("tiny", method, 1, 2, 4096, precision="fp32")
+    assert trace.total - trace.at_start == pytest.approx(measured, rel=0.10)
+
+
+def test_v2_holds_one_nth_of_v1s_per_sample_gradients():
+    v1, v2 = traced("tiny", "v1", 4, 2, 8192, "fp32"), traced("tiny", "v2", 4, 2, 8192, "fp32")
+    assert v1.per_sample_grads_peak > 0
+    assert v2.per_sample_grads_peak == pytest.approx(v1.per_sample_grads_peak / 4, rel=0.02)
+
+
+def test_checkpointing_keeps_block_inputs_instead_of_activations():
+    full, checkpointed = traced("tiny", "v2", 4, 2, 8192, "fp32"), traced("tiny", "v3", 4, 2, 8192, "fp32")
+    # tiny: 4 blocks; a block saves well over twice its input, so checkpointing keeps under half of it.
+    assert checkpointed.activations < 0.5 * full.activations
+
+
+@pytest.mark.slow
+def test_activations_shrink_about_linearly_with_cp_size():
+    one, four = traced("llama3.2-1b", "v2", 1, 1, 16384), traced("llama3.2-1b", "v2", 4, 1, 16384)
+    ratio = four.activations / one.activations
+    assert 0.2 < ratio < 0.35, ratio  # 1/4, plus the K/V gathered over the whole sequence and the shared mask
+    assert four.parameters < one.parameters / 2  # FSDP2 shards over the CP group
+
+
+GRID_POINTS = [  # (model, method, CP size, MBS, T): a few of the README grid's points, cheap to trace
+    ("llama3.2-1b", "v2", 4, 1, 16384),
+    ("llama3.2-1b", "v2", 1, 1, 16384),
+    ("llama3.2-1b", "v1", 4, 2, 4096),
+    ("llama3.2-1b", "v1", 4, 1, 4096),
+    ("llama3.2-1b", "v3", 4, 2, 16384),
+    ("llama3.2-1b", "nondp-cp", 4, 1, 4096),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", GRID_POINTS, ids=lambda p: "-".join(map(str, p[1:])))
+def test_analytic_total_within_ten_percent_of_traced(point):
+    model, method, cp, mbs, seq_len = point
+    trace = traced(*point)
+    analytic = estimate_memory(make_config(model=model, gpus=cp, method=as_run_by_longshield(method, mbs), mbs=mbs,
+                                           seq_len=seq_len, cp=cp))
+    assert analytic.allocated == pytest.approx(trace.total, rel=0.10)
+
+
+def test_trace_refuses_methods_that_are_not_longshields():
+    with pytest.raises(ValueError, match="cannot be traced"):
+        trace_step(model="tiny", method="zero-dp", cp=1, seq_len=1024)
+    with pytest.raises(ValueError, match="divisible by 2 x CP"):
+        trace_step(model="tiny", method="v2", cp=4, seq_len=1020)
+
+
+def test_cli_trace_prints_one_json_object(capsys):
+    from simulate.cli import main
+
+    main(["trace", "--model", "tiny", "--method", "v3", "--cp", "2", "--mbs", "2", "--seq-len", "1024", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "v3" and out["cp"] == 2 and out["seq_len"] == 1024
+    assert out["total"] == sum(out[name] for name in ("parameters", "gradients", "optimizer_state", "activations",
+                                                      "per_sample_grads", "temporaries"))
+    assert out["peak_memory_gib"] > 0 and "analytic_vs_traced" in out
