@@ -33,13 +33,25 @@ def test_epsilon_matches_opacus(mechanism):
     assert strategy.get_epsilon(delta=1e-6) == pytest.approx(reference.get_epsilon(delta=1e-6), rel=1e-9)
 
 
-def test_calibration_lands_on_target():
+@pytest.mark.parametrize("mechanism", ["prv", "rdp"])
+def test_calibration_lands_on_target(mechanism):
     target, steps = 3.0, 6
-    strategy = LongShieldStrategy(target_epsilon=target, accountant="rdp", seed=0)
+    strategy = LongShieldStrategy(target_epsilon=target, accountant=mechanism, seed=0)
     fit(strategy, steps)
     epsilon = strategy.get_epsilon()
     assert target - 0.05 <= epsilon <= target
     assert strategy.privacy_plan.delta == pytest.approx(1 / (10 * DATASET))
+    reference = create_accountant(mechanism)
+    for _ in range(steps):
+        reference.step(noise_multiplier=strategy.privacy_plan.noise_multiplier, sample_rate=BATCH / DATASET)
+    assert epsilon == pytest.approx(reference.get_epsilon(delta=strategy.privacy_plan.delta), rel=1e-9)
+
+
+def test_epsilon_is_in_the_progress_bar_and_the_logged_metrics():
+    strategy = LongShieldStrategy(noise_multiplier=1.1, accountant="rdp", target_delta=1e-4, seed=0)
+    trainer = fit(strategy, 3)
+    assert trainer.progress_bar_metrics["epsilon"] == pytest.approx(strategy.get_epsilon(), rel=1e-6)
+    assert trainer.callback_metrics["epsilon"].item() == pytest.approx(strategy.get_epsilon(), rel=1e-6)
 
 
 def test_default_is_target_epsilon_8_and_is_announced(recwarn):

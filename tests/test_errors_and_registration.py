@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader
 import lightning_longshield  # noqa: F401  (registers the strategy)
 from helpers import RandomTokens, loader, make_module, make_trainer, small_config
 from lightning_longshield import LongShieldStrategy
+from lightning_longshield.models import Llama, LlamaConfig
+from simulate.specs import get_model_spec
 
 
 def test_registered_names():
@@ -115,3 +117,16 @@ def test_manual_optimization_is_refused():
 def test_invalid_checkpointing_policy(policy, error):
     with pytest.raises(error, match="activation_checkpointing"):
         LongShieldStrategy(activation_checkpointing=policy)
+
+
+@pytest.mark.parametrize(
+    "name, published",
+    [("llama3.2-1b", 1.236e9), ("llama3.2-3b", 3.213e9), ("llama3.1-8b", 8.030e9), ("llama3.1-70b", 70.554e9)],
+)
+def test_presets_have_the_published_parameter_counts(name, published):
+    """Meta's model cards: 1.24B, 3.21B, 8.03B and 70.6B parameters (tied embeddings in 1B and 3B)."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.from_name(name))
+    count = sum(p.numel() for p in model.parameters())
+    assert count == get_model_spec(name).num_parameters
+    assert count == pytest.approx(published, rel=2e-3)

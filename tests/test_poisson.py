@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import default_collate
 
-from helpers import RandomTokens
+from helpers import RandomTokens, loader, make_module, make_trainer, small_config
+from lightning_longshield import LongShieldStrategy
 from lightning_longshield.privacy import CollateAllowingEmpty, PoissonBatchSampler
 
 
@@ -42,3 +44,28 @@ def test_empty_batches_collate_to_zero_length_tensors():
     batch = CollateAllowingEmpty(dataset, default_collate)([])
     assert batch["input_ids"].shape == (0, 6) and batch["labels"].shape == (0, 6)
     assert any(len(b) == 0 for b in PoissonBatchSampler(1000, 0.0005, base_seed=0))
+
+
+def test_fit_through_empty_logical_batches():
+    """q = 1/40: about a third of the logical batches are empty. Each still is one DP step (accounted, noised); with
+    noise 0 an empty step leaves the parameters exactly as they were."""
+
+    class RecordSteps(Callback):
+        def __init__(self) -> None:
+            self.sizes, self.changed = [], []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.sizes.append(len(batch["input_ids"]))
+            self.before = [p.detach().clone() for p in pl_module.parameters()]
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.changed.append(any(not torch.equal(p, q) for p, q in zip(pl_module.parameters(), self.before)))
+
+    recorder = RecordSteps()
+    strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=1.0, micro_batch_size=2, seed=3)
+    trainer = make_trainer(strategy, max_steps=8, callbacks=[recorder])
+    trainer.fit(make_module(small_config(n_layers=1)), loader(RandomTokens(size=40, seq_len=8), 1))
+    assert trainer.global_step == 8 and strategy.accountant.steps == 8
+    assert 0 in recorder.sizes and any(size > 0 for size in recorder.sizes), recorder.sizes
+    assert not any(changed for size, changed in zip(recorder.sizes, recorder.changed) if size == 0), recorder.changed
+    assert any(recorder.changed)
