@@ -51,12 +51,6 @@ def train_configurations(rank: int, world_size: int, configurations: list[dict[s
             torch.save({"states": states, "held_bytes": held.item(), "config": config}, Path(out_dir) / f"{index}.pt")
 
 
-def flat_state(strategy) -> torch.Tensor:
-    """The gathered full parameters, flat (collective; only rank 0 receives them)."""
-    values = [v.flatten().float() for v in strategy.lightning_module_state_dict().values()]
-    return torch.cat(values) if values else torch.empty(0)
-
-
 def noise_and_epsilon(rank: int, world_size: int, out_dir: str) -> None:
     """Data 2 x CP 2: one pure-noise step (sigma C >> clipped sum) and a short Poisson-sampled run for epsilon."""
     results: dict[str, Any] = {}
@@ -64,11 +58,16 @@ def noise_and_epsilon(rank: int, world_size: int, out_dir: str) -> None:
                                   micro_batch_size=2, poisson_sampling=False, seed=11)
     module = make_module(small_config())
     trainer = make_trainer(strategy, max_steps=1, devices=world_size)
-    initial = torch.cat([p.detach().flatten().float() for p in module.model.state_dict().values()])
+    initial = {name: value.detach().float().clone() for name, value in module.model.state_dict().items()}
     trainer.fit(module, loader(RandomTokens(**DATASET), LOGICAL_BATCH // 2))
-    final = flat_state(strategy)
+    final = {k.removeprefix("model."): v for k, v in strategy.lightning_module_state_dict().items()}
+    # Every rank's own shard of every parameter: data-parallel replicas of a shard must hold identical values.
+    local = torch.cat([p.to_local().detach().flatten().float() for p in module.model.parameters()])
+    shards = [None] * world_size
+    dist.all_gather_object(shards, local)
     if rank == 0:
-        results["update"] = final - initial
+        results["updates"] = {name: final[name].float() - value for name, value in initial.items()}
+        results["shards"] = shards
     sigma = 1.1
     strategy = LongShieldStrategy(context_parallel_size=2, noise_multiplier=sigma, accountant="rdp",
                                   target_delta=1e-3, seed=12)
