@@ -5,7 +5,8 @@
 For each configuration (one process, so context-parallel size 1) it trains two real DP steps on the GPU, each a
 logical batch of two micro-batches, and reads ``torch.cuda.max_memory_allocated`` over the second step (AdamW's
 moments exist, as in the trace); then it traces the same step with `simulate.trace.trace_step` and with the
-analytic model. Ratios are traced / measured and analytic / measured.
+analytic model. Ratios are traced / measured and analytic / measured; a step that runs out of GPU memory is
+recorded with ``measured_gib: null``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 CONFIGS = (  # (model, method, micro-batch size, sequence length)
     ("llama3.2-1b", "v2", 1, 4096),
     ("llama3.2-1b", "v2", 2, 4096),
-    ("llama3.2-1b", "v2", 1, 16384),
+    ("llama3.2-1b", "v2", 1, 8192),
     ("llama3.2-1b", "v3", 2, 8192),
-    ("llama3.2-3b", "v2", 1, 8192),
+    ("llama3.2-1b", "v3", 1, 16384),
+    ("llama3.2-3b", "v3", 1, 4096),
 )
 
 
@@ -41,8 +43,8 @@ class TokenWindows(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[index, :-1], "labels": self.tokens[index, 1:]}
 
 
-def measured_peak(model: str, method: str, mbs: int, seq_len: int) -> int:
-    """Peak bytes allocated on the GPU during the second of two real DP steps."""
+def measured_peak(model: str, method: str, mbs: int, seq_len: int) -> int | None:
+    """Peak bytes allocated on the GPU during the second of two real DP steps (``None``: out of memory)."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
@@ -70,8 +72,12 @@ def measured_peak(model: str, method: str, mbs: int, seq_len: int) -> int:
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[probe])
     data = torch.utils.data.DataLoader(TokenWindows(4 * mbs, seq_len, config.vocab_size), batch_size=2 * mbs)
-    trainer.fit(CausalLMModule(config, optimizer="adamw"), data)
-    torch.distributed.destroy_process_group()  # the trace creates its own (fake) one
+    try:
+        trainer.fit(CausalLMModule(config, optimizer="adamw"), data)
+    except torch.OutOfMemoryError:
+        probe.peak = None
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # the trace creates its own (fake) one
     del trainer, strategy
     torch.cuda.empty_cache()
     return probe.peak
@@ -79,21 +85,26 @@ def measured_peak(model: str, method: str, mbs: int, seq_len: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.parse_args()
+    parser.add_argument("--configs", type=int, nargs="+", default=list(range(len(CONFIGS))),
+                        help="indices into CONFIGS to run (default: all)")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("trace_vs_cuda.py measures real CUDA memory: run it on a machine with a GPU.")
     from simulate import estimate_memory, make_config
     from simulate.trace import trace_step
 
     rows = []
-    for model, method, mbs, seq_len in CONFIGS:
+    for model, method, mbs, seq_len in (CONFIGS[i] for i in args.configs):
         measured = measured_peak(model, method, mbs, seq_len)
         traced = trace_step(model=model, method=method, cp=1, mbs=mbs, seq_len=seq_len).total
         analytic = estimate_memory(make_config(model=model, gpus=1, method=method, mbs=mbs, seq_len=seq_len)).allocated
-        rows.append({"model": model, "method": method, "mbs": mbs, "seq_len": seq_len,
-                     "measured_gib": round(measured / 2**30, 3), "traced_gib": round(traced / 2**30, 3),
-                     "analytic_gib": round(analytic / 2**30, 3), "traced_over_measured": round(traced / measured, 3),
-                     "analytic_over_measured": round(analytic / measured, 3)})
+        row = {"model": model, "method": method, "mbs": mbs, "seq_len": seq_len,
+               "measured_gib": None if measured is None else round(measured / 2**30, 3),
+               "traced_gib": round(traced / 2**30, 3), "analytic_gib": round(analytic / 2**30, 3)}
+        if measured is not None:
+            row.update(traced_over_measured=round(traced / measured, 3),
+                       analytic_over_measured=round(analytic / measured, 3))
+        rows.append(row)
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, indent=1))
 
