@@ -114,16 +114,18 @@ def test_noise_is_added_once_across_data_parallel_groups_and_epsilon_matches(tmp
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_under_cp_resumes_on_one_process(tmp_path):
+@pytest.mark.parametrize("activation_checkpointing", [False, True], ids=["v2", "v3"])
+def test_checkpoint_saved_under_cp_resumes_on_one_process(tmp_path, activation_checkpointing):
     path = tmp_path / "cp2.ckpt"
-    run_processes(2, tmp_path, save_checkpoint_under_cp, str(path))
+    run_processes(2, tmp_path, save_checkpoint_under_cp, str(path), activation_checkpointing)
     checkpoint = torch.load(path, weights_only=False)
     module = make_module(small_config(), optimizer="adamw", learning_rate=1e-2)
     assert set(checkpoint["state_dict"]) == {f"model.{k}" for k in module.model.state_dict()}
 
     def strategy():
         # Poisson draws are keyed by the DP step, so the resumed run sees exactly the batches it would have.
-        return LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=0.05, micro_batch_size=2, seed=0)
+        return LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=0.05, micro_batch_size=2, seed=0,
+                                  activation_checkpointing=activation_checkpointing)
 
     resumed = module
     make_trainer(strategy(), max_steps=3).fit(resumed, loader(RandomTokens(**DATASET), LOGICAL_BATCH), ckpt_path=path)
