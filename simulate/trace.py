@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _RefType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from simulate.config import METHODS, make_config
+from simulate.config import METHODS, MethodSpec, make_config
 
 TRACEABLE_METHODS = ("nondp-cp", "nondp-cp-ac", "v1", "v2", "v3")
 TRACE_PRECISIONS = {"bf16-mixed": "bf16-mixed", "fp32": "32-true"}
@@ -169,7 +169,7 @@ def _validate(model: str, method: str, cp: int, data_parallel: int, mbs: int, se
                 precision=precision)
 
 
-def _traced_peak(model: str, method, cp: int, mbs: int, seq_len: int, precision: str) -> dict[str, int]:
+def _traced_peak(model: str, method: MethodSpec, cp: int, mbs: int, seq_len: int, precision: str) -> dict[str, int]:
     import lightning.pytorch as pl
     from lightning.pytorch.trainer import call
     from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -196,14 +196,14 @@ def _traced_peak(model: str, method, cp: int, mbs: int, seq_len: int, precision:
     strategy.model_to_device = _ignore  # type: ignore[method-assign]  # fake parameters already live on the CPU
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        _build_fake_model(module, dtype=torch.bfloat16 if precision == "bf16-true" else torch.float32)
+        _build_fake_model(module)
         if method.private:
             strategy.setup(trainer)
             optimizer = strategy.optimizers[0]
             strategy.privacy_plan = PrivacyPlan(1.0, 1e-6, 0.01, mbs, 100 * mbs, 1, None)
         else:
             optimizer = _setup_non_private(strategy, module, method)
-        _initialise_optimizer_state(optimizer, module)
+        _initialise_optimizer_state(optimizer)
         # Two micro-batches: the second runs with the first one's clipped sum (or gradient) alive, as every
         # micro-batch but the first of a logical batch does.
         batch = {"input_ids": torch.zeros(2 * mbs, seq_len, dtype=torch.long),
@@ -258,7 +258,7 @@ def _ignore(*args: object, **kwargs: object) -> None:
     return None
 
 
-def _build_fake_model(module: nn.Module, dtype: torch.dtype) -> None:
+def _build_fake_model(module: nn.Module) -> None:
     """``configure_model`` on the meta device, then fake CPU parameters (tied parameters stay tied).
 
     Initialisation is skipped: it reads values (truncated normal), which fake tensors do not have.
@@ -271,12 +271,12 @@ def _build_fake_model(module: nn.Module, dtype: torch.dtype) -> None:
             if param is None:
                 continue
             if id(param) not in fakes:
-                fake = torch.empty_like(param, device="cpu", dtype=dtype)
+                fake = torch.empty_like(param, device="cpu")
                 fakes[id(param)] = nn.Parameter(fake, requires_grad=param.requires_grad)
             submodule._parameters[name] = fakes[id(param)]
 
 
-def _setup_non_private(strategy, module, method) -> torch.optim.Optimizer:
+def _setup_non_private(strategy, module: nn.Module, method: MethodSpec) -> torch.optim.Optimizer:
     """The strategy's parallelisation (checkpointing, CP attention, FSDP2) without the DP engine."""
     from lightning_longshield.checkpointing import apply_activation_checkpointing
     from lightning_longshield.context_parallel import apply_context_parallel_attention
@@ -291,7 +291,7 @@ def _setup_non_private(strategy, module, method) -> torch.optim.Optimizer:
     return module.configure_optimizers()
 
 
-def _initialise_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """One step on zero gradients creates AdamW's moments, so the traced step is a steady-state one."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for param in params:
