@@ -64,6 +64,7 @@ from lightning_longshield.privacy.grad_sample.exchange import (
 )
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, resolve_plan
 from lightning_longshield.privacy.seeding import derive_seed
+from lightning_longshield.privacy.shards import ParamShard
 
 GRAD_SAMPLE_PATTERNS = ("input_stationary", "output_stationary")
 CHECKPOINT_KEY = "longshield"
@@ -306,23 +307,17 @@ class LongShieldStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _build_engine(self) -> DPSGDEngine:
-        """Shard the model over the CP group (FSDP2, CP attention) and wire the matching per-sample exchange."""
+        """Parallelise the model (`_parallelize`) and wire the matching per-sample exchange."""
         module = self.lightning_module
         assert module is not None and self._noise is not None
+        shards = self._parallelize(module)
         exchange: Optional[LocalExchange] = None
-        shards = cp_group = None
-        if self.activation_checkpointing is not False:
-            apply_activation_checkpointing(module, self.activation_checkpointing)
-        if self.is_context_parallel:
-            cp_mesh = self.context_parallel_mesh
-            cp_group = cp_mesh.get_group()
-            apply_context_parallel_attention(module, cp_group)
-            output_stationary = self.grad_sample_pattern == "output_stationary"
-            mp_policy = gather_policy(self.precision_plugin.precision)
-            shards = shard_with_fsdp(module, cp_mesh, shard_linear_inputs=output_stationary, mp_policy=mp_policy)
+        cp_group = None
+        if shards is not None:
+            cp_group = self.context_parallel_mesh.get_group()
             if not self.shard_per_sample_grads:
                 exchange = AllReduceExchange(cp_group)
-            elif output_stationary:
+            elif self.grad_sample_pattern == "output_stationary":
                 exchange = OutputStationaryExchange(cp_group, shards, self.overlap_communication)
             else:
                 exchange = ReduceScatterExchange(cp_group, shards, self.overlap_communication)
@@ -330,6 +325,18 @@ class LongShieldStrategy(ParallelStrategy):
         return DPSGDEngine(
             module, self.max_grad_norm, self._noise, self.accountant, exchange, shards, cp_group, dp_group
         )
+
+    def _parallelize(self, module: pl.LightningModule) -> Optional[dict[str, ParamShard]]:
+        """Activation checkpointing, then (under CP) CP attention and FSDP2 over the CP group; returns the shards."""
+        if self.activation_checkpointing is not False:
+            apply_activation_checkpointing(module, self.activation_checkpointing)
+        if not self.is_context_parallel:
+            return None
+        cp_mesh = self.context_parallel_mesh
+        apply_context_parallel_attention(module, cp_mesh.get_group())
+        output_stationary = self.grad_sample_pattern == "output_stationary"
+        mp_policy = gather_policy(self.precision_plugin.precision)
+        return shard_with_fsdp(module, cp_mesh, shard_linear_inputs=output_stationary, mp_policy=mp_policy)
 
     def _check_trainer_configuration(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module

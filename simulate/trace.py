@@ -202,7 +202,7 @@ def _traced_peak(model: str, method: MethodSpec, cp: int, mbs: int, seq_len: int
             optimizer = strategy.optimizers[0]
             strategy.privacy_plan = PrivacyPlan(1.0, 1e-6, 0.01, mbs, 100 * mbs, 1, None)
         else:
-            optimizer = _setup_non_private(strategy, module, method)
+            optimizer = _setup_non_private(strategy, module)
         _initialise_optimizer_state(optimizer)
         # Two micro-batches: the second runs with the first one's clipped sum (or gradient) alive, as every
         # micro-batch but the first of a logical batch does.
@@ -276,18 +276,9 @@ def _build_fake_model(module: nn.Module) -> None:
             submodule._parameters[name] = fakes[id(param)]
 
 
-def _setup_non_private(strategy, module: nn.Module, method: MethodSpec) -> torch.optim.Optimizer:
+def _setup_non_private(strategy, module: nn.Module) -> torch.optim.Optimizer:
     """The strategy's parallelisation (checkpointing, CP attention, FSDP2) without the DP engine."""
-    from lightning_longshield.checkpointing import apply_activation_checkpointing
-    from lightning_longshield.context_parallel import apply_context_parallel_attention
-    from lightning_longshield.parallelize import gather_policy, shard_with_fsdp
-
-    if method.activation_checkpointing:
-        apply_activation_checkpointing(module, True)
-    if strategy.is_context_parallel:
-        cp_mesh = strategy.context_parallel_mesh
-        apply_context_parallel_attention(module, cp_mesh.get_group())
-        shard_with_fsdp(module, cp_mesh, mp_policy=gather_policy(strategy.precision_plugin.precision))
+    strategy._parallelize(module)
     return module.configure_optimizers()
 
 
