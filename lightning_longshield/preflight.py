@@ -3,7 +3,7 @@
 `LongShieldStrategy` calls :func:`run_preflight` when it processes the training DataLoader (parameters are placed,
 nothing has run forward yet). On CUDA, a run the planner predicts will not fit stops with a
 :class:`PreflightMemoryError` naming the predicted peak, its breakdown and the best configuration that does fit; on
-CPU the prediction is only logged. :func:`preflight_check` is the same decision as a pure function.
+CPU the prediction is only logged. ``predict(...).check()`` is the same decision as a pure function.
 
 The estimate models one context-parallel group: the strategy FSDP2-shards parameters, optimizer state and the
 clipped-gradient accumulator over that group only (data-parallel groups are replicas), so the planner is given
@@ -84,6 +84,12 @@ class PreflightResult:
         """The non-zero parts of the peak, in GiB (`MemoryBreakdown.as_gib`)."""
         parts = [f"{name} {gib:.2f}" for name, gib in self.memory.as_gib().items() if name not in TOTALS and gib]
         return f"Breakdown at the peak ({self.memory.phase}), GiB: {', '.join(parts)}."
+
+    def check(self) -> PreflightResult:
+        """This result, or :class:`PreflightMemoryError` (with the best fitting alternative) if it does not fit."""
+        if not self.fits:
+            raise PreflightMemoryError(self.failure_message(find_alternative(self.config, self.world_size)))
+        return self
 
     def failure_message(self, alternative: Optional[Alternative]) -> str:
         """Why the run stops and what fits instead."""
@@ -192,25 +198,6 @@ def predict(
     return PreflightResult(config, estimate_memory(config), gpus, notes)
 
 
-def preflight_check(
-    model: ModelSpec,
-    method: str,
-    gpus: int,
-    cp: int,
-    mbs: int,
-    seq_len: int,
-    precision: str,
-    capacity_bytes: float,
-    gpu_name: str = "",
-    notes: tuple[str, ...] = (),
-) -> PreflightResult:
-    """:func:`predict`, raising :class:`PreflightMemoryError` (with the best fitting alternative) if it does not fit."""
-    result = predict(model, method, gpus, cp, mbs, seq_len, precision, capacity_bytes, gpu_name, notes)
-    if not result.fits:
-        raise PreflightMemoryError(result.failure_message(find_alternative(result.config, gpus)))
-    return result
-
-
 def find_alternative(config: RunConfig, world_size: int) -> Optional[Alternative]:
     """The best change that fits: the fastest on the same GPUs, else on the fewest more GPUs.
 
@@ -316,7 +303,7 @@ def run_preflight(
         )
         return result
     name, capacity = device_properties(device)
-    result = preflight_check(*run, capacity, gpu_name=name, notes=notes)
+    result = predict(*run, capacity, gpu_name=name, notes=notes).check()
     rank_zero_info(
         f"LongShield pre-flight: fits, {result.peak()} of {capacity / GIB:.1f} GiB ({name}) for {result.run()}."
         f" {result.breakdown()}"

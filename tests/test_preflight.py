@@ -16,8 +16,8 @@ GIB = 2**30
 
 def check(model: str = "llama3.1-8b", method: str = "v2", gpus: int = 1, cp: int = 1, mbs: int = 1,
           seq_len: int = 131072, capacity_gib: float = 80) -> preflight.PreflightResult:
-    return preflight.preflight_check(get_model_spec(model), method, gpus, cp, mbs, seq_len, "bf16-mixed",
-                                     capacity_gib * GIB, gpu_name="NVIDIA H100 80GB HBM3")
+    return preflight.predict(get_model_spec(model), method, gpus, cp, mbs, seq_len, "bf16-mixed",
+                             capacity_gib * GIB, gpu_name="NVIDIA H100 80GB HBM3").check()
 
 
 def test_infeasible_config_names_peak_breakdown_and_a_fix():
