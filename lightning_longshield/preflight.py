@@ -19,8 +19,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_longshield.checkpointing import CheckpointPolicy
-from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory, make_config
-from simulate.config import as_run_by_longshield
+from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory
+from simulate.config import longshield_config
 from simulate.throughput import estimate_step_time
 
 GIB = 2**30
@@ -112,11 +112,11 @@ class PreflightResult:
 
 
 def simulate_method(
-    shard_per_sample_grads: bool, activation_checkpointing: CheckpointPolicy, micro_batch_size: int
+    shard_per_sample_grads: bool, activation_checkpointing: CheckpointPolicy
 ) -> tuple[str, tuple[str, ...]]:
     """The planner's method for the strategy's settings, with notes on where the estimate is approximate."""
     if activation_checkpointing is False:
-        return as_run_by_longshield("v2" if shard_per_sample_grads else "v1", micro_batch_size), ()
+        return ("v2" if shard_per_sample_grads else "v1"), ()
     notes = []
     if not (activation_checkpointing is True or activation_checkpointing == 1):
         notes.append("Note: the estimate assumes every block is checkpointed (activation_checkpointing is a policy).")
@@ -193,8 +193,7 @@ def predict(
     if cp < 1 or gpus % cp:
         raise ValueError(f"cp={cp} must be a positive divisor of gpus={gpus}.")
     padded = -(-seq_len // (2 * cp)) * (2 * cp)
-    config = make_config(model=model, gpus=cp, method=method, mbs=mbs, seq_len=padded, cp=cp,
-                         gpu=gpu_spec_for(gpu_name, capacity_bytes), precision=precision)
+    config = longshield_config(model, method, cp, mbs, padded, precision, gpu_spec_for(gpu_name, capacity_bytes))
     return PreflightResult(config, estimate_memory(config), gpus, notes)
 
 
@@ -293,7 +292,7 @@ def run_preflight(
         rank_zero_info(f"LongShield pre-flight memory check skipped: {reason}.")
         return None
     assert model is not None and seq_len is not None and planner_precision is not None
-    method, notes = simulate_method(shard_per_sample_grads, activation_checkpointing, mbs)
+    method, notes = simulate_method(shard_per_sample_grads, activation_checkpointing)
     run = (model, method, world_size, cp, mbs, seq_len, planner_precision)
     if not is_cuda(device):
         result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, notes=notes)

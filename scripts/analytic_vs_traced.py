@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulate import estimate_memory, make_config  # noqa: E402
-from simulate.config import as_run_by_longshield  # noqa: E402
+from simulate import estimate_memory  # noqa: E402
+from simulate.config import as_run_by_longshield, longshield_config  # noqa: E402
 
 MODELS = ("llama3.2-1b", "llama3.1-8b")
 METHODS = ("nondp-cp", "v1", "v2", "v3")
@@ -48,9 +48,8 @@ def trace_point(point: tuple[str, str, int, int, int]) -> dict[str, object]:
 
 def with_analytic(row: dict[str, object]) -> dict[str, object]:
     """``row`` with the analytic prediction of its configuration and the relative error beside the trace."""
+    analytic = estimate_memory(longshield_config(row["model"], row["method"], row["cp"], row["mbs"], row["seq_len"]))
     method = as_run_by_longshield(row["method"], row["mbs"])
-    analytic = estimate_memory(make_config(model=row["model"], gpus=row["cp"], method=method, mbs=row["mbs"],
-                                           seq_len=row["seq_len"], cp=row["cp"]))
     return {**row, "analytic_method": method, "analytic_gib": analytic.allocated / 2**30,
             "error": analytic.allocated / 2**30 / row["traced_gib"] - 1,
             "analytic_breakdown_gib": analytic.as_gib(), "analytic_phase": analytic.phase}

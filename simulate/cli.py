@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from simulate import planner
-from simulate.config import METHODS, PRECISIONS, parse_gpus
+from simulate.config import METHODS, PRECISIONS, TRACEABLE_METHODS, longshield_config, parse_gpus
+from simulate.memory import estimate_memory
 from simulate.specs import GPU_PRESETS, MODEL_PRESETS
 
 BREAKDOWN_ROWS = (
@@ -157,8 +158,8 @@ def _trace(args: argparse.Namespace, console: Console) -> dict[str, object]:
                       f" data-parallel {args.data_parallel}, MBS {args.mbs}, T {args.seq_len}) ...")
     result = trace_step(model=args.model, method=args.method, cp=args.cp, data_parallel=args.data_parallel,
                         mbs=args.mbs, seq_len=args.seq_len, precision=args.precision)
-    analytic = planner.plan(model=args.model, gpus=args.cp, method=args.method, mbs=args.mbs, seq_len=args.seq_len,
-                            cp=args.cp, precision=args.precision).memory
+    analytic = estimate_memory(longshield_config(args.model, args.method, args.cp, args.mbs, args.seq_len,
+                                                 args.precision))
     out = result.to_dict()
     out["analytic_allocated_gib"] = round(analytic.allocated / 2**30, 3)
     out["analytic_vs_traced"] = round(analytic.allocated / result.total - 1, 4)
@@ -203,7 +204,7 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default="longshield-plan.png", help="PNG path (default: %(default)s)")
     trace = _command(sub, "trace", _trace, "peak memory of rank 0 in one real DP step, traced on fake tensors",
                      precisions=("bf16-mixed", "fp32"), hardware=False)
-    trace.add_argument("--method", choices=["nondp-cp", "nondp-cp-ac", "v1", "v2", "v3"], default="v2")
+    trace.add_argument("--method", choices=list(TRACEABLE_METHODS), default="v2")
     trace.add_argument("--cp", type=_positive_int, default=4, help="context-parallel size (default: %(default)s)")
     trace.add_argument("--data-parallel", type=_positive_int, default=1, help="data-parallel groups (default: 1)")
     trace.add_argument("--mbs", type=_positive_int, default=1, help="micro-batch size")

@@ -165,6 +165,25 @@ def as_run_by_longshield(method: str, mbs: int) -> str:
     return "v2" if method == "v1" and mbs == 1 else method
 
 
+def longshield_config(
+    model: str | ModelSpec,
+    method: str,
+    cp: int,
+    mbs: int,
+    seq_len: int,
+    precision: str = "bf16-mixed",
+    gpu: str | GPUSpec = "h100",
+) -> RunConfig:
+    """One context-parallel group of `LongShieldStrategy` as the planner sees it: ``cp`` GPUs (the strategy shards
+    model states over the CP group only; data-parallel groups are replicas) and the method the strategy really runs
+    (`as_run_by_longshield`)."""
+    return make_config(model=model, gpus=cp, method=as_run_by_longshield(method, mbs), mbs=mbs, seq_len=seq_len,
+                       cp=cp, gpu=gpu, precision=precision)
+
+
+TRACEABLE_METHODS = ("nondp-cp", "nondp-cp-ac", "v1", "v2", "v3")  # LongShield's code paths (simulate.trace)
+
+
 def _preset_name(spec: object, presets: Mapping[str, object], default: str) -> str:
     """The name of the preset equal to ``spec``, else ``default``."""
     return next((name for name, preset in presets.items() if preset == spec), default)

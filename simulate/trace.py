@@ -32,9 +32,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _RefType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from simulate.config import METHODS, MethodSpec, make_config
+from simulate.config import METHODS, TRACEABLE_METHODS, MethodSpec, make_config
 
-TRACEABLE_METHODS = ("nondp-cp", "nondp-cp-ac", "v1", "v2", "v3")
 TRACE_PRECISIONS = {"bf16-mixed": "bf16-mixed", "fp32": "32-true"}
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "per_sample_grads", "temporaries")
 

@@ -55,11 +55,12 @@ def test_feasible_config_passes():
 
 
 def test_policy_and_v1_checkpointing_are_estimated_as_v3_with_a_note():
-    assert preflight.simulate_method(True, False, 2) == ("v2", ())
-    assert preflight.simulate_method(False, False, 2) == ("v1", ())
-    assert preflight.simulate_method(False, False, 1) == ("v2", ())  # V1 at micro-batch 1 runs V2's path
-    assert preflight.simulate_method(True, True, 2) == ("v3", ())
-    method, notes = preflight.simulate_method(False, 2, 2)
+    assert preflight.simulate_method(True, False) == ("v2", ())
+    assert preflight.simulate_method(False, False) == ("v1", ())
+    v1_at_mbs_1 = preflight.predict(get_model_spec("tiny"), "v1", 2, 2, 1, 1024, "bf16-mixed", 80 * GIB)
+    assert v1_at_mbs_1.config.method.name == "v2"  # V1 at micro-batch 1 runs V2's path
+    assert preflight.simulate_method(True, True) == ("v3", ())
+    method, notes = preflight.simulate_method(False, 2)
     assert method == "v3" and "every block is checkpointed" in notes[0] and "shard_per_sample_grads" in notes[1]
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from simulate import estimate_memory, make_config
-from simulate.config import as_run_by_longshield
+from simulate import estimate_memory
+from simulate.config import longshield_config
 from simulate.trace import trace_step
 
 MIB = 2**20
@@ -72,8 +72,7 @@ GRID_POINTS = [  # (model, method, CP size, MBS, T): a few of the README grid's 
 def test_analytic_total_within_ten_percent_of_traced(point):
     model, method, cp, mbs, seq_len = point
     trace = traced(*point)
-    analytic = estimate_memory(make_config(model=model, gpus=cp, method=as_run_by_longshield(method, mbs), mbs=mbs,
-                                           seq_len=seq_len, cp=cp))
+    analytic = estimate_memory(longshield_config(model, method, cp, mbs, seq_len))
     assert analytic.allocated == pytest.approx(trace.total, rel=0.10)
 
 
