@@ -1,7 +1,8 @@
 """DP-SGD building blocks: per-sample gradients, flat clipping, noise, Poisson batches and accounting."""
 
-from lightning_longshield.privacy.accountant import PrivacyAccountant, calibrate_noise_multiplier
+from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.engine import DPSGDEngine
+from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier
 from lightning_longshield.privacy.grad_sample import SUPPORTED_LAYER_TYPES, PerSampleGradCapture
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.poisson import CollateAllowingEmpty, PoissonBatchSampler

@@ -1,12 +1,12 @@
-"""Privacy accounting with Opacus accountants: steps recorded, epsilon spent, noise calibration, budget limits."""
+"""Privacy accounting: the history of DP steps, epsilon spent (cached), and how many more steps fit a budget."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from opacus.accountants import IAccountant, create_accountant
-from opacus.accountants.utils import get_noise_multiplier
+
+from lightning_longshield.privacy.epsilon import epsilon
 
 ACCOUNTANTS = ("prv", "rdp")
 
@@ -14,8 +14,10 @@ ACCOUNTANTS = ("prv", "rdp")
 class PrivacyAccountant:
     """Records one ``(noise_multiplier, sample_rate)`` step per DP step and answers what it cost.
 
-    A thin layer over an Opacus accountant that also handles the non-private corner (noise 0 means epsilon is
-    infinite) and answers "how many more steps fit in a budget" for the stop-at-budget logic.
+    Opacus's accountant keeps the history; epsilon comes from `privacy.epsilon` (Opacus's RDP, or its PRV with a
+    bounded grid, so any history answers in about a second) and is cached per history. Also handles the
+    non-private corner (noise 0 means epsilon is infinite) and answers "how many more steps fit in a budget" for
+    the stop-at-budget logic.
     """
 
     def __init__(self, mechanism: str = "prv") -> None:
@@ -42,15 +44,9 @@ class PrivacyAccountant:
         return self._epsilon_of(list(self.history), delta)
 
     def _epsilon_of(self, history: list[tuple[float, float, int]], delta: float) -> float:
-        if not history:
-            return 0.0
-        if any(sigma == 0 for sigma, _, _ in history):
-            return math.inf
         key = (tuple(history), delta)
         if key not in self._cache:
-            accountant = create_accountant(self.mechanism)
-            accountant.history = list(history)
-            self._cache[key] = float(accountant.get_epsilon(delta=delta))
+            self._cache[key] = epsilon(history, delta, self.mechanism)
         return self._cache[key]
 
     def epsilon_after(self, extra_steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
@@ -73,6 +69,15 @@ class PrivacyAccountant:
         if fits(limit):
             return limit
         low, high = 0, limit  # fits(low) and not fits(high)
+        if self.mechanism != "rdp":
+            # The PRV answer is at most the RDP one, so the RDP boundary (free to find) is a feasible start.
+            rdp = PrivacyAccountant("rdp")
+            rdp._accountant.history = list(self.history)
+            low = rdp.steps_within_budget(target_epsilon, noise_multiplier, sample_rate, delta, limit)
+            step = max(1, low // 4)
+            while low + step < high and fits(low + step):  # gallop up to a bracket, then bisect it
+                low, step = low + step, 2 * step
+            high = min(high, low + step)
         while high - low > 1:
             middle = (low + high) // 2
             low, high = (middle, high) if fits(middle) else (low, middle)
@@ -89,14 +94,3 @@ class PrivacyAccountant:
             )
         self._accountant.history = [tuple(entry) for entry in state["history"]]
 
-
-def calibrate_noise_multiplier(
-    target_epsilon: float, delta: float, sample_rate: float, steps: int, mechanism: str
-) -> float:
-    """The smallest noise multiplier (to Opacus's tolerance) whose ``steps`` steps spend at most ``target_epsilon``."""
-    return float(
-        get_noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
-            accountant=mechanism, epsilon_tolerance=0.01,
-        )
-    )
