@@ -17,10 +17,12 @@ class ClippedGradientSum:
     """fp32 running sums, per parameter name, of clipped per-sample gradients over one logical batch.
 
     A sum has the shape of the per-sample gradients it receives: the local shard of the parameter, or (V1) the
-    whole parameter, of which `release` keeps the local shard. `release` adds the sums of all data-parallel groups,
-    adds ``N(0, (sigma C)^2)`` once per coordinate (identical draws on every data-parallel replica of a shard, so
-    the noise enters once), divides by the expected logical batch size, writes ``param.grad`` (a DTensor shard for
-    FSDP2 parameters) and resets the sums.
+    whole parameter, of which `release` keeps the local shard. Every sample's scaled gradient is formed and added
+    in fp32 (a bf16 product or sum could round a clipped contribution above ``C``). `release` adds Gaussian noise
+    and sums over the ``D`` data-parallel groups: each group adds its own independent ``N(0, (sigma C)^2 / D)``
+    before the all-reduce, so the sum carries exactly ``N(0, (sigma C)^2)`` per coordinate, every replica holds the
+    identical result, and no process ever needs another's noise seed. It then divides by the expected logical batch
+    size, writes ``param.grad`` (a DTensor shard for FSDP2 parameters) and resets the sums.
     """
 
     def __init__(
@@ -35,17 +37,21 @@ class ClippedGradientSum:
         self.sums: dict[str, torch.Tensor] = {}
 
     def add(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
-        """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter."""
+        """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter, in fp32."""
+        factors = factors.float()
         for name, grad_sample in grad_samples.items():
-            clipped = torch.tensordot(factors.to(grad_sample.dtype), grad_sample, dims=1)
-            if name in self.sums:
-                self.sums[name].add_(clipped)
-            else:
-                self.sums[name] = clipped.float()
+            total = self.sums.get(name)
+            if total is None:
+                total = self.sums[name] = torch.zeros(
+                    grad_sample.shape[1:], dtype=torch.float32, device=grad_sample.device
+                )
+            for sample, factor in zip(grad_sample, factors):
+                total.addcmul_(sample, factor)  # computed in fp32 (the in-place result's dtype) from any input dtype
 
     @torch.no_grad()
     def release(self, noise: GaussianNoise, noise_std: float, expected_batch_size: float) -> None:
         """Privatise the sums into ``param.grad`` and start a new logical batch."""
+        replicas = 1 if self.data_parallel_group is None else dist.get_world_size(self.data_parallel_group)
         for name, param in self.parameters.items():
             local = local_tensor(param)
             total = self.sums.get(name)
@@ -53,11 +59,11 @@ class ClippedGradientSum:
                 total = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
             elif total.shape != local.shape:
                 total = self.shards[name].take(total)
+            if noise_std > 0:
+                total = total + noise.sample(total.shape, noise_std / replicas**0.5, total.device)
             if self.data_parallel_group is not None:
                 total = total.contiguous()
                 dist.all_reduce(total, group=self.data_parallel_group)
-            if noise_std > 0:
-                total = total + noise.sample(total.shape, noise_std, total.device)
             param.grad = _like_parameter(param, (total / expected_batch_size).to(param.dtype))
         self.sums.clear()
 
