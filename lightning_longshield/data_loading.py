@@ -7,6 +7,7 @@ from typing import Any, Optional
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
 from lightning_longshield.privacy.poisson import CollateAllowingEmpty, PoissonBatchSampler
+from lightning_longshield.privacy.randomness import UniformSource
 
 
 def rebuild_dataloader(
@@ -36,7 +37,7 @@ def rebuild_dataloader(
 
 
 def poisson_dataloader(
-    dataloader: DataLoader, base_seed: int, first_draw: int, data_parallel_rank: int, data_parallel_size: int
+    dataloader: DataLoader, randomness: UniformSource, first_draw: int, data_parallel_rank: int, data_parallel_size: int
 ) -> DataLoader:
     """Replace the sampling of ``dataloader``: every batch is a Poisson sample of expected size ``batch_size``."""
     dataset = dataloader.dataset
@@ -44,7 +45,7 @@ def poisson_dataloader(
     sampler = PoissonBatchSampler(
         size,
         dataloader.batch_size * data_parallel_size / size,  # type: ignore[operator]
-        base_seed,
+        randomness,
         first_draw=first_draw,
         data_parallel_rank=data_parallel_rank,
         data_parallel_size=data_parallel_size,

@@ -9,10 +9,39 @@ import lightning as L
 import torch
 from torchmetrics.text import Perplexity
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 from lightning_longshield.loss import IGNORE_INDEX, per_sample_token_loss
 from lightning_longshield.models import Llama, LlamaConfig
 
 OPTIMIZERS = ("adamw", "sgd")
+
+
+def check_batch(batch: Any, vocab_size: int) -> None:
+    """Reject a batch that would crash deep inside torch: missing keys, mismatched shapes, ids outside the vocab."""
+    input_ids, labels, _, _ = unpack_batch(batch)
+    if input_ids.shape != labels.shape or input_ids.dim() != 2:
+        raise ValueError(
+            f"labels must have the shape of input_ids, (batch, T); got input_ids {tuple(input_ids.shape)} and labels"
+            f" {tuple(labels.shape)}. Shift labels without dropping a position: labels[t] is the token after"
+            " input_ids[t], and the last position (or any) can be -100."
+        )
+    if input_ids.dtype.is_floating_point or labels.dtype.is_floating_point:
+        raise ValueError(f"input_ids and labels must be integer tensors; got {input_ids.dtype} and {labels.dtype}.")
+    if input_ids.numel() == 0:
+        return
+    if input_ids.min() < 0 or input_ids.max() >= vocab_size:
+        raise ValueError(
+            f"input_ids hold token ids in [{int(input_ids.min())}, {int(input_ids.max())}] but the model's"
+            f" vocab_size is {vocab_size}: use a tokenizer that matches the model, or a config with a larger"
+            " vocab_size."
+        )
+    labelled = labels[labels != IGNORE_INDEX]
+    if labelled.numel() and (labelled.min() < 0 or labelled.max() >= vocab_size):
+        raise ValueError(
+            f"labels hold ids in [{int(labelled.min())}, {int(labelled.max())}] outside the model's vocab_size"
+            f" {vocab_size} (only {IGNORE_INDEX} may lie outside, to ignore a position)."
+        )
 
 
 def unpack_batch(
@@ -37,7 +66,12 @@ class CausalLMModule(L.LightningModule):
 
     The model is built in `configure_model` (so strategies can build it sharded); ``model`` is the `Llama`.
     The training loss is the mean over samples of each sample's mean token loss; clipping, noise and batch scaling
-    belong to the strategy. Validation logs ``val_loss`` and ``val_perplexity``.
+    belong to the strategy. Validation logs ``val_loss`` and ``val_perplexity``. Every batch is checked (shapes,
+    token ids within ``vocab_size``) on the host before it moves to the device.
+
+    ``log_train_loss=True`` also logs ``train_loss``, the loss of each sampled micro-batch. It is computed without
+    noise from the private training data (at one sample per micro-batch it is one record's loss), so it is NOT
+    covered by the privacy guarantee: off by default, and a warning says so when on.
     """
 
     def __init__(
@@ -46,6 +80,7 @@ class CausalLMModule(L.LightningModule):
         optimizer: Literal["adamw", "sgd"] = "adamw",
         learning_rate: float = 3e-4,
         weight_decay: float = 0.0,
+        log_train_loss: bool = False,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -54,8 +89,15 @@ class CausalLMModule(L.LightningModule):
         self.optimizer_name = optimizer
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
+        self.log_train_loss = log_train_loss
+        if log_train_loss:
+            rank_zero_warn(
+                "log_train_loss=True: train_loss is the un-noised loss of each sampled batch of private data; it is"
+                " not covered by the differential-privacy guarantee. Monitor val_loss on held-out data instead."
+            )
         self.save_hyperparameters({"config": self.config.to_dict(), "optimizer": optimizer,
-                                   "learning_rate": learning_rate, "weight_decay": weight_decay})
+                                   "learning_rate": learning_rate, "weight_decay": weight_decay,
+                                   "log_train_loss": log_train_loss})
         self.model: Optional[Llama] = None
         self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
 
@@ -67,10 +109,15 @@ class CausalLMModule(L.LightningModule):
         assert self.model is not None, "call configure_model() first"
         return self.model(input_ids, position_ids)
 
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        check_batch(batch, self.config.vocab_size)
+        return batch
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         input_ids, labels, position_ids, token_counts = unpack_batch(batch)
         loss = per_sample_token_loss(self(input_ids, position_ids), labels, token_counts).mean()
-        self.log("train_loss", self._whole_sequence(loss), prog_bar=True, batch_size=input_ids.shape[0])
+        if self.log_train_loss:
+            self.log("train_loss", self._whole_sequence(loss), prog_bar=True, batch_size=input_ids.shape[0])
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

@@ -20,7 +20,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.seed import reset_seed, seed_everything
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -63,7 +63,13 @@ from lightning_longshield.privacy.grad_sample.exchange import (
     ReduceScatterExchange,
 )
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, resolve_plan
-from lightning_longshield.privacy.seeding import derive_seed
+from lightning_longshield.privacy.randomness import (
+    CryptographicUniforms,
+    SeededUniforms,
+    UniformSource,
+    derive_seed,
+    fresh_seed,
+)
 from lightning_longshield.privacy.shards import ParamShard
 
 GRAD_SAMPLE_PATTERNS = ("input_stationary", "output_stationary")
@@ -101,9 +107,16 @@ class LongShieldStrategy(ParallelStrategy):
         overlap_communication: overlap the per-sample reduce-scatter with the backward of the next layer.
         activation_checkpointing: DP-safe block-level activation checkpointing (LongShield-V3): ``True`` for every
             block, an int ``k`` for every k-th block, or a callable ``(index, block) -> bool``.
-        accountant: ``"prv"`` or ``"rdp"``.
-        secure_mode: seed noise and sampling from the OS CSPRNG and harden the Gaussian sampler.
-        seed: seed of the sampling and noise generators (``None``: random, shared by all processes).
+        accountant: ``"prv"`` (default; Opacus's PRV accountant with a bounded grid, tighter) or ``"rdp"``.
+        secure_mode: the setting for a real deployment: Poisson masks from a cryptographically secure stream
+            (SHAKE-256 keyed by 256 bits of OS entropy) and every noise tensor from a generator reseeded with fresh
+            OS entropy, with Opacus's hardened Gaussian sampler (sum of four draws).
+        seed: seeds the global RNGs on every process when training starts (model initialisation, dropout, the
+            order of non-private data). Never the noise or the Poisson sampler: those always come from secret
+            randomness drawn from OS entropy at the start of each ``fit``, which no checkpoint stores.
+        noise_seed: opt-in, for tests and debugging only: derive the noise and the Poisson sampling from this seed,
+            so that runs are reproducible. The guarantee then holds only while the seed is secret (a warning says
+            so). Not with ``secure_mode``.
         start_method: ``"popen"`` (torchrun-style script relaunch) or a multiprocessing start method.
         preflight: before the first step, ask the `simulate` planner whether the run fits the GPU's memory; on CUDA
             a run that will not fit stops with a `PreflightMemoryError` naming the predicted peak, its breakdown and
@@ -128,6 +141,7 @@ class LongShieldStrategy(ParallelStrategy):
         accountant: Literal["prv", "rdp"] = "prv",
         secure_mode: bool = False,
         seed: Optional[int] = None,
+        noise_seed: Optional[int] = None,
         accelerator: Optional[pl.accelerators.Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -160,8 +174,17 @@ class LongShieldStrategy(ParallelStrategy):
         if grad_sample_pattern not in GRAD_SAMPLE_PATTERNS:
             raise ValueError(f"grad_sample_pattern={grad_sample_pattern!r}; choose one of {GRAD_SAMPLE_PATTERNS}.")
         select_blocks([], activation_checkpointing)  # validates the policy's type and value
-        if secure_mode and seed is not None:
-            raise ValueError("secure_mode=True draws its seeds from the OS; remove `seed` or set secure_mode=False.")
+        if secure_mode and noise_seed is not None:
+            raise ValueError(
+                "secure_mode=True draws the noise and the sampling from OS entropy; remove noise_seed (reproducible"
+                " noise is for tests) or set secure_mode=False."
+            )
+        if noise_seed is not None:
+            rank_zero_warn(
+                f"noise_seed={noise_seed}: the noise and the Poisson sampling are reproducible from this seed. The"
+                " privacy guarantee holds only while the seed stays secret: anyone who knows it can subtract the noise"
+                " and see which samples each step used. Use it for tests, never for a release."
+            )
         self.context_parallel_size = context_parallel_size
         self.micro_batch_size = micro_batch_size
         self.poisson_sampling = poisson_sampling
@@ -171,6 +194,7 @@ class LongShieldStrategy(ParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.secure_mode = secure_mode
         self.seed = seed
+        self.noise_seed = noise_seed
         self.preflight = preflight
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -181,12 +205,13 @@ class LongShieldStrategy(ParallelStrategy):
         self.privacy_plan: Optional[PrivacyPlan] = None
         self._engine: Optional[DPSGDEngine] = None
         self._noise: Optional[GaussianNoise] = None
-        self._noise_seed: Optional[int] = None
-        self._sampling_seed: Optional[int] = None
+        self._sampling: Optional[UniformSource] = None
+        self._warned_metrics: set[str] = set()
         self._train_dataset_size: Optional[int] = None
         self._dataloader_batch_size: Optional[int] = None
         self._restored_state: Optional[dict[str, Any]] = None
         self._steps_left_in_budget: Optional[int] = None
+        self._planned_end: float = 0
         self._microbatch_size = 0
 
     # ------------------------------------------------------------------ topology and launch
@@ -268,6 +293,8 @@ class LongShieldStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
+        if self.seed is not None:
+            seed_everything(self.seed, verbose=False)
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -291,14 +318,13 @@ class LongShieldStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            # Seeds are drawn once per strategy and draws are keyed by the DP step: a second `fit` continues the
-            # streams, never replays them. Each CP rank draws its own shard's noise; DP replicas draw the same.
-            if self._noise_seed is None:
-                self._noise_seed = self._derived_seed("noise")
-                self._sampling_seed = self._derived_seed("sampling")
-            self._noise = GaussianNoise(
-                self.root_device, self._noise_seed, self.context_parallel_mesh.get_local_rank(), self.secure_mode
-            )
+            # Fresh secret randomness for every fit. Draws are keyed by the DP step, so with noise_seed a resumed or
+            # second fit continues the streams instead of replaying them. Every process draws the noise of its own
+            # shard and data-parallel replica; all processes share the Poisson masks.
+            self._sampling = self._sampling_randomness()
+            stream = (self.data_parallel_rank, self.context_parallel_mesh.get_local_rank())
+            noise_seed = None if self.noise_seed is None else derive_seed(self.noise_seed, "noise")
+            self._noise = GaussianNoise(self.root_device, noise_seed, stream, self.secure_mode)
             self._engine = self._build_engine()
             if not any(isinstance(cb, PrivacyMonitor) for cb in trainer.callbacks):
                 trainer.callbacks.append(PrivacyMonitor())
@@ -361,10 +387,13 @@ class LongShieldStrategy(ParallelStrategy):
                 " gradients before clipping. Use precision='bf16-mixed' or 'bf16-true' (or 32)."
             )
 
-    def _derived_seed(self, stream: str) -> int:
-        """Seed of an independent generator stream, equal on every process (random unless ``seed`` is set)."""
-        base = secrets.randbits(63) if self.seed is None or self.secure_mode else self.seed
-        return derive_seed(self.broadcast(base), stream)
+    def _sampling_randomness(self) -> UniformSource:
+        """The Poisson masks' secret stream, identical on every process: fresh OS entropy broadcast from rank 0."""
+        if self.noise_seed is not None:
+            return SeededUniforms(derive_seed(self.noise_seed, "sampling"))
+        if self.secure_mode:
+            return CryptographicUniforms(self.broadcast(secrets.token_bytes(32)))
+        return SeededUniforms(self.broadcast(fresh_seed()))
 
     @override
     def model_to_device(self) -> None:
@@ -394,9 +423,9 @@ class LongShieldStrategy(ParallelStrategy):
             self._check_memory(dataloader.dataset)
         if not self.poisson_sampling:
             return data_parallel_dataloader(dataloader, self.data_parallel_rank, self.data_parallel_size)
-        assert self._sampling_seed is not None
+        assert self._sampling is not None
         return poisson_dataloader(
-            dataloader, self._sampling_seed, self.accountant.steps, self.data_parallel_rank, self.data_parallel_size
+            dataloader, self._sampling, self.accountant.steps, self.data_parallel_rank, self.data_parallel_size
         )
 
     def _check_memory(self, dataset: object) -> None:
@@ -446,6 +475,7 @@ class LongShieldStrategy(ParallelStrategy):
         for message in messages:
             rank_zero_warn(message)
         rank_zero_info(f"LongShield DP-SGD: {self.privacy_plan.describe()}, max_grad_norm={self.max_grad_norm:g}.")
+        self._planned_end = trainer.global_step + planned_steps
         self._steps_left_in_budget = self._budgeted_steps(planned_steps)
         if self._steps_left_in_budget == 0:
             self._stop(trainer, "the privacy budget is already spent")
@@ -454,6 +484,8 @@ class LongShieldStrategy(ParallelStrategy):
                 f"The privacy budget allows {self._steps_left_in_budget} of the {planned_steps} planned steps;"
                 " training will stop there."
             )
+        elif self._steps_left_in_budget is not None:
+            rank_zero_info(f"The privacy budget (target epsilon) covers all {planned_steps} planned steps.")
 
     def _budgeted_steps(self, planned_steps: float) -> Optional[int]:
         plan = self.privacy_plan
@@ -500,12 +532,27 @@ class LongShieldStrategy(ParallelStrategy):
         for microbatch in microbatches[:-1]:
             output = self._microbatch_training_step(microbatch, rest, kwargs)
             self.backward(_loss_of(output), None)
-        return self._microbatch_training_step(microbatches[-1], rest, kwargs)
+        output = self._microbatch_training_step(microbatches[-1], rest, kwargs)
+        self._warn_about_sampled_batch_metrics()
+        return output
 
     def _microbatch_training_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._microbatch_size = batch_size_of(microbatch)
         self._engine.prepare_microbatch(self._microbatch_size)  # type: ignore[union-attr]
         return super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
+
+    def _warn_about_sampled_batch_metrics(self) -> None:
+        """Warn (once per metric) that a metric logged in ``training_step`` is outside the privacy guarantee."""
+        results = self.lightning_module.trainer._results
+        names = {key.split(".", 1)[1] for key in results or {} if key.startswith("training_step.")}
+        new = sorted(names - self._warned_metrics)
+        if new:
+            self._warned_metrics.update(new)
+            rank_zero_warn(
+                f"training_step logged {new}: computed from the sampled batch without noise, these values are NOT"
+                " covered by the differential-privacy guarantee, which protects only the noisy parameters. Log"
+                " metrics on held-out data (validation) instead, unless releasing them is acceptable."
+            )
 
     def _shard_sequence(self, batch: Any) -> Any:
         """This rank's head-tail shard of every sequence (with global positions and whole-sequence token counts)."""
@@ -520,14 +567,23 @@ class LongShieldStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        """Back-propagate one micro-batch and fold its clipped per-sample gradients into the logical batch."""
+        """Back-propagate one micro-batch and fold its clipped per-sample gradients into the logical batch.
+
+        The gradients are folded (and ``.grad`` cleared) before ``on_after_backward`` runs, so no hook ever sees a
+        sample's unclipped gradient; ``on_before_optimizer_step`` sees the private one.
+        """
         assert self._engine is not None
         size = self._microbatch_size
         if size == 0:
             return closure_loss.detach()
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         # The loss is a mean over samples; scaling by the size makes each sample's gradient its own loss's gradient.
-        super().backward(closure_loss * size, optimizer, *args, **kwargs)
+        self.precision_plugin.backward(closure_loss * size, module, optimizer, *args, **kwargs)
         self._engine.accumulate_microbatch(size)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
         return closure_loss
 
     @override
@@ -554,8 +610,10 @@ class LongShieldStrategy(ParallelStrategy):
         self._engine.release(plan.noise_multiplier, plan.sample_rate, plan.expected_batch_size)
         if self._steps_left_in_budget is not None:
             self._steps_left_in_budget -= 1
-            if self._steps_left_in_budget == 0:
-                self._stop(self.lightning_module.trainer, "one more step would exceed the privacy budget")
+            trainer = self.lightning_module.trainer
+            # Only a stop that cuts the plan short is news; a run whose last planned step uses the budget just ends.
+            if self._steps_left_in_budget == 0 and trainer.global_step + 1 < self._planned_end:
+                self._stop(trainer, "one more step would exceed the privacy budget")
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -584,13 +642,10 @@ class LongShieldStrategy(ParallelStrategy):
             set_optimizer_state_dict(self.lightning_module, optimizer, state, options=options)
 
     def _dp_state_dict(self) -> dict[str, Any]:
-        assert self._noise is not None and self.privacy_plan is not None
-        return {
-            "plan": self.privacy_plan.state_dict(),
-            "accountant": self.accountant.state_dict(),
-            "noise_seed": self._noise_seed,
-            "sampling_seed": self._sampling_seed,
-        }
+        """What a resumed run needs: the plan and the accountant's history (hence the step counter). Never the
+        noise's or the sampler's secrets: a resumed run draws fresh ones."""
+        assert self.privacy_plan is not None
+        return {"plan": self.privacy_plan.state_dict(), "accountant": self.accountant.state_dict()}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -604,8 +659,6 @@ class LongShieldStrategy(ParallelStrategy):
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None and self._noise is not None:
             self.accountant.load_state_dict(state["accountant"])
-            self._noise_seed = self._noise.seed = state["noise_seed"]
-            self._sampling_seed = state["sampling_seed"]
             self._restored_state = state
         return checkpoint
 

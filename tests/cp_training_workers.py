@@ -81,7 +81,7 @@ def noise_and_epsilon(rank: int, world_size: int, out_dir: str) -> None:
 def save_checkpoint_under_cp(rank: int, world_size: int, path: str, activation_checkpointing: bool = False) -> None:
     """CP 2: two Poisson-sampled AdamW steps without noise, then a checkpoint."""
     strategy = LongShieldStrategy(context_parallel_size=world_size, noise_multiplier=0.0, max_grad_norm=0.05,
-                                  micro_batch_size=2, seed=0, activation_checkpointing=activation_checkpointing)
+                                  micro_batch_size=2, noise_seed=0, activation_checkpointing=activation_checkpointing)
     module = make_module(small_config(), optimizer="adamw", learning_rate=1e-2)
     trainer = make_trainer(strategy, max_steps=2, devices=world_size)
     trainer.fit(module, loader(RandomTokens(**DATASET), LOGICAL_BATCH))

@@ -128,7 +128,7 @@ def test_bf16_with_checkpointing_equals_bf16_without(precision):
     for policy in (False, True):
         module = make_module(small_config(n_layers=2))
         strategy = LongShieldStrategy(noise_multiplier=0.5, micro_batch_size=2, poisson_sampling=False,
-                                      activation_checkpointing=policy, seed=3)
+                                      activation_checkpointing=policy, noise_seed=3)
         make_trainer(strategy, max_steps=2, precision=precision).fit(module, loader(RandomTokens(size=8), BATCH))
         updates.append(torch.cat([p.detach().float().flatten() for p in module.parameters()]))
     torch.testing.assert_close(updates[0], updates[1])
@@ -137,7 +137,8 @@ def test_bf16_with_checkpointing_equals_bf16_without(precision):
 def test_checkpoint_and_resume_with_checkpointing(tmp_path):
     def run(max_steps, ckpt_path=None, save=None):
         module = make_module(small_config(n_layers=2), optimizer="adamw", learning_rate=1e-2)
-        strategy = LongShieldStrategy(noise_multiplier=0.7, micro_batch_size=2, activation_checkpointing=True, seed=4)
+        strategy = LongShieldStrategy(noise_multiplier=0.7, micro_batch_size=2, activation_checkpointing=True,
+                                      noise_seed=4)
         trainer = make_trainer(strategy, max_steps=max_steps)
         trainer.fit(module, loader(RandomTokens(size=16), BATCH), ckpt_path=ckpt_path)
         if save:

@@ -123,8 +123,9 @@ def test_checkpoint_saved_under_cp_resumes_on_one_process(tmp_path, activation_c
     assert set(checkpoint["state_dict"]) == {f"model.{k}" for k in module.model.state_dict()}
 
     def strategy():
-        # Poisson draws are keyed by the DP step, so the resumed run sees exactly the batches it would have.
-        return LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=0.05, micro_batch_size=2, seed=0,
+        # Poisson draws are keyed by the DP step: with the same (test-only) noise_seed, the resumed run sees exactly
+        # the batches it would have.
+        return LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=0.05, micro_batch_size=2, noise_seed=0,
                                   activation_checkpointing=activation_checkpointing)
 
     resumed = module

@@ -43,7 +43,7 @@ def test_string_strategy_trains_with_defaults():
         (dict(accountant="gdp"), "accountant='gdp' is not supported"),
         (dict(grad_sample_pattern="diagonal"), "grad_sample_pattern"),
         (dict(context_parallel_size=0), "context_parallel_size must be >= 1"),
-        (dict(secure_mode=True, seed=1), "secure_mode=True draws its seeds"),
+        (dict(secure_mode=True, noise_seed=1), "remove noise_seed"),
     ],
 )
 def test_invalid_arguments(kwargs, match):

@@ -6,7 +6,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from lightning_longshield.privacy.accountant import ACCOUNTANTS, PrivacyAccountant, calibrate_noise_multiplier
+from lightning_longshield.privacy.accountant import ACCOUNTANTS, PrivacyAccountant
+from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier
 
 DEFAULT_TARGET_EPSILON = 8.0
 
@@ -94,6 +95,12 @@ def resolve_plan(
         messages.append(
             f"Neither noise_multiplier nor target_epsilon was given: calibrating the noise to the default"
             f" target_epsilon={DEFAULT_TARGET_EPSILON:g}. Pass target_epsilon=... to choose the privacy level."
+        )
+    if noise_multiplier is not None and target_epsilon is not None:
+        messages.append(
+            f"noise_multiplier={noise_multiplier:g} and target_epsilon={target_epsilon:g} are both set: the noise is"
+            " the given noise_multiplier (not calibrated), and target_epsilon is a budget: training stops before a"
+            " step would exceed it. Pass only target_epsilon to calibrate the noise to the planned steps instead."
         )
     if noise_multiplier is None:
         assert target_epsilon is not None

@@ -9,15 +9,16 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.utils.data import Dataset, Sampler
 
-from lightning_longshield.privacy.seeding import derive_seed
+from lightning_longshield.privacy.randomness import UniformSource
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
     """Each batch includes every dataset index independently with probability ``sample_rate``.
 
-    Draw ``k`` (the ``k``-th DP step of the run) uses a generator seeded from ``(base_seed, k)``: every process draws
-    the same Bernoulli mask, and a resumed run continues at ``first_draw = steps done`` however far the DataLoader
-    prefetched before the checkpoint. Data-parallel group ``g`` of ``D`` keeps the selected indices at positions
+    Draw ``k`` (the ``k``-th DP step of the run) compares the uniforms of draw ``k`` of ``randomness`` (a secret
+    stream shared by all processes, see `privacy.randomness`) with the rate: every process draws the same Bernoulli
+    mask, and the sampler starts at ``first_draw = steps done`` however far the DataLoader prefetched before a
+    checkpoint. Which samples were drawn is as secret as the noise: privacy amplification by sampling needs it. Data-parallel group ``g`` of ``D`` keeps the selected indices at positions
     ``g, g + D, ...`` of the selection, so the groups' batches are disjoint and together form one Poisson sample.
     Batches may be empty. An epoch has ``round(1 / sample_rate)`` batches, the expected number of steps to visit
     every sample once.
@@ -27,7 +28,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self,
         num_samples: int,
         sample_rate: float,
-        base_seed: int,
+        randomness: UniformSource,
         first_draw: int = 0,
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
@@ -41,7 +42,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
             )
         self.num_samples = num_samples
         self.sample_rate = sample_rate
-        self.base_seed = base_seed
+        self.randomness = randomness
         self.next_draw = first_draw
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
@@ -52,9 +53,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.num_batches):
-            generator = torch.Generator().manual_seed(derive_seed(self.base_seed, "poisson", self.next_draw))
+            mask = self.randomness.uniforms(self.next_draw, self.num_samples) < self.sample_rate
             self.next_draw += 1
-            mask = torch.rand(self.num_samples, generator=generator) < self.sample_rate
             selected = mask.nonzero().flatten()
             yield selected[self.data_parallel_rank :: self.data_parallel_size].tolist()
 
