@@ -7,9 +7,8 @@ from typing import Any, Literal, Optional, Union
 
 import lightning as L
 import torch
-from torchmetrics.text import Perplexity
-
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torchmetrics.text import Perplexity
 
 from lightning_longshield.loss import IGNORE_INDEX, per_sample_token_loss
 from lightning_longshield.models import Llama, LlamaConfig
@@ -17,8 +16,9 @@ from lightning_longshield.models import Llama, LlamaConfig
 OPTIMIZERS = ("adamw", "sgd")
 
 
-def check_batch(batch: Any, vocab_size: int) -> None:
-    """Reject a batch that would crash deep inside torch: missing keys, mismatched shapes, ids outside the vocab."""
+def check_batch(batch: Any, vocab_size: Optional[int]) -> None:
+    """Reject a batch that would crash deep inside torch: missing keys, mismatched shapes, ids outside the vocab
+    (``vocab_size=None`` skips the range checks)."""
     input_ids, labels, _, _ = unpack_batch(batch)
     if input_ids.shape != labels.shape or input_ids.dim() != 2:
         raise ValueError(
@@ -28,7 +28,7 @@ def check_batch(batch: Any, vocab_size: int) -> None:
         )
     if input_ids.dtype.is_floating_point or labels.dtype.is_floating_point:
         raise ValueError(f"input_ids and labels must be integer tensors; got {input_ids.dtype} and {labels.dtype}.")
-    if input_ids.numel() == 0:
+    if input_ids.numel() == 0 or vocab_size is None:
         return
     if input_ids.min() < 0 or input_ids.max() >= vocab_size:
         raise ValueError(
@@ -110,7 +110,8 @@ class CausalLMModule(L.LightningModule):
         return self.model(input_ids, position_ids)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        check_batch(batch, self.config.vocab_size)
+        embeddings = getattr(self.model, "tok_embeddings", None)
+        check_batch(batch, embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else None)
         return batch
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

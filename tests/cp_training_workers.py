@@ -92,7 +92,8 @@ def context_parallel_errors(rank: int, world_size: int, out_dir: str) -> None:
     """Record the errors for an unshardable sequence length and for a model without replaceable attention."""
     messages = {}
     try:
-        trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, seed=0), max_steps=1, devices=world_size)
+        trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False), max_steps=1,
+                               devices=world_size)
         trainer.fit(make_module(small_config()), loader(RandomTokens(size=8, seq_len=6), 2))
     except ValueError as error:
         messages["seq_len"] = str(error)
@@ -100,7 +101,8 @@ def context_parallel_errors(rank: int, world_size: int, out_dir: str) -> None:
     for block in module.model.layers:
         del block.attention.attention_fn  # as if the attention were hard-wired and ignored global positions
     try:
-        trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, seed=0), max_steps=1, devices=world_size)
+        trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False), max_steps=1,
+                               devices=world_size)
         trainer.fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
     except TypeError as error:
         messages["attention"] = str(error)

@@ -93,3 +93,50 @@ def test_steps_within_budget_is_the_exact_boundary():
     accountant = PrivacyAccountant("rdp")
     k = accountant.steps_within_budget(2.0, 0.9, 0.05, 1e-5, limit=10_000)
     assert accountant.epsilon_after(k, 0.9, 0.05, 1e-5) <= 2.0 < accountant.epsilon_after(k + 1, 0.9, 0.05, 1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- bounded PRV
+
+
+def test_bounded_prv_equals_opacus_within_its_grid_and_never_exceeds_rdp():
+    from lightning_longshield.privacy.epsilon import epsilon, prv_epsilon, rdp_epsilon
+
+    for history in ([(0.8, 0.01, 1000)], [(1.0, 0.01, 100), (2.0, 0.02, 50)]):
+        reference = create_accountant("prv")
+        reference.history = list(history)
+        assert epsilon(history, 1e-5, "prv") == pytest.approx(reference.get_epsilon(delta=1e-5), rel=1e-12)
+    # Far outside Opacus's comfortable range: still a finite upper bound, at most the RDP bound.
+    hard = [(0.5, 0.05, 100_000)]
+    bounded = epsilon(hard, 1e-6, "prv")
+    assert math.isfinite(bounded) and bounded <= rdp_epsilon(hard, 1e-6)
+    # A coarser grid can only loosen the certified bound, never tighten it below the fine one.
+    history = [(1.0, 0.02, 2000)]
+    assert prv_epsilon(history, 1e-5, max_points=2**16) >= prv_epsilon(history, 1e-5) - 1e-9
+
+
+@pytest.mark.parametrize(
+    "sigma, q, steps",
+    [(0.3, 0.5, 100_000), (0.3, 1e-5, 100_000), (20.0, 0.5, 100_000), (1.0, 1e-3, 100_000)],
+)
+def test_epsilon_answers_quickly_across_the_documented_range(sigma, q, steps):
+    """A regression guard, not a benchmark (benchmarks/accounting_speed.py measures): before the grid cap some of
+    these took minutes and gigabytes. The limit is generous for a loaded 2-core machine."""
+    import time
+
+    from lightning_longshield.privacy.epsilon import epsilon
+
+    start = time.perf_counter()
+    value = epsilon([(sigma, q, steps)], 1e-6, "prv")
+    assert time.perf_counter() - start < 30
+    assert value > 0 and math.isfinite(value)
+
+
+def test_calibration_answers_quickly_and_meets_the_target():
+    import time
+
+    from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier, epsilon
+
+    start = time.perf_counter()
+    sigma = calibrate_noise_multiplier(1.0, 1e-6, 0.01, 10_000, "prv")
+    assert time.perf_counter() - start < 60
+    assert 0.99 <= epsilon([(sigma, 0.01, 10_000)], 1e-6, "prv") <= 1.0

@@ -23,3 +23,4 @@ def test_train_dp_stdlib_prints_guarantee_and_perplexity():
     assert math.isfinite(epsilon) and 0 < epsilon <= 8.0
     assert 0 < delta < 1
     assert math.isfinite(float(perplexity[1])) and float(perplexity[1]) > 1
+    assert "Not released: training losses" in result.stdout

@@ -18,10 +18,10 @@ class PoissonBatchSampler(Sampler[list[int]]):
     Draw ``k`` (the ``k``-th DP step of the run) compares the uniforms of draw ``k`` of ``randomness`` (a secret
     stream shared by all processes, see `privacy.randomness`) with the rate: every process draws the same Bernoulli
     mask, and the sampler starts at ``first_draw = steps done`` however far the DataLoader prefetched before a
-    checkpoint. Which samples were drawn is as secret as the noise: privacy amplification by sampling needs it. Data-parallel group ``g`` of ``D`` keeps the selected indices at positions
-    ``g, g + D, ...`` of the selection, so the groups' batches are disjoint and together form one Poisson sample.
-    Batches may be empty. An epoch has ``round(1 / sample_rate)`` batches, the expected number of steps to visit
-    every sample once.
+    checkpoint. Which samples were drawn is as secret as the noise: privacy amplification by sampling needs it.
+    Data-parallel group ``g`` of ``D`` keeps the selected indices at positions ``g, g + D, ...`` of the selection,
+    so the groups' batches are disjoint and together form one Poisson sample. Batches may be empty. An epoch has
+    ``round(1 / sample_rate)`` batches, the expected number of steps to visit every sample once.
     """
 
     def __init__(
