@@ -36,6 +36,7 @@ History = Sequence[tuple[float, float, int]]
 
 PRV_EPS_ERROR = 0.01  # Opacus's default accuracy of the PRV epsilon
 MAX_PRV_DOMAIN_POINTS = 2**20  # about 0.5 s and 100 MB per evaluation on 2 CPU cores
+MAX_PRV_HALF_WIDTH = 700.0  # exp(700) is near float64's limit
 RDP_ORDERS = tuple(RDPAccountant.DEFAULT_ALPHAS)
 
 
@@ -83,16 +84,20 @@ def prv_epsilon(history: History, delta: float, max_points: int = MAX_PRV_DOMAIN
         eps_error = 2 * half_width * spread / max_points
         half_width = _prv_half_width(history, eps_error, delta_error)
         eps_error = 2 * half_width * spread / max_points
+    if half_width > MAX_PRV_HALF_WIDTH:
+        return math.inf  # exp(t) overflows float64 on such a grid; epsilon is in the hundreds anyway
     domain = Domain.create_aligned(-half_width, half_width, eps_error / spread)
-    discrete = [
-        discretize(
-            TruncatedPrivacyRandomVariable(PoissonSubsampledGaussianPRV(q, sigma), domain.t_min, domain.t_max),
-            domain,
-        )
-        for sigma, q, _ in history
-    ]
-    composed = compose_heterogeneous(discrete, [steps for _, _, steps in history])
-    _, _, eps_upper = composed.compute_epsilon(delta, delta_error, eps_error)
+    # Any overflow or invalid value would leave the bound meaningless: raise, and `epsilon` falls back to RDP.
+    with np.errstate(over="raise", invalid="raise", divide="raise", under="ignore"):
+        discrete = [
+            discretize(
+                TruncatedPrivacyRandomVariable(PoissonSubsampledGaussianPRV(q, sigma), domain.t_min, domain.t_max),
+                domain,
+            )
+            for sigma, q, _ in history
+        ]
+        composed = compose_heterogeneous(discrete, [steps for _, _, steps in history])
+        _, _, eps_upper = composed.compute_epsilon(delta, delta_error, eps_error)
     return float(eps_upper)
 
 
@@ -129,10 +134,13 @@ def calibrate_noise_multiplier(
         value = epsilon([(sigma, sample_rate, steps)], delta, mechanism)
         return math.log(value / target_epsilon) if math.isfinite(value) and value > 0 else math.inf
 
-    if mechanism == "rdp":
-        start, factor = 1.0, 2.0
-    else:
-        start, factor = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, "rdp", tolerance), 1.25
+    start, factor = 1.0, 2.0
+    if mechanism != "rdp":
+        try:
+            start = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, "rdp", tolerance)
+            factor = 1.25
+        except ValueError:
+            pass  # RDP's orders cannot certify so small an epsilon; PRV may: search from sigma = 1
     low = high = start
     f_low = f_high = log_excess(start)
     while f_high > 0:  # too little noise: step up
