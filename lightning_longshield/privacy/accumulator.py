@@ -36,17 +36,26 @@ class ClippedGradientSum:
         self.data_parallel_group = data_parallel_group
         self.sums: dict[str, torch.Tensor] = {}
 
+    @torch.no_grad()
     def add(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
-        """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter, in fp32."""
-        factors = factors.float()
-        for name, grad_sample in grad_samples.items():
-            total = self.sums.get(name)
-            if total is None:
-                total = self.sums[name] = torch.zeros(
-                    grad_sample.shape[1:], dtype=torch.float32, device=grad_sample.device
-                )
-            for sample, factor in zip(grad_sample, factors):
-                total.addcmul_(sample, factor)  # computed in fp32 (the in-place result's dtype) from any input dtype
+        """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter, in fp32.
+
+        Batched: one `torch._foreach_add_` over all parameters per sample (scale and add fused, computed in fp32
+        whatever the gradient dtype; no GEMM, whose TF32 or bf16 rounding could lift a contribution above ``C``).
+        The factors come to the host once per micro-batch, as the scalars of those calls.
+        """
+        if not grad_samples:
+            return
+        names = list(grad_samples)
+        missing = [name for name in names if name not in self.sums]
+        if missing:
+            device = grad_samples[missing[0]].device
+            fresh = [torch.empty(grad_samples[n].shape[1:], dtype=torch.float32, device=device) for n in missing]
+            torch._foreach_zero_(fresh)
+            self.sums.update(zip(missing, fresh))
+        sums = [self.sums[name] for name in names]
+        for i, factor in enumerate(factors.tolist()):
+            torch._foreach_add_(sums, [grad_samples[name][i] for name in names], alpha=factor)
 
     @torch.no_grad()
     def release(self, noise: GaussianNoise, noise_std: float, expected_batch_size: float) -> None:

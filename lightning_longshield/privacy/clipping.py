@@ -16,19 +16,19 @@ CLIP_MARGIN = 2.0**-18
 def per_sample_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: int) -> torch.Tensor:
     """Squared L2 norm (fp64, shape (B,)) of each sample's gradient over all given per-sample tensors.
 
-    Each tensor is reduced in fp32 (whatever its dtype) and the per-tensor results are added in fp64. Returning
-    squared norms lets shards of one gradient (other layers, other context-parallel ranks) be summed before the
-    square root.
+    One batched pass: a single `torch._foreach_norm` over every (tensor, sample) slice (fp32 accumulation whatever
+    the dtype; one multi-tensor kernel per chunk of slices on CUDA), then the per-slice results are added in fp64.
+    Returning squared norms lets shards of one gradient (other context-parallel ranks) be summed before the root.
     """
-    total: torch.Tensor | None = None
-    for grad_sample in grad_samples:
-        squared = torch.linalg.vector_norm(grad_sample.flatten(1), dim=1, dtype=torch.float32).double().square()
-        total = squared if total is None else total + squared
-    if total is None:
+    tensors = list(grad_samples)
+    if not tensors:
         raise ValueError("No per-sample gradients were captured: does the model have trainable parameters?")
-    if total.shape != (batch_size,):
-        raise RuntimeError(f"Per-sample gradients have batch size {total.shape[0]}, expected {batch_size}.")
-    return total
+    sizes = {t.shape[0] for t in tensors}
+    if sizes != {batch_size}:
+        raise RuntimeError(f"Per-sample gradients have batch sizes {sorted(sizes)}, expected {batch_size}.")
+    slices = [t[i] for t in tensors for i in range(batch_size)]
+    norms = torch.stack(torch._foreach_norm(slices, 2, dtype=torch.float32))
+    return norms.view(len(tensors), batch_size).double().square().sum(0)
 
 
 def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
