@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from helpers import small_config
@@ -20,6 +21,7 @@ from lightning_longshield.context_parallel import (
     all_gather_unsharded,
     apply_context_parallel_attention,
     build_device_mesh,
+    collectives,
     context_parallel_per_sample_loss,
     shard_batch,
     shard_sequence,
@@ -55,7 +57,7 @@ def run(rank: int, world_size: int, mesh_shapes: list[tuple[int, int]]) -> None:
         cp = CP(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(), mesh["data_parallel"].get_local_rank())
         assert cp.size == cp_size and cp.rank == rank % cp_size and cp.dp_rank == rank // cp_size
         assert dist.get_rank(cp.group) == cp.rank
-        for check in (check_collectives, check_attention, check_attention_any_layout, check_llama):
+        for check in (check_collectives, check_attention, check_attention_gqa, check_llama):
             check(cp)
         dist.barrier()
 
@@ -117,20 +119,37 @@ def check_attention(cp: CP) -> None:
         raise AssertionError("ContextParallelAttention accepted position_ids=None")
 
 
-def check_attention_any_layout(cp: CP) -> None:
-    """The mask uses positions only: an arbitrary (permuted) token layout gives the same outputs and gradients."""
-    q, k, v = (t.requires_grad_() for t in _qkv(cp))
+def check_attention_gqa(cp: CP) -> None:
+    """Grouped-query attention (4 query heads, 2 K/V heads, gathered unrepeated) == full causal GQA attention."""
+    gen = cp.generator(13)
+    q = torch.randn(2, 4, 16, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(2, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
     out = causal_attention(q, k, v, None)
-    upstream = torch.randn(out.shape, generator=cp.generator(13), dtype=torch.float64)
+    reference = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    torch.testing.assert_close(out, reference, **DOUBLE)
+    upstream = torch.randn(out.shape, generator=cp.generator(14), dtype=torch.float64)
     full_grads = torch.autograd.grad(out, (q, k, v), upstream)
-    seq = q.shape[2]
-    index = torch.randperm(seq, generator=cp.generator(14)).chunk(cp.size)[cp.rank]
-    local = [t.detach()[:, :, index].requires_grad_() for t in (q, k, v)]
-    local_out = ContextParallelAttention(cp.group)(*local, index.expand(q.shape[0], -1))
-    torch.testing.assert_close(local_out, out.detach()[:, :, index], **DOUBLE)
-    local_grads = torch.autograd.grad(local_out, local, upstream[:, :, index])
-    for local_grad, full_grad in zip(local_grads, full_grads):
-        torch.testing.assert_close(local_grad, full_grad[:, :, index], **DOUBLE)
+    local = [shard_sequence(t.detach(), cp.rank, cp.size, dim=2).requires_grad_() for t in (q, k, v)]
+    positions = sharded_position_ids(q.shape[0], q.shape[2], cp.rank, cp.size, device=q.device)
+    gathered = []
+    original = collectives._all_gather_single
+
+    def recording_gather(out, inp, group=None):
+        gathered.append(out.numel())
+        return original(out, inp, group=group)
+
+    collectives._all_gather_single = recording_gather
+    try:
+        local_out = ContextParallelAttention(cp.group)(*local, positions)
+    finally:
+        collectives._all_gather_single = original
+    assert gathered == [2 * k.numel()], gathered  # K and V with their 2 heads, not repeated to 4
+    torch.testing.assert_close(local_out, shard_sequence(out.detach(), cp.rank, cp.size, dim=2), **DOUBLE)
+    local_grads = torch.autograd.grad(local_out, local, shard_sequence(upstream, cp.rank, cp.size, dim=2))
+    for name, local_grad, full_grad in zip("qkv", local_grads, full_grads):
+        torch.testing.assert_close(
+            all_gather_unsharded(local_grad, cp.group, dim=2), full_grad, **DOUBLE, msg=lambda m, n=name: f"d{n}: {m}"
+        )
 
 
 def _batch(cp: CP, vocab: int, batch: int = 3, seq: int = 16) -> dict[str, torch.Tensor]:

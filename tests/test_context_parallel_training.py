@@ -132,8 +132,11 @@ def test_checkpoint_saved_under_cp_resumes_on_one_process(tmp_path, activation_c
     make_trainer(strategy(), max_steps=3).fit(resumed, loader(RandomTokens(**DATASET), LOGICAL_BATCH), ckpt_path=path)
     uninterrupted = make_module(small_config(), optimizer="adamw", learning_rate=1e-2)
     make_trainer(strategy(), max_steps=3).fit(uninterrupted, loader(RandomTokens(**DATASET), LOGICAL_BATCH))
+    # Two AdamW steps under CP 2 vs on one process: the gradients agree to fp32 rounding (the SGD reference tests
+    # check 1e-4), but AdamW's m / sqrt(v) turns a rounding difference in a near-zero gradient coordinate into an
+    # O(lr) difference of that weight, so a few weights may differ by up to 1e-3 relative.
     for (name, value), expected in zip(resumed.model.state_dict().items(), uninterrupted.model.state_dict().values()):
-        torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(value, expected, rtol=1e-3, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.slow

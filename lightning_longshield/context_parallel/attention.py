@@ -1,4 +1,5 @@
-"""Context-parallel causal attention: all-gather K/V over the CP group, mask from global positions."""
+"""Context-parallel causal attention: all-gather K/V (their n_kv_heads heads) over the CP group, then attend per
+local chunk to its key prefix, with no mask of size T_local x T."""
 
 from __future__ import annotations
 
@@ -6,31 +7,37 @@ import weakref
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.nn.attention.bias import causal_lower_right
 
-from lightning_longshield.context_parallel.collectives import all_gather_sequence, gather_along_dim
+from lightning_longshield.context_parallel.collectives import all_gather_unsharded
 
 
 class ContextParallelAttention:
-    """An ``Attention.attention_fn`` for sequence shards: ``(q, k, v, position_ids) -> out``.
+    """An ``Attention.attention_fn`` for head-tail sequence shards: ``(q, k, v, position_ids) -> out``.
 
-    ``q, k, v`` are this rank's shard, shape ``(B, H, T_local, head_dim)`` (K/V already repeated to H heads), and
-    ``position_ids`` ``(B, T_local)`` the shard's global positions. K, V and the positions are all-gathered over the
-    CP group; query ``i`` attends to key ``j`` iff ``position[i] >= position[j]``; the local queries' outputs
-    ``(B, H, T_local, head_dim)`` are returned. The all-gather's backward reduce-scatters dK/dV, so each rank's
-    K/V receive the gradient of every rank's queries. Works with any sharding layout (the mask only uses positions),
-    provided every rank's shard has the same length.
+    ``q`` is this rank's shard ``(B, H, T_local, head_dim)``, ``k, v`` are ``(B, H_kv, T_local, head_dim)`` (GQA heads
+    not repeated), in the layout `shard_batch` produces: CP rank ``r`` of ``N`` holds chunks ``r`` and ``2N-1-r`` of
+    the ``2N`` equal chunks of the sequence. K and V are all-gathered over the group with their ``H_kv`` heads
+    (``n_kv_heads / n_heads`` of the bytes of gathering repeated heads) and put back in sequence order; the GQA
+    repeat happens after the gather. Each local chunk then attends to the keys up to its own end, causally on its
+    own block: one SDPA call per chunk with a lower-right-aligned causal bias, which CUDA runs on the flash (or
+    memory-efficient) kernel without materialising a mask; elsewhere it is a ``(T_local / 2) x prefix`` boolean
+    mask per chunk, shared by every layer of one forward (as long as the graph that saved it lives). The gather's
+    backward reduce-scatters dK/dV, so each rank's K/V receive
+    the gradient of every rank's queries.
 
-    The mask is additive, in the queries' dtype, and shared by every layer of one forward (layers receive the same
-    ``position_ids`` tensor): autograd saves one ``(B, 1, T_local, T)`` mask per micro-batch, not one per layer.
+    ``position_ids`` must be given (the shard's global positions): a call without them is not on a shard.
     """
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
-        # Weak references: the mask lives exactly as long as the autograd graph that saved it.
-        self._mask_for: Optional[tuple[weakref.ref, weakref.ref]] = None
+        # Non-CUDA masks of the current forward, keyed by (length, end); weak, so they die with their graph.
+        self._masks_for: Optional[weakref.ref] = None
+        self._masks: weakref.WeakValueDictionary[tuple[int, int], torch.Tensor] = weakref.WeakValueDictionary()
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: Optional[torch.Tensor]
@@ -41,22 +48,35 @@ class ContextParallelAttention:
                 " model(input_ids, position_ids) with the position_ids from"
                 " lightning_longshield.context_parallel.shard_batch."
             )
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if k.shape == v.shape:  # one collective for both
-            keys, values = all_gather_sequence(torch.stack((k, v)), self.group, dim=3).unbind(0)
+            keys, values = all_gather_unsharded(torch.stack((k, v)), self.group, dim=3).unbind(0)
         else:
-            keys, values = all_gather_sequence(k, self.group, dim=2), all_gather_sequence(v, self.group, dim=2)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask(position_ids, q.dtype))
+            keys, values = all_gather_unsharded(k, self.group, dim=2), all_gather_unsharded(v, self.group, dim=2)
+        repeats = q.shape[1] // keys.shape[1]
+        if repeats > 1:
+            keys, values = keys.repeat_interleave(repeats, dim=1), values.repeat_interleave(repeats, dim=1)
+        chunk = q.shape[2] // 2
+        head, tail = q.split(chunk, dim=2)
+        ends = ((rank + 1) * chunk, (2 * size - rank) * chunk)  # the last key each local chunk may see, exclusive
+        outputs = [
+            F.scaled_dot_product_attention(part, keys[:, :, :end], values[:, :, :end], attn_mask=mask)
+            for part, end, mask in ((head, ends[0], self._causal_mask(chunk, ends[0], q, position_ids)),
+                                    (tail, ends[1], self._causal_mask(chunk, ends[1], q, position_ids)))
+        ]
+        return torch.cat(outputs, dim=2)
 
-    def _mask(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive causal mask over global positions: 0 where query may attend key, -inf elsewhere."""
-        if self._mask_for is not None:
-            positions, mask = self._mask_for[0](), self._mask_for[1]()
-            if positions is position_ids and mask is not None and mask.dtype == dtype:
-                return mask
-        key_positions = gather_along_dim(position_ids, self.group, dim=1)
-        allowed = position_ids[:, None, :, None] >= key_positions[:, None, None, :]
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-        self._mask_for = (weakref.ref(position_ids), weakref.ref(mask))
+    def _causal_mask(self, length: int, end: int, q: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        """Causal mask for queries that are the last ``length`` of ``end`` keys (lower-right aligned)."""
+        if q.device.type == "cuda":
+            return causal_lower_right(length, end)  # flash / memory-efficient kernels, nothing materialised
+        if self._masks_for is None or self._masks_for() is not position_ids:
+            self._masks_for, self._masks = weakref.ref(position_ids), weakref.WeakValueDictionary()
+        mask = self._masks.get((length, end))
+        if mask is None:
+            rows = torch.arange(length, device=q.device)[:, None] + (end - length)
+            mask = rows >= torch.arange(end, device=q.device)[None, :]
+            self._masks[(length, end)] = mask
         return mask
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ContextParallelAttention:

@@ -23,15 +23,21 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """Causal SDPA over (B, H, T, head_dim); with ``position_ids`` the mask compares positions, not indices."""
+    """Causal SDPA of q (B, H, T, head_dim) over k, v (B, H_kv, T, head_dim), H a multiple of H_kv (GQA); with
+    ``position_ids`` the mask compares positions, not indices."""
+    gqa = k.shape[1] != q.shape[1]
     if position_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     mask = position_ids[:, None, :, None] >= position_ids[:, None, None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with rotary embeddings; K/V heads are repeated to the query heads."""
+    """Grouped-query attention with rotary embeddings.
+
+    ``attention_fn(q, k, v, position_ids)`` receives K/V with their ``n_kv_heads`` heads (not repeated to the query
+    heads), so a context-parallel attention gathers only those.
+    """
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -50,8 +56,6 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        repeats = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), position_ids)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 

@@ -40,22 +40,34 @@ class ClippedGradientSum:
     def add(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
         """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter, in fp32.
 
-        Batched: one `torch._foreach_add_` over all parameters per sample (scale and add fused, computed in fp32
-        whatever the gradient dtype; no GEMM, whose TF32 or bf16 rounding could lift a contribution above ``C``).
-        The factors come to the host once per micro-batch, as the scalars of those calls.
+        Batched and without a host sync: per sample, one `torch._foreach_mul_` scales that sample's gradients of
+        all parameters in place by its (device) factor, and one `torch._foreach_add_` adds them to the sums. The
+        products are formed in fp32 (bf16 gradients are upcast first) and never by a GEMM, whose TF32 or bf16
+        rounding could lift a contribution above ``C``. The per-sample buffers are consumed: they belong to this
+        micro-batch and die here. With one sample and no sum yet, the scaled gradient becomes the sum itself.
         """
         if not grad_samples:
             return
         names = list(grad_samples)
+        factors = factors.float()
+        batch = factors.shape[0]
         missing = [name for name in names if name not in self.sums]
-        if missing:
+        if missing and batch > 1:
             device = grad_samples[missing[0]].device
             fresh = [torch.empty(grad_samples[n].shape[1:], dtype=torch.float32, device=device) for n in missing]
             torch._foreach_zero_(fresh)
             self.sums.update(zip(missing, fresh))
-        sums = [self.sums[name] for name in names]
-        for i, factor in enumerate(factors.tolist()):
-            torch._foreach_add_(sums, [grad_samples[name][i] for name in names], alpha=factor)
+        for i in range(batch):
+            rows = [grad_samples[name][i] for name in names]
+            if any(row.dtype != torch.float32 for row in rows):
+                rows = [row.float() for row in rows]
+            torch._foreach_mul_(rows, factors[i])
+            if missing and batch == 1:
+                self.sums.update((name, row) for name, row in zip(names, rows) if name in missing)
+                rows = [row for name, row in zip(names, rows) if name not in missing]
+                names = [name for name in names if name not in missing]
+            if rows:
+                torch._foreach_add_([self.sums[name] for name in names], rows)
 
     @torch.no_grad()
     def release(self, noise: GaussianNoise, noise_std: float, expected_batch_size: float) -> None:
