@@ -611,9 +611,11 @@ class LongShieldStrategy(ParallelStrategy):
         if self._steps_left_in_budget is not None:
             self._steps_left_in_budget -= 1
             trainer = self.lightning_module.trainer
-            # Only a stop that cuts the plan short is news; a run whose last planned step uses the budget just ends.
-            if self._steps_left_in_budget == 0 and trainer.global_step + 1 < self._planned_end:
-                self._stop(trainer, "one more step would exceed the privacy budget")
+            if self._steps_left_in_budget == 0:
+                trainer.should_stop = True
+                # Only a stop that cuts the plan short is news; a run whose last planned step uses the budget ends.
+                if trainer.global_step + 1 < self._planned_end:
+                    self._stop(trainer, "one more step would exceed the privacy budget")
 
     # ------------------------------------------------------------------ checkpoints
 
