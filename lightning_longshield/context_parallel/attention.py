@@ -4,6 +4,7 @@ local chunk to its key prefix, with no mask of size T_local x T."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -53,30 +54,16 @@ class ContextParallelAttention:
             keys, values = all_gather_unsharded(torch.stack((k, v)), self.group, dim=3).unbind(0)
         else:
             keys, values = all_gather_unsharded(k, self.group, dim=2), all_gather_unsharded(v, self.group, dim=2)
-        repeats = q.shape[1] // keys.shape[1]
-        if repeats > 1:
-            keys, values = keys.repeat_interleave(repeats, dim=1), values.repeat_interleave(repeats, dim=1)
-        chunk = q.shape[2] // 2
-        head, tail = q.split(chunk, dim=2)
-        ends = ((rank + 1) * chunk, (2 * size - rank) * chunk)  # the last key each local chunk may see, exclusive
-        outputs = [
-            F.scaled_dot_product_attention(part, keys[:, :, :end], values[:, :, :end], attn_mask=mask)
-            for part, end, mask in ((head, ends[0], self._causal_mask(chunk, ends[0], q, position_ids)),
-                                    (tail, ends[1], self._causal_mask(chunk, ends[1], q, position_ids)))
-        ]
-        return torch.cat(outputs, dim=2)
-
-    def _causal_mask(self, length: int, end: int, q: torch.Tensor, position_ids: torch.Tensor) -> Any:
-        """Causal mask for queries that are the last ``length`` of ``end`` keys (lower-right aligned)."""
-        if q.device.type == "cuda":
-            return causal_lower_right(length, end)  # flash / memory-efficient kernels, nothing materialised
-        if self._masks_for is None or self._masks_for() is not position_ids:
+        if self._masks_for is None or self._masks_for() is not position_ids:  # a new forward: new masks
             self._masks_for, self._masks = weakref.ref(position_ids), weakref.WeakValueDictionary()
+        return head_tail_attention(q, keys, values, rank, size, self._cached_mask)
+
+    def _cached_mask(self, length: int, end: int, device: torch.device) -> Any:
         mask = self._masks.get((length, end))
         if mask is None:
-            rows = torch.arange(length, device=q.device)[:, None] + (end - length)
-            mask = rows >= torch.arange(end, device=q.device)[None, :]
-            self._masks[(length, end)] = mask
+            mask = lower_right_causal_mask(length, end, device)
+            if isinstance(mask, torch.Tensor):
+                self._masks[(length, end)] = mask
         return mask
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ContextParallelAttention:
@@ -85,6 +72,41 @@ class ContextParallelAttention:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(group={self.group!r})"
+
+
+def lower_right_causal_mask(length: int, end: int, device: torch.device) -> Any:
+    """Causal mask for queries that are the last ``length`` of ``end`` keys: on CUDA torch's ``causal_lower_right``
+    bias (flash / memory-efficient kernels, nothing materialised), elsewhere a ``(length, end)`` boolean mask."""
+    if device.type == "cuda":
+        return causal_lower_right(length, end)
+    rows = torch.arange(length, device=device)[:, None] + (end - length)
+    return rows >= torch.arange(end, device=device)[None, :]
+
+
+def head_tail_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rank: int,
+    size: int,
+    mask: Callable[[int, int, torch.device], Any] = lower_right_causal_mask,
+) -> torch.Tensor:
+    """Causal attention of CP rank ``rank``'s head-tail queries ``(B, H, T_local, d)`` over the whole sequence's
+    keys and values ``(B, H_kv, T, d)`` in sequence order (the local compute of `ContextParallelAttention`).
+
+    The GQA repeat happens here; local chunk ``r`` attends to keys ``[0, (r + 1) c)`` and chunk ``2N-1-r`` to
+    ``[0, (2N - r) c)``, each lower-right causal (``c = T_local / 2``).
+    """
+    repeats = q.shape[1] // keys.shape[1]
+    if repeats > 1:
+        keys, values = keys.repeat_interleave(repeats, dim=1), values.repeat_interleave(repeats, dim=1)
+    chunk = q.shape[2] // 2
+    ends = ((rank + 1) * chunk, (2 * size - rank) * chunk)  # the last key each local chunk may see, exclusive
+    outputs = [
+        F.scaled_dot_product_attention(part, keys[:, :, :end], values[:, :, :end], attn_mask=mask(chunk, end, q.device))
+        for part, end in zip(q.split(chunk, dim=2), ends)
+    ]
+    return torch.cat(outputs, dim=2)
 
 
 def apply_context_parallel_attention(model: nn.Module, group: ProcessGroup) -> int:
