@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -10,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from lightning_longshield.privacy.randomness import derive_seed
 from lightning_longshield.privacy.shards import ParamShard
 
 
@@ -69,3 +71,32 @@ def gather_policy(precision: object) -> Optional[MixedPrecisionPolicy]:
     if precision != "bf16-mixed":
         return None
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def materialize_meta_parameters(module: nn.Module, device: torch.device, rank: int) -> bool:
+    """Allocate a meta-device module's (FSDP2-sharded) parameters on ``device`` and initialise them, each rank only
+    its own shards, with the model's ``init_weights``. Returns whether there was anything to materialise.
+
+    The initial distribution is the model's own; the draws come from a generator seeded by a hash of one draw of
+    the global RNG and ``rank``, so a run seeded the same way on the same layout is reproducible and the ranks'
+    shards are independent (on CPU, DTensor random ops would otherwise draw the same values on every rank).
+    """
+    if not any(p.is_meta for p in module.parameters()):
+        return False
+    initializers = [m for m in module.modules() if callable(getattr(m, "init_weights", None))]
+    if not initializers:
+        raise TypeError(
+            f"{type(module).__name__} was built on the meta device (context parallelism allocates only each rank's"
+            " shards) but no submodule has an init_weights() method to initialise them. Add one, or build the model"
+            " before fit (e.g. call configure_model() yourself)."
+        )
+    module.to_empty(device=device)
+    base = int(torch.randint(2**62, (1,)).item())
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
+        seed = derive_seed(base, "init", rank)
+        torch.manual_seed(seed)
+        for initializer in initializers:
+            initializer.init_weights()
+    return True

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -54,7 +55,7 @@ from lightning_longshield.context_parallel import (
 )
 from lightning_longshield.data_loading import data_parallel_dataloader, poisson_dataloader
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
-from lightning_longshield.parallelize import gather_policy, shard_with_fsdp
+from lightning_longshield.parallelize import gather_policy, materialize_meta_parameters, shard_with_fsdp
 from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
 from lightning_longshield.privacy.grad_sample.exchange import (
     AllReduceExchange,
@@ -362,7 +363,9 @@ class LongShieldStrategy(ParallelStrategy):
         apply_context_parallel_attention(module, cp_mesh.get_group())
         output_stationary = self.grad_sample_pattern == "output_stationary"
         mp_policy = gather_policy(self.precision_plugin.precision)
-        return shard_with_fsdp(module, cp_mesh, shard_linear_inputs=output_stationary, mp_policy=mp_policy)
+        shards = shard_with_fsdp(module, cp_mesh, shard_linear_inputs=output_stationary, mp_policy=mp_policy)
+        materialize_meta_parameters(module, self.root_device, cp_mesh.get_local_rank())
+        return shards
 
     def _check_trainer_configuration(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -397,8 +400,26 @@ class LongShieldStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
+        """Move the model to the device; a model built on the meta device (under CP) is materialised shard by shard
+        after FSDP2 has sharded it, instead."""
         assert self.model is not None
+        if any(p.is_meta for p in self.model.parameters()):
+            return
         self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Under context parallelism the model that ``configure_model`` builds goes to the meta device, so no rank
+        ever holds the whole model: FSDP2 shards it and each rank allocates and initialises only its own shards."""
+        if empty_init is None:
+            empty_init = self._device_mesh is not None and self.is_context_parallel
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     # ------------------------------------------------------------------ data
 

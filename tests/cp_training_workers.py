@@ -148,3 +148,30 @@ def fit_bf16(rank: int, world_size: int, out_dir: str) -> None:
         results[activation_checkpointing] = recorder.states[0]
     if rank == 0:
         torch.save(results, Path(out_dir) / "bf16.pt")
+
+
+class InitialShards(Callback):
+    """This rank's local shards and the gathered full state when training starts (before any update)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.local = {name: p.to_local().detach().clone() for name, p in pl_module.model.named_parameters()}
+        state = trainer.strategy.lightning_module_state_dict()
+        self.full = {k.removeprefix("model."): v.clone() for k, v in state.items()}
+
+
+def meta_initialisation(rank: int, world_size: int, out_dir: str) -> None:
+    """CP 2, a model built in configure_model (not before fit): twice with seed=0, once with seed=1."""
+    from lightning_longshield import CausalLMModule
+
+    results = {}
+    for run, seed in (("first", 0), ("again", 0), ("other", 1)):
+        torch.manual_seed(1000 + rank + len(results))  # the strategy's seed alone must decide the init
+        module = CausalLMModule(small_config(), optimizer="sgd", learning_rate=0.0)
+        recorder = InitialShards()
+        strategy = LongShieldStrategy(context_parallel_size=world_size, noise_multiplier=0.0, micro_batch_size=2,
+                                      poisson_sampling=False, seed=seed)
+        make_trainer(strategy, max_steps=1, devices=world_size, callbacks=[recorder]).fit(
+            module, loader(RandomTokens(**DATASET), LOGICAL_BATCH)
+        )
+        results[run] = {"local": recorder.local, "full": recorder.full}
+    torch.save(results, Path(out_dir) / f"meta{rank}.pt")

@@ -16,6 +16,7 @@ from cp_training_workers import (
     context_parallel_errors,
     fit_bf16,
     leak_check,
+    meta_initialisation,
     noise_and_epsilon,
     save_checkpoint_under_cp,
     train_configurations,
@@ -169,3 +170,49 @@ def test_bf16_mixed_under_context_parallelism_is_close_to_the_fp32_reference(tmp
         update = torch.cat([state[name].float().flatten() for name in initial.state_dict()]) - start
         relative_error = ((update - expected_update).norm() / expected_update.norm()).item()
         assert relative_error < 0.05, (activation_checkpointing, relative_error)
+
+
+@pytest.mark.slow
+def test_model_built_in_configure_model_is_initialised_shard_by_shard(tmp_path):
+    """Under CP the model is built on the meta device and each rank initialises only its own shards: with the
+    model's own distribution, independent across ranks, reproducible from the strategy's seed."""
+    run_processes(2, tmp_path, meta_initialisation, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"meta{rank}.pt", weights_only=False) for rank in range(2)]
+    # The gathered full state (rank 0 holds it: full state dicts are offloaded to rank 0's CPU).
+    first, again, other = (ranks[0][run]["full"] for run in ("first", "again", "other"))
+    for name, value in first.items():
+        torch.testing.assert_close(value, again[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+    assert all(not torch.equal(value, other[name]) for name, value in first.items() if "norm" not in name)
+    local0, local1 = (ranks[rank]["first"]["local"]["tok_embeddings.weight"] for rank in range(2))
+    assert local0.shape == local1.shape and not torch.equal(local0, local1)
+    config = small_config()
+    assert abs(first["tok_embeddings.weight"].std().item() - 1.0) < 0.1
+    layers = range(config.n_layers)
+    wq = torch.cat([first[f"layers.{i}.attention.wq.weight"].flatten() for i in layers])
+    wo = torch.cat([first[f"layers.{i}.attention.wo.weight"].flatten() for i in layers])
+    assert abs(wq.std().item() / 0.02 - 1) < 0.1
+    assert abs(wo.std().item() / (0.02 / (2 * config.n_layers) ** 0.5) - 1) < 0.1
+    assert all(torch.equal(value, torch.ones_like(value)) for name, value in first.items() if "norm" in name)
+
+
+@pytest.mark.slow
+def test_meta_device_set_up_needs_well_under_the_whole_model_per_rank(tmp_path):
+    """A ~1.3 GiB fp32 model under CP 2: building it before fit costs every rank the whole model plus its shard at
+    set-up; built in configure_model (meta device, then only the rank's shards) the peak stays below 0.65x."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = Path(__file__).with_name("meta_init_memory_probe.py")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks go back to the OS when freed
+    growth = {}
+    for mode in ("prebuilt", "meta"):
+        out = tmp_path / mode
+        out.mkdir()
+        subprocess.run([sys.executable, str(probe), mode, str(out)], env=env, check=True, timeout=600,
+                       capture_output=True)
+        growth[mode] = [json.loads((out / f"rank{rank}.json").read_text())["peak_growth"] for rank in range(2)]
+    assert min(growth["prebuilt"]) > 1.3 * 2**30, growth  # the whole fp32 model was there
+    assert max(growth["meta"]) < 0.65 * min(growth["prebuilt"]), growth

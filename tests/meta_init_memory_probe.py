@@ -1,0 +1,57 @@
+"""Per-rank peak RSS of setting up a ~1.3 GiB (fp32) model under CP 2, until training starts (run as a script).
+
+``python meta_init_memory_probe.py prebuilt|meta OUT_DIR``: ``prebuilt`` builds the whole model on every rank
+before ``fit`` (as a model built outside ``configure_model`` is); ``meta`` leaves it to ``configure_model``, which
+the strategy runs on the meta device. Each rank writes ``{"peak_growth": bytes}`` to ``OUT_DIR/rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch.multiprocessing as mp
+from ac_memory_probe import reset_peak_rss, status_bytes
+from lightning.pytorch.callbacks import Callback
+
+CONFIG = dict(vocab_size=32000, dim=1024, n_layers=16, n_heads=8, n_kv_heads=8, ffn_dim=4096, max_seq_len=64)
+
+
+class PeakAtTrainStart(Callback):
+    def __init__(self, before: int) -> None:
+        self.before = before
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.growth = status_bytes("VmHWM") - self.before
+        trainer.should_stop = True
+
+
+def rank_main(rank: int, mode: str, out_dir: str, store: str) -> None:
+    import torch.distributed as dist
+
+    from helpers import RandomTokens, loader, make_trainer
+    from lightning_longshield import CausalLMModule, LongShieldStrategy
+    from lightning_longshield.models import LlamaConfig
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2")
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    assert reset_peak_rss(), "needs Linux's /proc/self/clear_refs"
+    before = status_bytes("VmRSS")
+    module = CausalLMModule(LlamaConfig(**CONFIG), optimizer="sgd")
+    if mode == "prebuilt":
+        module.configure_model()
+    probe = PeakAtTrainStart(before)
+    strategy = LongShieldStrategy(context_parallel_size=2, noise_multiplier=1.0, poisson_sampling=False,
+                                  preflight=False, seed=0)
+    make_trainer(strategy, max_steps=1, devices=2, callbacks=[probe]).fit(
+        module, loader(RandomTokens(size=8, seq_len=16), 2)
+    )
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_growth": probe.growth}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mode, out_dir = sys.argv[1], sys.argv[2]
+    mp.start_processes(rank_main, args=(mode, out_dir, str(Path(out_dir, "store"))), nprocs=2, start_method="spawn")
