@@ -28,8 +28,7 @@ class ContextParallelAttention:
     own block: one SDPA call per chunk with a lower-right-aligned causal bias, which CUDA runs on the flash (or
     memory-efficient) kernel without materialising a mask; elsewhere it is a ``(T_local / 2) x prefix`` boolean
     mask per chunk, shared by every layer of one forward (as long as the graph that saved it lives). The gather's
-    backward reduce-scatters dK/dV, so each rank's K/V receive
-    the gradient of every rank's queries.
+    backward reduce-scatters dK/dV, so each rank's K/V receive the gradient of every rank's queries.
 
     ``position_ids`` must be given (the shard's global positions): a call without them is not on a shard.
     """

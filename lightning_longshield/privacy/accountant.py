@@ -72,7 +72,7 @@ class PrivacyAccountant:
         if self.mechanism != "rdp":
             # The PRV answer is at most the RDP one, so the RDP boundary (free to find) is a feasible start.
             rdp = PrivacyAccountant("rdp")
-            rdp._accountant.history = list(self.history)
+            rdp.load_state_dict({"mechanism": "rdp", "history": self.history})
             low = rdp.steps_within_budget(target_epsilon, noise_multiplier, sample_rate, delta, limit)
             step = max(1, low // 4)
             while low + step < high and fits(low + step):  # gallop up to a bracket, then bisect it

@@ -57,17 +57,16 @@ class ClippedGradientSum:
             fresh = [torch.empty(grad_samples[n].shape[1:], dtype=torch.float32, device=device) for n in missing]
             torch._foreach_zero_(fresh)
             self.sums.update(zip(missing, fresh))
+            missing = []
         for i in range(batch):
             rows = [grad_samples[name][i] for name in names]
             if any(row.dtype != torch.float32 for row in rows):
                 rows = [row.float() for row in rows]
             torch._foreach_mul_(rows, factors[i])
-            if missing and batch == 1:
-                self.sums.update((name, row) for name, row in zip(names, rows) if name in missing)
-                rows = [row for name, row in zip(names, rows) if name not in missing]
-                names = [name for name in names if name not in missing]
-            if rows:
-                torch._foreach_add_([self.sums[name] for name in names], rows)
+            scaled = dict(zip(names, rows))
+            self.sums.update((name, scaled.pop(name)) for name in missing)  # one sample: it becomes the sum
+            if scaled:
+                torch._foreach_add_([self.sums[name] for name in scaled], list(scaled.values()))
 
     @torch.no_grad()
     def release(self, noise: GaussianNoise, noise_std: float, expected_batch_size: float) -> None:
