@@ -57,7 +57,7 @@ def noise_of(runs, name: str) -> torch.Tensor:
 
 
 def test_noise_has_std_sigma_c_over_b(runs):
-    noise = noise_of(runs, "seed0")
+    noise = noise_of(runs, "noise_seed0")  # a fixed draw, so the statistical checks below cannot flake
     expected_std = SIGMA * CLIP / BATCH
     n = noise.numel()
     assert n > 10_000
@@ -122,7 +122,8 @@ def test_noise_sources_draw_the_requested_gaussian_and_never_repeat(secure_mode)
     for draw in draws:
         assert draw.dtype == torch.float32
         assert abs(draw.std().item() / std - 1) < 5 / (2 * draw.numel()) ** 0.5
-        assert stats.kstest((draw / std).numpy(), "norm").pvalue > 1e-3
+    # One Kolmogorov-Smirnov test over all draws (fresh OS entropy each run): one chance in 1000 to flake, not 4.
+    assert stats.kstest((torch.cat(draws) / std).numpy(), "norm").pvalue > 1e-3
     correlations = torch.corrcoef(torch.stack(draws))
     off_diagonal = correlations[~torch.eye(len(draws), dtype=torch.bool)]
     assert off_diagonal.abs().max().item() < 5 / shape[0] ** 0.5
