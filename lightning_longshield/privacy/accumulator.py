@@ -40,11 +40,12 @@ class ClippedGradientSum:
     def add(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
         """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter, in fp32.
 
-        Batched and without a host sync: per sample, one `torch._foreach_mul_` scales that sample's gradients of
-        all parameters in place by its (device) factor, and one `torch._foreach_add_` adds them to the sums. The
-        products are formed in fp32 (bf16 gradients are upcast first) and never by a GEMM, whose TF32 or bf16
-        rounding could lift a contribution above ``C``. The per-sample buffers are consumed: they belong to this
-        micro-batch and die here. With one sample and no sum yet, the scaled gradient becomes the sum itself.
+        Batched and without a host sync, per sample: fp32 gradients are scaled in place by the (device) factor with
+        one `torch._foreach_mul_` and added with one `torch._foreach_add_`; lower-precision gradients are scaled and
+        added by one `torch._foreach_addcmul_`, computed in fp32 (the sums' dtype) without an fp32 copy of the
+        sample's gradient. Never a GEMM, whose TF32 or bf16 rounding could lift a contribution above ``C``. The
+        per-sample buffers are consumed: they belong to this micro-batch and die here. With one sample and no sum
+        yet, the scaled gradient (upcast if needed) becomes the sum itself.
         """
         if not grad_samples:
             return
@@ -60,13 +61,19 @@ class ClippedGradientSum:
             missing = []
         for i in range(batch):
             rows = [grad_samples[name][i] for name in names]
-            if any(row.dtype != torch.float32 for row in rows):
+            low_precision = any(row.dtype != torch.float32 for row in rows)
+            if low_precision and not missing:
+                sums = [self.sums[name] for name in names]
+                torch._foreach_addcmul_(sums, rows, [factors[i]] * len(rows))
+                continue
+            if low_precision:  # one sample, first sums: the fp32 copies become the sums
                 rows = [row.float() for row in rows]
             torch._foreach_mul_(rows, factors[i])
             scaled = dict(zip(names, rows))
-            self.sums.update((name, scaled.pop(name)) for name in missing)  # one sample: it becomes the sum
+            self.sums.update((name, scaled.pop(name)) for name in missing)
             if scaled:
                 torch._foreach_add_([self.sums[name] for name in scaled], list(scaled.values()))
+            del rows, scaled  # hold no scaled copy into the next sample's work
 
     @torch.no_grad()
     def release(self, noise: GaussianNoise, noise_std: float, expected_batch_size: float) -> None:
