@@ -4,8 +4,8 @@ Emulates CP rank 0 of ``--cp`` on one device (it holds the first and the last ch
 work): the gathered K/V are given directly, so this times the attention compute, not the all-gather. Compared:
 
 - ``prefix``: what `ContextParallelAttention` runs (`head_tail_attention`): K/V with their ``n_kv_heads`` heads,
-  repeated after the gather, one SDPA call per local chunk over its key prefix with a lower-right causal bias
-  (flash / memory-efficient kernels on CUDA);
+  repeated after the gather, one call per local chunk over its key prefix (`prefix_causal_attention`: SDPA with a
+  lower-right causal bias on CUDA, two flash calls merged by log-sum-exp on CPU);
 - ``masked``: the previous implementation, one SDPA call with an additive ``(T_local, T)`` position mask;
 - ``flash_share``: full causal SDPA over the whole sequence (``is_causal``), divided by CP.
 

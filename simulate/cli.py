@@ -172,6 +172,7 @@ def _trace(args: argparse.Namespace, console: Console) -> dict[str, object]:
         console.print(table)
         console.print(f"Analytic allocated peak: {out['analytic_allocated_gib']:.2f} GiB "
                       f"({100 * out['analytic_vs_traced']:+.1f}% vs traced)")
+        console.print(f"Largest tensor created in attention: {tuple(result.attention_largest_tensor)}")
     return out
 
 

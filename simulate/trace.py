@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import warnings
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _RefType
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from simulate.config import METHODS, TRACEABLE_METHODS, MethodSpec, make_config
 
@@ -86,7 +89,8 @@ class TraceResult:
 
     ``at_start`` is what was alive when the step began (parameters, AdamW's moments), so ``total - at_start`` is
     what the step itself adds; ``per_sample_grads_peak`` is the most per-sample gradient memory held at any time
-    (at the step's overall peak it may be none).
+    (at the step's overall peak it may be none). ``attention_largest_tensor`` is the shape of the largest tensor any
+    attention module's forward creates (a ``T_local x T`` mask or score matrix would show here).
     """
 
     model: str
@@ -104,6 +108,7 @@ class TraceResult:
     temporaries: int
     at_start: int
     per_sample_grads_peak: int
+    attention_largest_tensor: tuple[int, ...]
     seconds: float
 
     @property
@@ -210,7 +215,8 @@ def _traced_peak(model: str, method: MethodSpec, cp: int, mbs: int, seq_len: int
         tracker = _DPMemTracker()
         tracker.track_external(module, optimizer)
         at_start = sum(_current(tracker).values())
-        with tracker:
+        attention_tensors = _LargestTensorIn(_attention_modules(module))
+        with tracker, attention_tensors:
             if method.private:
                 with _labelled_dp_tensors(strategy, tracker):
                     loss = call._call_strategy_hook(trainer, "training_step", batch, 0)
@@ -230,7 +236,46 @@ def _traced_peak(model: str, method: MethodSpec, cp: int, mbs: int, seq_len: int
     peak = dict.fromkeys(CATEGORIES, 0)
     for category, reported in _REPORTED.items():
         peak[reported] += snapshot.get(category, 0)
-    return {**peak, "at_start": at_start, "per_sample_grads_peak": tracker.per_sample_peak}
+    attention_tensors.remove_hooks()
+    return {**peak, "at_start": at_start, "per_sample_grads_peak": tracker.per_sample_peak,
+            "attention_largest_tensor": attention_tensors.largest}
+
+
+def _attention_modules(module: nn.Module) -> list[nn.Module]:
+    return [submodule for submodule in module.modules() if hasattr(submodule, "attention_fn")]
+
+
+class _LargestTensorIn(TorchDispatchMode):
+    """Records the shape of the largest tensor that any op creates while one of ``modules`` runs its forward."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.largest: tuple[int, ...] = ()
+        self._inside = 0
+        self._handles = [handle for m in modules for handle in (
+            m.register_forward_pre_hook(self._enter), m.register_forward_hook(self._leave))]
+
+    def _enter(self, *args: object) -> None:
+        self._inside += 1
+
+    def _leave(self, *args: object) -> None:
+        self._inside -= 1
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if self._inside:
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and tensor.numel() > _numel(self.largest):
+                    self.largest = tuple(tensor.shape)
+        return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape) if shape else 0
 
 
 class _FakeRankZero(LightningEnvironment):

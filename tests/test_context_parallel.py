@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import cp_workers
@@ -12,6 +13,7 @@ from lightning_longshield.context_parallel import (
     ContextParallelAttention,
     apply_context_parallel_attention,
     head_tail_chunks,
+    prefix_causal_attention,
     shard_batch,
     shard_sequence,
     sharded_position_ids,
@@ -142,3 +144,22 @@ def test_context_parallel_two_processes(tmp_path) -> None:
 def test_context_parallel_four_processes(tmp_path) -> None:
     """CP=4 on one group, then a 2 x 2 (data_parallel, context_parallel) mesh: two CP groups with different data."""
     run_processes(4, tmp_path, cp_workers.run, [(1, 4), (2, 2)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("length", "end"), [(8, 8), (8, 32), (5, 13)])
+def test_prefix_causal_attention_matches_masked_attention(dtype: torch.dtype, length: int, end: int) -> None:
+    """The mask-free blockwise kernel against SDPA with the materialised lower-right mask, forward and backward."""
+    q = torch.randn(2, 3, length, 16, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, 3, end, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    out = prefix_causal_attention(q, k, v)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+
+    reference_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    mask = torch.arange(length)[:, None] + (end - length) >= torch.arange(end)[None, :]
+    reference = F.scaled_dot_product_attention(*reference_inputs, attn_mask=mask)
+    reference_grads = torch.autograd.grad(reference, reference_inputs, grad_out.double())
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for got, expected in zip((out, *grads), (reference, *reference_grads)):
+        torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_longshield.models import LlamaConfig
 from simulate import estimate_memory
 from simulate.config import longshield_config
 from simulate.trace import trace_step
@@ -41,6 +43,15 @@ def test_v2_holds_one_nth_of_v1s_per_sample_gradients():
     v1, v2 = traced("tiny", "v1", 4, 2, 8192, "fp32"), traced("tiny", "v2", 4, 2, 8192, "fp32")
     assert v1.per_sample_grads_peak > 0
     assert v2.per_sample_grads_peak == pytest.approx(v1.per_sample_grads_peak / 4, rel=0.02)
+
+
+def test_cp_attention_creates_no_sequence_squared_tensor():
+    """At CP 4 the old chunk masks were (T_local / 2) x T; now nothing in attention outgrows the gathered keys."""
+    config, trace = LlamaConfig.from_name("tiny"), traced("tiny", "v2", 4, 2, 8192, "fp32")
+    repeated_keys = 2 * config.n_heads * 8192 * (config.dim // config.n_heads)  # (MBS, H, T, head_dim)
+    chunk_mask = (8192 // 8) * 8192
+    assert chunk_mask > repeated_keys  # so the bound below would catch a mask
+    assert 0 < math.prod(trace.attention_largest_tensor) <= repeated_keys, trace.attention_largest_tensor
 
 
 def test_checkpointing_keeps_block_inputs_instead_of_activations():

@@ -4,7 +4,11 @@ The CP process group is ``mesh["context_parallel"].get_group()`` and a rank's CP
 ``mesh["context_parallel"].get_local_rank()`` (mesh from `build_device_mesh`).
 """
 
-from lightning_longshield.context_parallel.attention import ContextParallelAttention, apply_context_parallel_attention
+from lightning_longshield.context_parallel.attention import (
+    ContextParallelAttention,
+    apply_context_parallel_attention,
+    prefix_causal_attention,
+)
 from lightning_longshield.context_parallel.collectives import (
     all_gather_sequence,
     all_gather_unsharded,
@@ -34,6 +38,7 @@ __all__ = [
     "context_parallel_per_sample_loss",
     "gather_along_dim",
     "head_tail_chunks",
+    "prefix_causal_attention",
     "reduce_scatter_along_dim",
     "resolve_parallel_sizes",
     "shard_batch",

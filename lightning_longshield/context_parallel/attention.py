@@ -3,8 +3,6 @@ local chunk to its key prefix, with no mask of size T_local x T."""
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -16,6 +14,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from lightning_longshield.context_parallel.collectives import all_gather_unsharded
 
+_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
 
 class ContextParallelAttention:
     """An ``Attention.attention_fn`` for head-tail sequence shards: ``(q, k, v, position_ids) -> out``.
@@ -25,19 +26,14 @@ class ContextParallelAttention:
     the ``2N`` equal chunks of the sequence. K and V are all-gathered over the group with their ``H_kv`` heads
     (``n_kv_heads / n_heads`` of the bytes of gathering repeated heads) and put back in sequence order; the GQA
     repeat happens after the gather. Each local chunk then attends to the keys up to its own end, causally on its
-    own block: one SDPA call per chunk with a lower-right-aligned causal bias, which CUDA runs on the flash (or
-    memory-efficient) kernel without materialising a mask; elsewhere it is a ``(T_local / 2) x prefix`` boolean
-    mask per chunk, shared by every layer of one forward (as long as the graph that saved it lives). The gather's
-    backward reduce-scatters dK/dV, so each rank's K/V receive the gradient of every rank's queries.
+    own block (`prefix_causal_attention`): no mask is materialised on any device. The gather's backward
+    reduce-scatters dK/dV, so each rank's K/V receive the gradient of every rank's queries.
 
     ``position_ids`` must be given (the shard's global positions): a call without them is not on a shard.
     """
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
-        # Non-CUDA masks of the current forward, keyed by (length, end); weak, so they die with their graph.
-        self._masks_for: Optional[weakref.ref] = None
-        self._masks: weakref.WeakValueDictionary[tuple[int, int], torch.Tensor] = weakref.WeakValueDictionary()
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: Optional[torch.Tensor]
@@ -53,17 +49,7 @@ class ContextParallelAttention:
             keys, values = all_gather_unsharded(torch.stack((k, v)), self.group, dim=3).unbind(0)
         else:
             keys, values = all_gather_unsharded(k, self.group, dim=2), all_gather_unsharded(v, self.group, dim=2)
-        if self._masks_for is None or self._masks_for() is not position_ids:  # a new forward: new masks
-            self._masks_for, self._masks = weakref.ref(position_ids), weakref.WeakValueDictionary()
-        return head_tail_attention(q, keys, values, rank, size, self._cached_mask)
-
-    def _cached_mask(self, length: int, end: int, device: torch.device) -> Any:
-        mask = self._masks.get((length, end))
-        if mask is None:
-            mask = lower_right_causal_mask(length, end, device)
-            if isinstance(mask, torch.Tensor):
-                self._masks[(length, end)] = mask
-        return mask
+        return head_tail_attention(q, keys, values, rank, size)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ContextParallelAttention:
         # A process group is a handle to shared communicators, not data: copies of a model share it.
@@ -73,22 +59,8 @@ class ContextParallelAttention:
         return f"{type(self).__name__}(group={self.group!r})"
 
 
-def lower_right_causal_mask(length: int, end: int, device: torch.device) -> Any:
-    """Causal mask for queries that are the last ``length`` of ``end`` keys: on CUDA torch's ``causal_lower_right``
-    bias (flash / memory-efficient kernels, nothing materialised), elsewhere a ``(length, end)`` boolean mask."""
-    if device.type == "cuda":
-        return causal_lower_right(length, end)
-    rows = torch.arange(length, device=device)[:, None] + (end - length)
-    return rows >= torch.arange(end, device=device)[None, :]
-
-
 def head_tail_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    rank: int,
-    size: int,
-    mask: Callable[[int, int, torch.device], Any] = lower_right_causal_mask,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rank: int, size: int
 ) -> torch.Tensor:
     """Causal attention of CP rank ``rank``'s head-tail queries ``(B, H, T_local, d)`` over the whole sequence's
     keys and values ``(B, H_kv, T, d)`` in sequence order (the local compute of `ContextParallelAttention`).
@@ -102,10 +74,68 @@ def head_tail_attention(
     chunk = q.shape[2] // 2
     ends = ((rank + 1) * chunk, (2 * size - rank) * chunk)  # the last key each local chunk may see, exclusive
     outputs = [
-        F.scaled_dot_product_attention(part, keys[:, :, :end], values[:, :, :end], attn_mask=mask(chunk, end, q.device))
+        prefix_causal_attention(part, keys[:, :, :end], values[:, :, :end])
         for part, end in zip(q.split(chunk, dim=2), ends)
     ]
     return torch.cat(outputs, dim=2)
+
+
+def prefix_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Causal attention of queries ``(B, H, c, d)`` that are the last ``c`` positions of the ``end`` keys and values
+    ``(B, H, end, d)`` (query ``i`` sees keys ``j <= end - c + i``), with no ``c x end`` mask.
+
+    On CPU: one flash-attention call over the earlier keys (no mask), one causal call over the diagonal block, merged
+    by their log-sum-exp (`_PrefixCausalAttention`). Elsewhere: SDPA with torch's lower-right causal bias, which CUDA
+    runs on the flash or memory-efficient kernel.
+    """
+    if q.device.type == "cpu":
+        return _PrefixCausalAttention.apply(q, keys, values)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(q.shape[2], keys.shape[2]))
+
+
+class _PrefixCausalAttention(torch.autograd.Function):
+    """Blockwise prefix-causal attention on torch's CPU flash kernels.
+
+    Forward: the diagonal block (causal, square) and the earlier keys (unmasked) each return their output and
+    log-sum-exp; the merge weights each by ``exp(lse_part - lse)``. Backward: each block's flash backward with the
+    *merged* output and log-sum-exp, which recomputes that block's share of the merged softmax, so the two calls'
+    gradients add up to the exact gradient of the whole (as ring attention does).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        start = keys.shape[2] - q.shape[2]
+        out, lse = _cpu_flash(q, keys[:, :, start:], values[:, :, start:], 0.0, True)
+        if start > 0:
+            out_before, lse_before = _cpu_flash(q, keys[:, :, :start], values[:, :, :start], 0.0, False)
+            merged_lse = torch.logaddexp(lse, lse_before)
+            accumulate = torch.promote_types(q.dtype, torch.float32)
+            out = (
+                out.to(accumulate) * (lse - merged_lse).exp().unsqueeze(-1)
+                + out_before.to(accumulate) * (lse_before - merged_lse).exp().unsqueeze(-1)
+            ).to(q.dtype)
+            lse = merged_lse
+        ctx.save_for_backward(q, keys, values, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, keys, values, out, lse = ctx.saved_tensors
+        start = keys.shape[2] - q.shape[2]
+        grad_out = grad_out.contiguous()
+        grad_q, grad_k_diag, grad_v_diag = _cpu_flash_backward(
+            grad_out, q, keys[:, :, start:], values[:, :, start:], out, lse, 0.0, True
+        )
+        if start == 0:
+            return grad_q, grad_k_diag, grad_v_diag
+        grad_q_before, grad_k_before, grad_v_before = _cpu_flash_backward(
+            grad_out, q, keys[:, :, :start], values[:, :, :start], out, lse, 0.0, False
+        )
+        return (
+            grad_q + grad_q_before,
+            torch.cat((grad_k_before, grad_k_diag), dim=2),
+            torch.cat((grad_v_before, grad_v_diag), dim=2),
+        )
 
 
 def apply_context_parallel_attention(model: nn.Module, group: ProcessGroup) -> int:
