@@ -3,7 +3,8 @@
 Four loops train the same model on the same micro-batches, ``--accumulation`` micro-batches per optimizer step:
 
 - ``longshield``: Lightning + `LongShieldStrategy` (noise_multiplier=1, fixed batches: poisson_sampling=False);
-  the DataLoader yields logical batches and the strategy splits them into micro-batches.
+  the DataLoader yields logical batches and the strategy splits them into micro-batches. ``longshield_v3`` is the
+  same with every block's activations checkpointed (``activation_checkpointing=True``).
 - ``nondp_lightning``: the same Lightning loop with the default single-device strategy; the DataLoader yields
   micro-batches and ``accumulate_grad_batches`` makes the same number of forward/backward passes per step.
 - ``opacus``: a plain PyTorch loop with Opacus ``make_private(grad_sample_mode="hooks")`` and its
@@ -12,7 +13,8 @@ Four loops train the same model on the same micro-batches, ``--accumulation`` mi
 
 Every (loop, micro-batch size) runs in a fresh subprocess, so peak memory is measured in isolation: on CPU the
 growth of peak RSS (``ru_maxrss``) from just before training to the end, on CUDA ``max_memory_allocated`` above
-the memory allocated just before training. Step time is the median over ``--steps`` optimizer steps after
+the memory allocated just before training (and ``max_memory_reserved``).
+Step time is the median over ``--steps`` optimizer steps after
 ``--warmup`` steps; with ``--repeats`` every configuration runs that many times, interleaved, and the least
 disturbed (minimum) measurement is reported. Example:
 
@@ -42,13 +44,15 @@ from lightning_longshield.data import python_stdlib_corpus
 from lightning_longshield.loss import causal_lm_loss
 from lightning_longshield.models import Llama, LlamaConfig
 
-METHODS = ("nondp_lightning", "longshield", "nondp_torch", "opacus")
+METHODS = ("nondp_lightning", "longshield", "longshield_v3", "nondp_torch", "opacus")
+PRECISIONS = ("32-true", "bf16-mixed")
 NOTES = (
     "Ratios compare each DP loop with its own non-DP loop: longshield with nondp_lightning (same Lightning loop,"
     " accumulate_grad_batches = micro-batches per step), opacus (hooks, BatchMemoryManager) with nondp_torch (same"
     " plain PyTorch loop with gradient accumulation). Every optimizer step runs the same forward/backward passes"
     " over the same samples: logical batch = accumulation x micro_batch_size, fixed batches (no Poisson"
-    " sampling), noise_multiplier=1, max_grad_norm=1, AdamW, fp32. Step time: median seconds per optimizer step"
+    " sampling), noise_multiplier=1, max_grad_norm=1, AdamW, the given precision. Step time: median seconds per"
+    " optimizer step"
     " after warm-up. Peak memory: each run in a fresh subprocess; on CPU the growth of peak RSS during training"
     " (optimizer states, activations, gradients, per-sample gradients, loop overheads), on CUDA"
     " max_memory_allocated above the pre-training allocation. Every configuration runs `repeats` times,"
@@ -82,7 +86,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
     parser.add_argument("--repeats", type=int, default=2, help="runs of every configuration, interleaved")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--precision", choices=PRECISIONS, default="32-true",
+                        help="fp32, or bf16 autocast over fp32 parameters (default: %(default)s)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS,
+                        default=["nondp_lightning", "longshield", "nondp_torch", "opacus"])
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--micro-batch-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -127,7 +134,8 @@ def _lightning_step_ends(args: argparse.Namespace, dataset: Dataset, dp: bool, t
     micro, logical = args.micro_batch_size, args.micro_batch_size * args.accumulation
     if dp:
         strategy: Any = LongShieldStrategy(
-            noise_multiplier=1.0, max_grad_norm=1.0, micro_batch_size=micro, poisson_sampling=False, seed=0
+            noise_multiplier=1.0, max_grad_norm=1.0, micro_batch_size=micro, poisson_sampling=False, seed=0,
+            activation_checkpointing=args.worker == "longshield_v3",
         )
         loader, accumulation = DataLoader(dataset, batch_size=logical), 1
     else:
@@ -138,6 +146,7 @@ def _lightning_step_ends(args: argparse.Namespace, dataset: Dataset, dp: bool, t
         accelerator="gpu" if args.device == "cuda" else "cpu",
         devices=1,
         max_steps=total_steps,
+        precision=args.precision,
         accumulate_grad_batches=accumulation,
         callbacks=[StepEnds()],
         logger=False,
@@ -172,9 +181,12 @@ def _torch_step_ends(args: argparse.Namespace, dataset: Dataset, dp: bool, total
         loader = wrap_data_loader(data_loader=logical_loader, max_batch_size=micro, optimizer=optimizer)
         scale = 1.0
     ends: list[float] = []
+    autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")
     for index, batch in enumerate(loader):
         input_ids, labels = batch["input_ids"].to(args.device), batch["labels"].to(args.device)
-        (causal_lm_loss(model(input_ids), labels) * scale).backward()
+        with autocast:
+            loss = causal_lm_loss(model(input_ids), labels)
+        (loss * scale).backward()
         if dp:
             optimizer.step()  # a no-op (clip and accumulate only) until the logical batch's last micro-batch
             optimizer.zero_grad()
@@ -197,7 +209,8 @@ def _peak_memory_bytes(device: str) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> dict[str, float]:
-    """Train with one loop for warmup + steps + 1 optimizer steps; median step time and peak memory growth."""
+    """Train with one loop for warmup + steps + 1 optimizer steps; median step time and peak memory growth (on
+    CUDA also the peak reserved by the caching allocator)."""
     total_steps = args.warmup + args.steps + 1
     dataset = _dataset(args, total_steps * args.accumulation * args.micro_batch_size)
     if args.device == "cuda":
@@ -205,22 +218,35 @@ def run_worker(args: argparse.Namespace) -> dict[str, float]:
         baseline = torch.cuda.memory_allocated()
     else:
         baseline = _peak_memory_bytes("cpu")
-    dp = args.worker in ("longshield", "opacus")
-    run = _lightning_step_ends if args.worker in ("longshield", "nondp_lightning") else _torch_step_ends
+    dp = args.worker in ("longshield", "longshield_v3", "opacus")
+    run = _torch_step_ends if args.worker in ("nondp_torch", "opacus") else _lightning_step_ends
     ends = run(args, dataset, dp, total_steps)
     durations = [b - a for a, b in zip(ends, ends[1:])][args.warmup :]
-    return {"step_s": statistics.median(durations), "peak_mem_bytes": _peak_memory_bytes(args.device) - baseline}
+    result = {"step_s": statistics.median(durations), "peak_mem_bytes": _peak_memory_bytes(args.device) - baseline}
+    if args.device == "cuda":
+        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    return result
 
 
 # ---------------------------------------------------------------------------- driver: one subprocess per config
 
 
-def _measure(method: str, micro_batch_size: int, argv: list[str]) -> dict[str, float]:
+class WorkerFailed(RuntimeError):
+    """A measured configuration's process failed; ``out_of_memory`` says whether it ran out of device memory."""
+
+    def __init__(self, message: str, out_of_memory: bool) -> None:
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
+
+
+def measure(method: str, micro_batch_size: int, argv: list[str]) -> dict[str, float]:
+    """Run one configuration in a fresh process (``argv``: this script's flags) and return its measurements."""
     command = [sys.executable, __file__, *argv, "--worker", method, "--micro-batch-size", str(micro_batch_size)]
     result = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
-        raise RuntimeError(f"{method} (micro_batch_size={micro_batch_size}) failed:\n{result.stderr[-4000:]}")
+        raise WorkerFailed(f"{method} (micro_batch_size={micro_batch_size}) failed:\n{result.stderr[-4000:]}",
+                           out_of_memory="OutOfMemoryError" in result.stderr)
     return json.loads(lines[-1])
 
 
@@ -244,7 +270,10 @@ def _row(micro_batch_size: int, accumulation: int, measured: dict[str, dict[str,
         if method in measured:
             row[f"{method}_step_s"] = round(get(method, "step_s"), 4)  # type: ignore[arg-type]
             row[f"{method}_peak_mem_mib"] = round(get(method, "peak_mem_bytes") / 2**20, 1)  # type: ignore[operator]
-    for dp, nondp in (("longshield", "nondp_lightning"), ("opacus", "nondp_torch")):
+    for dp, nondp in (("longshield", "nondp_lightning"), ("longshield_v3", "nondp_lightning"),
+                      ("opacus", "nondp_torch")):
+        if dp not in measured or nondp not in measured:
+            continue
         row[f"{dp}_over_nondp"] = _ratio(get(dp, "step_s"), get(nondp, "step_s"))
         row[f"{dp}_peak_mem_over_nondp"] = _ratio(get(dp, "peak_mem_bytes"), get(nondp, "peak_mem_bytes"))
     return row
@@ -264,13 +293,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         "--warmup": args.warmup,
         "--steps": args.steps,
         "--device": args.device,
+        "--precision": args.precision,
     }
     shared = [f"{flag}={value}" for flag, value in forwarded.items()]
     runs: dict[tuple[int, str], list[dict[str, float]]] = {}
     for _ in range(args.repeats):
         for micro_batch_size in args.micro_batch_sizes:
             for method in args.methods:
-                runs.setdefault((micro_batch_size, method), []).append(_measure(method, micro_batch_size, shared))
+                runs.setdefault((micro_batch_size, method), []).append(measure(method, micro_batch_size, shared))
     results = [
         _row(m, args.accumulation, {method: _least_disturbed(runs[m, method]) for method in args.methods})
         for m in args.micro_batch_sizes
@@ -284,6 +314,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "timed_steps": args.steps,
         "repeats": args.repeats,
         "device": args.device,
+        "precision": args.precision,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

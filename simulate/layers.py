@@ -8,10 +8,11 @@ PyTorch with FSDP2 bf16 mixed precision:
   ``rsqrt`` per token and the bf16 normalised tensor (saved by the multiply with the weight).
 * Every ``nn.Linear`` saves its input; ``wq/wk/wv`` share one input and so do ``w1/w3``.
 * RoPE multiplies by the (non-trainable) ``freqs_cis`` buffer, so it saves nothing per token.
-* Attention repeats K/V heads up to ``n_heads`` (a copy) before calling the attention function, which runs flash
-  SDPA; SDPA saves q, k, v, its output and the fp32 log-sum-exp. Under context parallelism the attention function
-  all-gathers the (expanded) K/V over the CP group before SDPA, so SDPA saves the *gathered* K/V: ``MBS x T``
-  tokens instead of the local ``MBS x T / N``.
+* Attention runs flash SDPA, which saves q, k, v, its output and the fp32 log-sum-exp. Under context parallelism
+  the attention function all-gathers K/V with their ``n_kv_heads`` heads, then repeats them up to ``n_heads``, so
+  the attention saves the *gathered, repeated* K/V: ``MBS x T`` tokens of width ``dim`` instead of the local
+  ``MBS x T / N``. At CP size 1 K/V are counted repeated as well (an upper bound where SDPA's ``enable_gqa``
+  keeps them at ``n_kv_heads``).
 * ``wo`` saves the contiguous copy of the attention output; SwiGLU saves ``w1``'s output (silu), the silu output
   and ``w3``'s output (the product) and the product (``w2``'s input).
 """

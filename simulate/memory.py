@@ -25,7 +25,8 @@ each phase is summed by category; the peak is the largest phase. What is alive w
 * communication: the gathered dK/dV being reduce-scattered over CP (the gathered K/V themselves are saved
   activations);
 * context-parallel methods at CP size 1 are LongShield's single-process path: no FSDP, and autocast's bf16 weight
-  copies take the place of FSDP's buffers.
+  copies take the place of FSDP's buffers; at micro-batch 1 the sample's gradient is the whole fp32 ``.grad``,
+  which grows block by block over backward next to the clipped sum.
 
 Reserved memory (what TorchTitan reports) adds allocator fragmentation; the fit check adds the CUDA context and
 NCCL buffers, which live outside the allocator. Constants: :mod:`simulate.calibration`.
@@ -148,6 +149,11 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
     fsdp_grads = not method.private or psg.fsdp_gradient
     head_grad = a * vd if fsdp_grads else 0.0
     block_grad = grad_reduce * block_numel if fsdp_grads else 0.0
+    # Without FSDP (LongShield at CP size 1) the sample's gradient is autograd's whole fp32 ``.grad``, which grows
+    # block by block until the clipped sum takes it in after backward.
+    growing_grad = FP32 * block_numel if method.private and psg.fsdp_gradient and n == 1 else 0.0
+    if growing_grad:
+        head_grad = FP32 * vd
 
     def phase(**parts: float) -> dict[str, float]:
         parts["model_states"] = states
@@ -171,14 +177,15 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
         done = m.n_layers - 1 - i  # blocks already differentiated
         out.append((f"backward: block {i}", phase(
             activations=(acts_all if retained else i * kept_block + full_block + head) + work_act,
-            fsdp_buffers=head_grad + block_grad,
+            fsdp_buffers=head_grad + block_grad + done * growing_grad,
             per_sample_grads=psg.head_kept() + done * psg.block_kept() + psg.block_in_flight(),
             ghost_norm=ghost.head_kept() + done * ghost.block_kept() + ghost.block_transient(),
             communication=work_comm,
         )))
     out.append(("backward: embedding", phase(
         activations=acts_all if retained else 0.0,
-        fsdp_buffers=head_grad + (0.0 if m.tie_embeddings or not fsdp_grads else a * vd),
+        fsdp_buffers=head_grad + m.n_layers * growing_grad
+        + (0.0 if m.tie_embeddings or not fsdp_grads else (FP32 if growing_grad else a) * vd),
         per_sample_grads=psg.head_kept() + m.n_layers * psg.block_kept() + psg.embedding(),
         ghost_norm=ghost.head_kept() + m.n_layers * ghost.block_kept() + ghost.embedding_transient(),
     )))

@@ -18,3 +18,22 @@ def test_cp_attention_benchmark_runs_and_reports_ratios():
     report = json.loads(result.stdout)
     (row,) = report["results"]
     assert row["seq_len"] == 64 and row["prefix_over_flash_share"] > 0 and row["masked_over_flash_share"] > 0
+
+
+def test_gpu_throughput_benchmark_runs_and_reports_ratios():
+    command = [sys.executable, str(BENCHMARKS / "gpu_throughput.py"), "--device", "cpu", "--preset", "tiny",
+               "--points", "32x1", "--methods", "nondp_lightning", "longshield", "--accumulation", "2",
+               "--warmup", "1", "--steps", "1", "--precision", "32-true"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(result.stdout)["results"]
+    assert (row["seq_len"], row["micro_batch_size"]) == (32, 1)
+    assert row["longshield"]["tokens_per_s"] > 0 and row["nondp_lightning"]["tokens_per_s"] > 0
+    assert row["longshield_over_nondp"] == round(
+        row["longshield"]["tokens_per_s"] / row["nondp_lightning"]["tokens_per_s"], 3)
+
+
+def test_gpu_throughput_benchmark_refuses_without_cuda():
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_throughput.py")], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and "CUDA is not available" in result.stderr

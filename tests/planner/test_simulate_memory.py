@@ -103,3 +103,13 @@ def test_loss_memory_is_fp32_cross_entropy_over_the_vocabulary() -> None:
     assert layers.loss_backward_bytes_per_token(m, 2) == 12 * m.vocab_size
     assert layers.loss_forward_bytes_per_token(m, 2) == 10 * m.vocab_size
     assert layers.loss_forward_bytes_per_token(m, 4) == 8 * m.vocab_size  # fp32 logits need no upcast copy
+
+
+def test_cp_size_one_counts_the_micro_batch_gradient_growing_over_backward() -> None:
+    """Without FSDP (CP size 1, MBS 1) the sample's gradient is the whole fp32 ``.grad``: at the end of backward it
+    holds 4 bytes per parameter next to the fp32 clipped sum. 3B at T 4096 runs out of memory on one H100 80GB."""
+    cfg = make_config(model="llama3.2-3b", gpus=1, method="v2", cp=1, mbs=1, seq_len=4096)
+    peak = estimate_memory(cfg)
+    assert peak.phase == "backward: block 0"
+    assert peak.fsdp_buffers >= 4 * cfg.model.num_parameters
+    assert not peak.fits
