@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -269,8 +269,8 @@ def _strategy_and_module(run: Run, config: LlamaConfig) -> tuple[Any, CausalLMMo
 
 def train(run: Run, counter: CommunicationCounter) -> dict[str, Any]:
     """Fit warmup + steps optimizer steps; this rank's measurements."""
-    config = LlamaConfig.from_name("tiny")
-    config.max_seq_len = max(config.max_seq_len, run.seq_len)
+    tiny = LlamaConfig.from_name("tiny")
+    config = replace(tiny, max_seq_len=max(tiny.max_seq_len, run.seq_len))
     strategy, module = _strategy_and_module(run, config)
     dp = METHODS[run.method] is not None
     logical = ACCUMULATION * run.micro_batch_size

@@ -138,11 +138,11 @@ def simulate_precision(precision: str) -> Optional[str]:
 
 
 def model_spec_of(config: object) -> Optional[ModelSpec]:
-    """The planner's view of a `LlamaConfig` (any object with `ModelSpec`'s field names); ``None`` otherwise."""
-    try:
-        return ModelSpec(**{f.name: getattr(config, f.name) for f in fields(ModelSpec)})
-    except AttributeError:
+    """A module's `LlamaConfig` (a `ModelSpec` subclass) as a plain `ModelSpec`, which the planner matches against
+    its presets by value; ``None`` for anything else."""
+    if not isinstance(config, ModelSpec):
         return None
+    return ModelSpec(**{f.name: getattr(config, f.name) for f in fields(ModelSpec)})
 
 
 def sequence_length(dataset: object) -> Optional[int]:

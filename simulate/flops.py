@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from simulate import layers
 from simulate.config import RunConfig
 from simulate.memory import uses_ghost_norm
 
@@ -38,7 +37,7 @@ class Flops:
 def linear_params(cfg: RunConfig) -> int:
     """Weights that go through a matmul: every block projection and the output head."""
     m = cfg.model
-    return m.n_layers * sum(lin.numel for lin in layers.block_linears(m)) + m.vocab_size * m.dim
+    return m.n_layers * sum(lin.numel for lin in m.block_linears()) + m.embedding_numel
 
 
 def attention_forward_flops(cfg: RunConfig) -> float:
@@ -55,7 +54,7 @@ def microbatch_flops(cfg: RunConfig) -> Flops:
     matmul = 3 * lin_forward
     attention = (1 + ATTENTION_BACKWARD_RATIO) * attn_forward
     if cfg.method.activation_checkpointing:
-        matmul += lin_forward - 2 * cfg.model.vocab_size * cfg.model.dim * t  # the head is not checkpointed
+        matmul += lin_forward - 2 * cfg.model.embedding_numel * t  # the head is not checkpointed
         attention += attn_forward
     ghost = 0.0
     if cfg.method.per_sample_grads == "ghost":
@@ -70,6 +69,6 @@ def microbatch_flops(cfg: RunConfig) -> Flops:
 def _ghost_layers(cfg: RunConfig) -> list[tuple[int, int]]:
     """(p d, p + d) of every linear layer ZeRO-DP+ takes a per-sample norm of."""
     m = cfg.model
-    out = [(lin.numel, lin.in_features + lin.out_features) for lin in layers.block_linears(m)] * m.n_layers
-    out.extend((lin.numel, lin.in_features + lin.out_features) for lin in layers.head_linears(m))
+    out = [(lin.numel, lin.in_features + lin.out_features) for lin in m.block_linears()] * m.n_layers
+    out.extend((lin.numel, lin.in_features + lin.out_features) for lin in m.head_linears())
     return out

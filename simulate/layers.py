@@ -7,7 +7,8 @@ PyTorch with FSDP2 bf16 mixed precision:
 * ``RMSNorm`` is ``torch.rms_norm``'s composite: it upcasts its input to fp32 (saved by ``pow``), saves the fp32
   ``rsqrt`` per token and the bf16 normalised tensor (saved by the multiply with the weight).
 * Every ``nn.Linear`` saves its input; ``wq/wk/wv`` share one input and so do ``w1/w3``.
-* RoPE multiplies by the (non-trainable) ``freqs_cis`` buffer, so it saves nothing per token.
+* RoPE's angles are recomputed from the positions in every forward; its cos/sin tables (per token, ``head_dim``
+  wide, fp32) are shared by all blocks and not counted per block.
 * Attention runs flash SDPA, which saves q, k, v, its output and the fp32 log-sum-exp. Under context parallelism
   the attention function all-gathers K/V with their ``n_kv_heads`` heads, then repeats them up to ``n_heads``, so
   the attention saves the *gathered, repeated* K/V: ``MBS x T`` tokens of width ``dim`` instead of the local
@@ -27,19 +28,6 @@ FP32 = 4
 
 
 @dataclass(frozen=True)
-class Linear:
-    """A trainable matrix: ``count`` copies of ``in_features x out_features`` per block (or in the head)."""
-
-    name: str
-    in_features: int
-    out_features: int
-
-    @property
-    def numel(self) -> int:
-        return self.in_features * self.out_features
-
-
-@dataclass(frozen=True)
 class SavedTensor:
     """One tensor autograd keeps alive from forward to backward.
 
@@ -55,30 +43,6 @@ class SavedTensor:
     def nbytes(self, local_tokens: float, cp_size: int) -> float:
         tokens = local_tokens * cp_size if self.gathered else local_tokens
         return tokens * self.width * self.dtype_bytes
-
-
-def block_linears(m: ModelSpec) -> list[Linear]:
-    """The seven projections of one transformer block."""
-    kv = m.n_kv_heads * m.head_dim
-    return [
-        Linear("wq", m.dim, m.dim), Linear("wk", m.dim, kv), Linear("wv", m.dim, kv), Linear("wo", m.dim, m.dim),
-        Linear("w1", m.dim, m.ffn_dim), Linear("w3", m.dim, m.ffn_dim), Linear("w2", m.ffn_dim, m.dim),
-    ]
-
-
-def head_linears(m: ModelSpec) -> list[Linear]:
-    """The output projection (the embedding is a lookup, not a matmul)."""
-    return [Linear("output", m.dim, m.vocab_size)]
-
-
-def block_numel(m: ModelSpec) -> int:
-    """Parameters of one block, its two RMSNorm weights included."""
-    return sum(lin.numel for lin in block_linears(m)) + 2 * m.dim
-
-
-def root_numel(m: ModelSpec) -> int:
-    """Parameters outside the blocks (FSDP's root group): embedding, final norm, untied output."""
-    return m.num_parameters - m.n_layers * block_numel(m)
 
 
 def rms_norm_saved(prefix: str, m: ModelSpec, act: int) -> list[SavedTensor]:

@@ -126,8 +126,7 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
     m, a, n = cfg.model, cfg.precision.activation_bytes, cfg.cp_size
     t = cfg.tokens_per_rank
     method = cfg.method
-    block_numel, root_numel = layers.block_numel(m), layers.root_numel(m)
-    vd = m.vocab_size * m.dim
+    block_numel, root_numel, vd = m.block_numel, m.root_numel, m.embedding_numel
     grad_reduce = a + (cfg.precision.reduce_bytes if cfg.precision.reduce_bytes != a else 0)
 
     states = model_state_bytes(cfg)
@@ -206,7 +205,7 @@ def _unsharded_weight_copies(cfg: RunConfig) -> float:
     if a >= FP32:
         return 0.0
     blocks = 1 if cfg.method.activation_checkpointing else m.n_layers
-    return a * (blocks * layers.block_numel(m) + m.vocab_size * m.dim)
+    return a * (blocks * m.block_numel + m.embedding_numel)
 
 
 def _sum_saved(saved: list[layers.SavedTensor], local_tokens: float, cp_size: int) -> float:
@@ -248,9 +247,9 @@ class _PerSampleGrads:
         # Partials wait for a reduce-scatter (at micro-batch 1 they are FSDP's gradient buffers, counted as such).
         self.reduced = kind == "sharded" and cfg.cp_size > 1 and not self.fsdp_gradient
         m = cfg.model
-        self.block_numel = layers.block_numel(m)
-        self.largest = max(lin.numel for lin in layers.block_linears(m))
-        self.vd = m.vocab_size * m.dim
+        self.block_numel = m.block_numel
+        self.largest = max(lin.numel for lin in m.block_linears())
+        self.vd = m.embedding_numel
         self.tied = m.tie_embeddings
 
     def block_kept(self) -> float:
@@ -287,7 +286,7 @@ class _GhostClipping:
         self.active = cfg.method.per_sample_grads == "ghost"
         self.a, self.t, self.b, self.seq = a, t, cfg.micro_batch_size, cfg.seq_len
         self.m = m
-        output_grads = sum(lin.out_features for lin in layers.block_linears(m))
+        output_grads = sum(lin.out_features for lin in m.block_linears())
         self._block_kept = output_grads * a * t
         self._head_kept = m.vocab_size * a * t  # the logits gradient
 
@@ -303,13 +302,13 @@ class _GhostClipping:
     def block_transient(self) -> float:
         if not self.active:
             return 0.0
-        return max(self.norm_buffer(lin.numel) for lin in layers.block_linears(self.m))
+        return max(self.norm_buffer(lin.numel) for lin in self.m.block_linears())
 
     def head_kept(self) -> float:
         return self._head_kept if self.active else 0.0
 
     def head_transient(self) -> float:
-        return self.norm_buffer(self.m.vocab_size * self.m.dim) if self.active else 0.0
+        return self.norm_buffer(self.m.embedding_numel) if self.active else 0.0
 
     def embedding_transient(self) -> float:
         return self.head_transient()

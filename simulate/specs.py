@@ -1,7 +1,7 @@
-"""Model presets and hardware specs as plain data (importable without torch).
+"""The model spec with its presets, and hardware specs, as plain data (importable without torch).
 
-`lightning_longshield.models.LlamaConfig.from_name` reads the model presets from here, so the model that
-trains and the model that is simulated can never drift apart.
+`lightning_longshield.models.LlamaConfig` is `ModelSpec` and reads the presets from here, so the model that trains
+and the model that is simulated can never drift apart.
 """
 
 from __future__ import annotations
@@ -20,8 +20,25 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class Linear:
+    """A trainable matrix ``in_features x out_features`` (per block, or in the head)."""
+
+    name: str
+    in_features: int
+    out_features: int
+
+    @property
+    def numel(self) -> int:
+        return self.in_features * self.out_features
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """Dimensions of a Llama-3 family decoder; field names match ``LlamaConfig``."""
+    """The one description of a Llama-3 family decoder: shapes, RoPE, and the parameter layout derived from them.
+
+    ``lightning_longshield.models.LlamaConfig`` is this class (plus preset helpers) and ``Llama`` is built from it;
+    every ``simulate`` module counts from it, and a test compares the counts with the real module's.
+    """
 
     vocab_size: int
     dim: int
@@ -35,19 +52,54 @@ class ModelSpec:
     tie_embeddings: bool = False
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # e.g. from a checkpoint's hyper-parameters
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}.")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}.")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
+
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     @property
+    def kv_dim(self) -> int:
+        """Width of the K and V projections (``n_kv_heads`` heads)."""
+        return self.n_kv_heads * self.head_dim
+
+    def block_linears(self) -> list[Linear]:
+        """The seven projections of one transformer block."""
+        d, kv, f = self.dim, self.kv_dim, self.ffn_dim
+        return [Linear("wq", d, d), Linear("wk", d, kv), Linear("wv", d, kv), Linear("wo", d, d),
+                Linear("w1", d, f), Linear("w3", d, f), Linear("w2", f, d)]
+
+    def head_linears(self) -> list[Linear]:
+        """The output projection (the embedding is a lookup, not a matmul)."""
+        return [Linear("output", self.dim, self.vocab_size)]
+
+    @property
+    def block_numel(self) -> int:
+        """Parameters of one block, its two RMSNorm weights included."""
+        return sum(lin.numel for lin in self.block_linears()) + 2 * self.dim
+
+    @property
+    def embedding_numel(self) -> int:
+        """Parameters of the token embedding (and of the output projection, the same shape)."""
+        return self.vocab_size * self.dim
+
+    @property
+    def root_numel(self) -> int:
+        """Parameters outside the blocks (FSDP's root group): embedding, final norm, untied output."""
+        return self.embedding_numel * (1 if self.tie_embeddings else 2) + self.dim
+
+    @property
     def num_parameters(self) -> int:
         """Trainable parameter count (a tied embedding counted once)."""
-        kv_dim = self.n_kv_heads * self.head_dim
-        attention = self.dim * self.dim * 2 + self.dim * kv_dim * 2
-        mlp = 3 * self.dim * self.ffn_dim
-        block = attention + mlp + 2 * self.dim
-        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * block + embeddings + self.dim
+        return self.n_layers * self.block_numel + self.root_numel
 
 
 _LLAMA_3_1_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)

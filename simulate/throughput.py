@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from simulate import calibration, comm, layers
+from simulate import calibration, comm
 from simulate.config import RunConfig
 from simulate.flops import Flops, linear_params, microbatch_flops
 
@@ -101,8 +101,8 @@ def _exposed_fsdp(cfg: RunConfig, compute: float) -> float:
         return 0.0
     m, a = cfg.model, cfg.precision.activation_bytes
     link = comm.link_for(cfg.gpu, g)
-    blocks = m.n_layers * layers.block_numel(m)
-    gathers = 2 * blocks * a + layers.root_numel(m) * a  # blocks re-gathered for backward, root kept
+    blocks = m.n_layers * m.block_numel
+    gathers = 2 * blocks * a + m.root_numel * a  # blocks re-gathered for backward, root kept
     gather_time = comm.all_gather(gathers, g, link)
     reduce_time = comm.reduce_scatter(m.num_parameters * cfg.precision.reduce_bytes, g, link)
     kind = cfg.method.per_sample_grads
@@ -137,7 +137,7 @@ def _exposed_per_sample_grads(cfg: RunConfig, compute: float) -> float:
     m = cfg.model
     unit = cfg.micro_batch_size * cfg.precision.activation_bytes
     link = comm.link_for(cfg.gpu, n)
-    block, vd = unit * layers.block_numel(m), unit * m.vocab_size * m.dim
+    block, vd = unit * m.block_numel, unit * m.embedding_numel
     untied_head = 0.0 if m.tie_embeddings else vd
     if kind == "full":
         return m.n_layers * comm.all_reduce(block, n, link) + comm.all_reduce(vd + untied_head, n, link)

@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_longshield import CausalLMModule, LongShieldStrategy
 from lightning_longshield.models import LlamaConfig
 
-SMALL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=256)
+SMALL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=256,
+             rope_theta=10000.0)
 
 
 def small_config(**overrides: Any) -> LlamaConfig:

@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 from ac_memory_probe import reset_peak_rss, status_bytes
 from lightning.pytorch.callbacks import Callback
 
-CONFIG = dict(vocab_size=32000, dim=1024, n_layers=16, n_heads=8, n_kv_heads=8, ffn_dim=4096, max_seq_len=64)
+CONFIG = dict(vocab_size=32000, dim=1024, n_layers=16, n_heads=8, n_kv_heads=8, ffn_dim=4096, max_seq_len=64,
+              rope_theta=10000.0)
 
 
 class PeakAtTrainStart(Callback):

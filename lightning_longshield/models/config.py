@@ -1,53 +1,27 @@
-"""`LlamaConfig`: the dimensions of a Llama-3 decoder, with presets shared with `simulate/`."""
+"""`LlamaConfig`: the planner's `ModelSpec`, with the helpers the model and its users need."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, fields
 from typing import Any
 
-from simulate.specs import MODEL_PRESETS, RopeScaling, get_model_spec
+from simulate.specs import MODEL_PRESETS, ModelSpec, get_model_spec
 
 
-@dataclass
-class LlamaConfig:
-    """Hyper-parameters of `Llama`.
+class LlamaConfig(ModelSpec):
+    """Hyper-parameters of `Llama`: exactly `simulate.specs.ModelSpec` (one definition of the shapes, so the
+    model that trains and the model the planner counts cannot drift apart).
 
     `from_name` builds one from a preset (``"tiny"``, ``"llama3.2-1b"``, ``"llama3.2-3b"``, ``"llama3.1-8b"``,
-    ``"llama3.1-70b"``); keyword overrides replace single fields.
+    ``"llama3.1-70b"``); keyword overrides replace single fields. Frozen: derive variants with
+    ``dataclasses.replace``.
     """
-
-    vocab_size: int = 256
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    ffn_dim: int = 768
-    max_seq_len: int = 4096
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rope_scaling, dict):
-            self.rope_scaling = RopeScaling(**self.rope_scaling)
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}.")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}.")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> LlamaConfig:
         """Build the preset called ``name`` (see ``simulate.specs.MODEL_PRESETS``), then apply ``overrides``."""
         spec = get_model_spec(name)
-        config = cls(**{f: getattr(spec, f) for f in cls.__dataclass_fields__})
-        return replace(config, **overrides) if overrides else config
+        return cls(**{**{f.name: getattr(spec, f.name) for f in fields(spec)}, **overrides})
 
     @staticmethod
     def preset_names() -> list[str]:

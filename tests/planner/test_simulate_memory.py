@@ -6,13 +6,7 @@ import pytest
 
 from simulate import calibration, layers, make_config
 from simulate.memory import GIB, estimate_memory, model_state_bytes
-from simulate.specs import MODEL_PRESETS, get_model_spec
-
-
-@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
-def test_blocks_and_root_partition_the_parameters(name: str) -> None:
-    m = get_model_spec(name)
-    assert m.n_layers * layers.block_numel(m) + layers.root_numel(m) == m.num_parameters
+from simulate.specs import get_model_spec
 
 
 def test_block_saved_bytes_match_a_hand_count() -> None:
