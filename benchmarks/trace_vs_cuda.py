@@ -4,8 +4,8 @@
 
 For each configuration (one process, so context-parallel size 1) it trains two real DP steps on the GPU, each a
 logical batch of two micro-batches, and reads ``torch.cuda.max_memory_allocated`` over the second step (AdamW's
-moments exist, as in the trace); then it traces the same step with `simulate.trace.trace_step` and with the
-analytic model. Ratios are traced / measured and analytic / measured; a step that runs out of GPU memory is
+moments exist, as in the trace); then it traces the same step with `lightning_longshield.traced_memory.trace_step`
+and with the analytic model. Ratios are traced / measured and analytic / measured; a step that runs out of GPU memory is
 recorded with ``measured_gib: null``.
 """
 
@@ -90,8 +90,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("trace_vs_cuda.py measures real CUDA memory: run it on a machine with a GPU.")
+    from lightning_longshield.traced_memory import trace_step
     from simulate import estimate_memory, make_config
-    from simulate.trace import trace_step
 
     rows = []
     for model, method, mbs, seq_len in (CONFIGS[i] for i in args.configs):

@@ -528,6 +528,13 @@ class LongShieldStrategy(ParallelStrategy):
         )
 
     @property
+    def dp_engine(self) -> DPSGDEngine:
+        """The DP-SGD engine of the current fit (per-sample capture, clipping, clipped sum, noise); after `setup`."""
+        if self._engine is None:
+            raise RuntimeError("The DP engine exists only after the strategy's setup (inside Trainer.fit).")
+        return self._engine
+
+    @property
     def max_grad_norm(self) -> float:
         return self._privacy_arguments.max_grad_norm
 

@@ -12,22 +12,25 @@ The non-private methods (``nondp-cp``, ``nondp-cp-ac``) run the same model with 
 sharding and checkpointing, but plain autograd and AdamW instead of the DP engine. ``nondp-fsdp`` and
 ``zero-dp`` are not LongShield's code paths and are not traced.
 
-This module needs torch and Lightning; ``simulate`` itself does not import it.
+The DP engine's tensors are labelled through its public observer interface (`DPStepObserver`). The analytic
+planner (``simulate``, torch-free) never imports this module; ``longshield-plan trace`` finds it as a plug-in.
 """
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import logging
 import math
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
+from rich.console import Console
+from rich.table import Table
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _RefType
@@ -35,7 +38,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from simulate.config import METHODS, TRACEABLE_METHODS, MethodSpec, make_config
+from lightning_longshield.privacy.observer import DPStepObserver
+from simulate.config import METHODS, TRACEABLE_METHODS, MethodSpec, longshield_config, make_config
+from simulate.memory import estimate_memory
 
 TRACE_PRECISIONS = {"bf16-mixed": "bf16-mixed", "fp32": "32-true"}
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "per_sample_grads", "temporaries")
@@ -218,12 +223,12 @@ def _traced_peak(model: str, method: MethodSpec, cp: int, mbs: int, seq_len: int
         attention_tensors = _LargestTensorIn(_attention_modules(module))
         with tracker, attention_tensors:
             if method.private:
-                with _labelled_dp_tensors(strategy, tracker):
-                    loss = call._call_strategy_hook(trainer, "training_step", batch, 0)
-                    strategy.backward(loss, optimizer)
-                    # The closure ran above, outside the optimizer step, so its tensors are not labelled as
-                    # optimizer state; the release (noise) and AdamW run inside the step, as in Lightning.
-                    strategy.optimizer_step(optimizer, _ignore)
+                strategy.dp_engine.observe(_LabellingObserver(tracker))
+                loss = call._call_strategy_hook(trainer, "training_step", batch, 0)
+                strategy.backward(loss, optimizer)
+                # The closure ran above, outside the optimizer step, so its tensors are not labelled as
+                # optimizer state; the release (noise) and AdamW run inside the step, as in Lightning.
+                strategy.optimizer_step(optimizer, _ignore)
             else:
                 for microbatch in split_into_microbatches(batch, mbs):
                     tracker.reset_mod_stats()
@@ -335,40 +340,65 @@ def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-@contextlib.contextmanager
-def _labelled_dp_tensors(strategy, tracker: _DPMemTracker) -> Iterator[None]:
-    """Label what the DP engine stores: per-sample gradients (exchange) and clipped sums (accumulator).
+class _LabellingObserver(DPStepObserver):
+    """Labels what the DP engine holds: per-sample gradients (exchange) and clipped sums (accumulator).
 
     Also forgets the tracker's per-module statistics before each micro-batch (MemTracker refuses a second forward
     of the root module otherwise); the peak it keeps is global.
     """
-    engine = strategy._engine
-    exchange, accumulator = engine.capture.exchange, engine.accumulator
-    store, add, collect = exchange._store, accumulator.add, engine.capture.collect
-    microbatch_step = strategy._microbatch_training_step
 
-    def tracked_microbatch_step(*args: object) -> object:
-        tracker.reset_mod_stats()
-        return microbatch_step(*args)
+    def __init__(self, tracker: _DPMemTracker) -> None:
+        self.tracker = tracker
 
-    def labelled_store(name: str, grad_sample: torch.Tensor) -> None:
-        tracker.relabel(grad_sample, _TraceRef.PER_SAMPLE)
-        store(name, grad_sample)
+    def microbatch_started(self) -> None:
+        self.tracker.reset_mod_stats()
 
-    def labelled_collect() -> dict[str, torch.Tensor]:
-        grads = collect()
-        for grad in grads.values():  # micro-batch of one: the sample's gradient is FSDP2's .grad shard
-            tracker.relabel(grad, _TraceRef.PER_SAMPLE)
-        return grads
+    def per_sample_gradient(self, grad_sample: torch.Tensor) -> None:
+        self.tracker.relabel(grad_sample, _TraceRef.PER_SAMPLE)
 
-    def labelled_add(grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
-        add(grad_samples, factors)
-        for total in accumulator.sums.values():
-            tracker.relabel(total, _TraceRef.ACCUMULATOR)
+    def microbatch_gradients(self, grad_samples: Iterable[torch.Tensor]) -> None:
+        for grad in grad_samples:  # micro-batch of one: the sample's gradient is the .grad (shard)
+            self.tracker.relabel(grad, _TraceRef.PER_SAMPLE)
 
-    exchange._store, accumulator.add, engine.capture.collect = labelled_store, labelled_add, labelled_collect
-    strategy._microbatch_training_step = tracked_microbatch_step
-    try:
-        yield
-    finally:
-        del exchange._store, accumulator.add, engine.capture.collect, strategy._microbatch_training_step
+    def clipped_sums(self, sums: Iterable[torch.Tensor]) -> None:
+        for total in sums:
+            self.tracker.relabel(total, _TraceRef.ACCUMULATOR)
+
+
+# --- `longshield-plan trace`: registered as a plug-in of the planner's CLI (entry point "longshield_plan.commands")
+
+def register_trace_command(add_command: Callable[..., argparse.ArgumentParser]) -> None:
+    """Add ``trace`` to ``longshield-plan`` (``add_command`` is `simulate.cli.add_command` bound to its subparsers)."""
+    from simulate.cli import positive_int, power_of_two
+
+    trace = add_command("trace", _trace_command, "peak memory of rank 0 in one real DP step, traced on fake tensors",
+                        precisions=tuple(TRACE_PRECISIONS), hardware=False)
+    trace.add_argument("--method", choices=list(TRACEABLE_METHODS), default="v2", help="method to trace")
+    trace.add_argument("--cp", type=positive_int, default=4, help="context-parallel size")
+    trace.add_argument("--data-parallel", type=positive_int, default=1, help="data-parallel groups")
+    trace.add_argument("--mbs", type=positive_int, default=1, help="micro-batch size")
+    trace.add_argument("--seq-len", type=power_of_two, required=True, help="sequence length, a power of two")
+
+
+def _trace_command(args: argparse.Namespace, console: Console) -> dict[str, object]:
+    if not args.json:
+        console.print(f"Tracing one DP step of rank 0 on fake tensors ({args.model}, {args.method}, CP {args.cp},"
+                      f" data-parallel {args.data_parallel}, MBS {args.mbs}, T {args.seq_len}) ...")
+    result = trace_step(model=args.model, method=args.method, cp=args.cp, data_parallel=args.data_parallel,
+                        mbs=args.mbs, seq_len=args.seq_len, precision=args.precision)
+    analytic = estimate_memory(longshield_config(args.model, args.method, args.cp, args.mbs, args.seq_len,
+                                                 args.precision))
+    out = result.to_dict()
+    out["analytic_allocated_gib"] = round(analytic.allocated / 2**30, 3)
+    out["analytic_vs_traced"] = round(analytic.allocated / result.total - 1, 4)
+    if not args.json:
+        table = Table(title=f"Traced peak of rank 0: {out['peak_memory_gib']:.2f} GiB ({result.seconds:.0f} s)")
+        table.add_column("category")
+        table.add_column("GiB", justify="right")
+        for name, gib in out["breakdown_gib"].items():
+            table.add_row(name.replace("_", " "), f"{gib:.2f}")
+        console.print(table)
+        console.print(f"Analytic allocated peak: {out['analytic_allocated_gib']:.2f} GiB "
+                      f"({100 * out['analytic_vs_traced']:+.1f}% vs traced)")
+        console.print(f"Largest tensor created in attention: {tuple(result.attention_largest_tensor)}")
+    return out

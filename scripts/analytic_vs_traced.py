@@ -5,11 +5,11 @@
     python scripts/analytic_vs_traced.py --models llama3.2-1b         # part of the grid
     python scripts/analytic_vs_traced.py --from-json grid.jsonl       # the table of saved points, no tracing
 
-Each point traces one DP step of rank 0 (`simulate.trace.trace_step`, in a fresh process) and compares its peak
-with the analytic model's allocated peak (`simulate.estimate_memory(...).allocated`: the same tensors, without
-allocator fragmentation or the CUDA context, which fake tensors cannot show) for the method the strategy really
-runs (`simulate.config.as_run_by_longshield`: V1 at micro-batch 1 takes V2's path). ``--from-json`` re-does the
-analytic side with the current model and keeps the saved traces.
+Each point traces one DP step of rank 0 (`lightning_longshield.traced_memory.trace_step`, in a fresh process) and
+compares its peak with the analytic model's allocated peak (`simulate.estimate_memory(...).allocated`: the same
+tensors, without allocator fragmentation or the CUDA context, which fake tensors cannot show) for the method the
+strategy really runs (`simulate.config.as_run_by_longshield`: V1 at micro-batch 1 takes V2's path). ``--from-json``
+re-does the analytic side with the current model and keeps the saved traces.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ SHORT = {"llama3.2-1b": "1B", "llama3.1-8b": "8B"}
 
 def trace_point(point: tuple[str, str, int, int, int]) -> dict[str, object]:
     """Trace one point (GiB)."""
-    from simulate.trace import trace_step
+    from lightning_longshield.traced_memory import trace_step
 
     model, method, cp, mbs, seq_len = point
     traced = trace_step(model=model, method=method, cp=cp, mbs=mbs, seq_len=seq_len)

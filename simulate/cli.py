@@ -13,16 +13,18 @@ Every command takes ``--json`` and then prints exactly one JSON object.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 
 from rich.console import Console
 from rich.table import Table
 
 from simulate import planner
-from simulate.config import METHODS, PRECISIONS, TRACEABLE_METHODS, longshield_config, parse_gpus
+from simulate.config import METHODS, PRECISIONS, RunConfig, parse_gpus
 from simulate.memory import estimate_memory
 from simulate.specs import GPU_PRESETS, MODEL_PRESETS
 
@@ -36,11 +38,15 @@ BREAKDOWN_ROWS = (
     ("communication", "communication buffers"),
     ("fragmentation", "allocator fragmentation"),
 )
+Handler = Callable[[argparse.Namespace, Console], dict]
+PLUGIN_GROUP = "longshield_plan.commands"  # entry points: subcommand name -> register(add_command)
+MAX_ADVISED_GPUS = 1024  # `max-seq` suggests at most this many GPUs when nothing fits
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``longshield-plan`` console script; returns the exit status."""
-    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser(argv)
     args = parser.parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)
     try:
@@ -79,12 +85,60 @@ def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:
             smallest = planner.evaluate(probe)
             console.print(f"[bold red]Nothing fits[/]: even {probe.seq_len} tokens need "
                           f"{smallest.peak_memory_gib:.1f} GiB per GPU of {probe.gpu.memory_gib:.1f} GiB; "
-                          "add GPUs or lower --mbs.")
+                          f"{_nothing_fits_advice(probe)}.")
         else:
             console.print(f"Largest power-of-two sequence length that fits: [bold green]{best.config.seq_len:,}[/] "
                           f"tokens (peak {best.peak_memory_gib:.1f} GiB of {probe.gpu.memory_gib:.1f} GiB, "
                           f"{_tps(best.tokens_per_second_per_gpu)} tokens/s/GPU).")
     return out
+
+
+def _nothing_fits_advice(probe: RunConfig) -> str:
+    """The single changes of input that make ``probe`` (the shortest sequence) fit, as flags to try.
+
+    Only changes the inputs leave open are tried: ``--mbs 1`` above MBS 1, activation checkpointing where it is
+    off, all GPUs in one CP group, more GPUs (doubling, up to ``MAX_ADVISED_GPUS``), a GPU with more memory.
+    """
+    cp_method, gpus = probe.method.context_parallel, probe.num_gpus
+    # Per kind of change: its name, and its options as (flags, make_config inputs); the first that fits is offered.
+    kinds: list[tuple[str, list[tuple[str, dict[str, object]]]]] = []
+    if probe.micro_batch_size > 1:
+        kinds.append(("--mbs 1", [("--mbs 1", {"mbs": 1})]))
+    if not probe.method.activation_checkpointing:
+        ac = "v3" if probe.method.private else "nondp-cp-ac"
+        flags = f"--method {ac} (activation checkpointing)"
+        kinds.append((flags, [(flags, {"method": ac, "cp": probe.cp_size if cp_method else None})]))
+    if cp_method and not math.isinf(gpus) and probe.cp_size < gpus:
+        kinds.append(("a larger --cp", [(f"--cp {int(gpus)}", {"cp": int(gpus)})]))
+    if not math.isinf(gpus):
+        more = [int(gpus) * 2**k for k in range(1, 11) if int(gpus) * 2**k <= MAX_ADVISED_GPUS]
+        kinds.append(("more GPUs", [(f"--gpus {g}" + (f" --cp {g}" if cp_method else ""),
+                                     {"gpus": g, "cp": g if cp_method else None}) for g in more]))
+    elif cp_method:
+        kinds.append(("a larger --cp", [(f"--cp {probe.cp_size * 2**k}", {"cp": probe.cp_size * 2**k})
+                                        for k in range(1, 11)]))
+    bigger = sorted((name for name, g in GPU_PRESETS.items() if g.memory_gib > probe.gpu.memory_gib),
+                    key=lambda name: GPU_PRESETS[name].memory_gib)
+    if bigger:
+        kinds.append(("a GPU with more memory", [(f"--gpu {name}", {"gpu": name}) for name in bigger]))
+    inputs = {k: v for k, v in probe.inputs().items() if k != "seq_len"}
+    fixes = [next((flags for flags, changes in options if _fits_shortest({**inputs, **changes})), None)
+             for _, options in kinds]
+    if any(fixes):
+        return "try " + " or ".join(f for f in fixes if f)
+    return f"no single change makes even that fit; combine {_join([name for name, _ in kinds])}"
+
+
+def _join(items: list[str]) -> str:
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
+
+
+def _fits_shortest(inputs: dict[str, object]) -> bool:
+    """Whether the shortest sequence the inputs allow fits (``False`` for inputs that are not valid together)."""
+    try:
+        return estimate_memory(planner.probe_config(**inputs)).fits
+    except ValueError:
+        return False
 
 
 def _compare(args: argparse.Namespace, console: Console) -> dict[str, object]:
@@ -147,91 +201,82 @@ def _plot(args: argparse.Namespace, console: Console) -> dict[str, object]:
             "methods": list(args.methods), "mbs": args.mbs, "cp": args.cp, "precision": args.precision}
 
 
-def _trace(args: argparse.Namespace, console: Console) -> dict[str, object]:
-    try:
-        from simulate.trace import trace_step
-    except ImportError as err:
-        raise ImportError(f"`trace` runs the real strategy and needs torch and lightning ({err}); install the"
-                          " package with its dependencies (pip install -e .).") from err
-    if not args.json:
-        console.print(f"Tracing one DP step of rank 0 on fake tensors ({args.model}, {args.method}, CP {args.cp},"
-                      f" data-parallel {args.data_parallel}, MBS {args.mbs}, T {args.seq_len}) ...")
-    result = trace_step(model=args.model, method=args.method, cp=args.cp, data_parallel=args.data_parallel,
-                        mbs=args.mbs, seq_len=args.seq_len, precision=args.precision)
-    analytic = estimate_memory(longshield_config(args.model, args.method, args.cp, args.mbs, args.seq_len,
-                                                 args.precision))
-    out = result.to_dict()
-    out["analytic_allocated_gib"] = round(analytic.allocated / 2**30, 3)
-    out["analytic_vs_traced"] = round(analytic.allocated / result.total - 1, 4)
-    if not args.json:
-        table = Table(title=f"Traced peak of rank 0: {out['peak_memory_gib']:.2f} GiB ({result.seconds:.0f} s)")
-        table.add_column("category")
-        table.add_column("GiB", justify="right")
-        for name, gib in out["breakdown_gib"].items():
-            table.add_row(name.replace("_", " "), f"{gib:.2f}")
-        console.print(table)
-        console.print(f"Analytic allocated peak: {out['analytic_allocated_gib']:.2f} GiB "
-                      f"({100 * out['analytic_vs_traced']:+.1f}% vs traced)")
-        console.print(f"Largest tensor created in attention: {tuple(result.attention_largest_tensor)}")
-    return out
-
-
 # --- argument parsing -----------------------------------------------------------------------------------------
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longshield-plan", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{fit,max-seq,compare,recommend,plot,trace}")
-    fit = _command(sub, "fit", _fit, "verdict, peak memory breakdown, tokens/s/GPU and DP/non-DP gap")
+                                metavar="{fit,max-seq,compare,recommend,plot,...}")
+    fit = add_command(sub, "fit", _fit, "verdict, peak memory breakdown, tokens/s/GPU and DP/non-DP gap")
     _add_run_args(fit, seq_len=True)
-    max_seq = _command(sub, "max-seq", _max_seq, "largest power-of-two sequence length that fits")
+    max_seq = add_command(sub, "max-seq", _max_seq, "largest power-of-two sequence length that fits")
     _add_run_args(max_seq, seq_len=False)
-    compare = _command(sub, "compare", _compare, "methods x micro-batch sizes: max T, peak GiB, tokens/s/GPU")
-    compare.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), metavar="METHOD")
-    compare.add_argument("--mbs", nargs="+", type=_positive_int, default=list(planner.MBS_OPTIONS))
-    compare.add_argument("--cp", type=_positive_int, default=None, help="CP size for CP methods (default: all GPUs)")
-    recommend = _command(sub, "recommend", _recommend, "ranked (method, MBS, CP, AC) that fit a target length")
-    recommend.add_argument("--seq-len", type=_power_of_two, required=True, help="target T, a power of two (16k ok)")
+    compare = add_command(sub, "compare", _compare, "methods x micro-batch sizes: max T, peak GiB, tokens/s/GPU")
+    compare.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), metavar="METHOD",
+                         help="methods to compare")
+    compare.add_argument("--mbs", nargs="+", type=positive_int, default=list(planner.MBS_OPTIONS),
+                         help="micro-batch sizes to try")
+    compare.add_argument("--cp", type=positive_int, default=None, help="CP size for CP methods (default: all GPUs)")
+    recommend = add_command(sub, "recommend", _recommend, "ranked (method, MBS, CP, AC) that fit a target length")
+    recommend.add_argument("--seq-len", type=power_of_two, required=True,
+                           help="target T, a power of two (16k and 1M ok)")
     recommend.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(planner.DP_METHODS),
-                           metavar="METHOD")
-    recommend.add_argument("--mbs", nargs="+", type=_positive_int, default=list(planner.MBS_OPTIONS))
-    plot = _command(sub, "plot", _plot, "PNG of peak memory vs sequence length per method")
-    plot.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), metavar="METHOD")
-    plot.add_argument("--mbs", type=_positive_int, default=1)
-    plot.add_argument("--cp", type=_positive_int, default=None)
-    plot.add_argument("--min-seq-len", type=_power_of_two, default=1024)
-    plot.add_argument("--max-seq-len", type=_power_of_two, default=262144)
-    plot.add_argument("--out", default="longshield-plan.png", help="PNG path (default: %(default)s)")
-    trace = _command(sub, "trace", _trace, "peak memory of rank 0 in one real DP step, traced on fake tensors",
-                     precisions=("bf16-mixed", "fp32"), hardware=False)
-    trace.add_argument("--method", choices=list(TRACEABLE_METHODS), default="v2")
-    trace.add_argument("--cp", type=_positive_int, default=4, help="context-parallel size (default: %(default)s)")
-    trace.add_argument("--data-parallel", type=_positive_int, default=1, help="data-parallel groups (default: 1)")
-    trace.add_argument("--mbs", type=_positive_int, default=1, help="micro-batch size")
-    trace.add_argument("--seq-len", type=_power_of_two, required=True, help="sequence length, a power of two")
+                           metavar="METHOD", help="methods to consider")
+    recommend.add_argument("--mbs", nargs="+", type=positive_int, default=list(planner.MBS_OPTIONS),
+                           help="micro-batch sizes to try")
+    plot = add_command(sub, "plot", _plot, "PNG of peak memory vs sequence length per method")
+    plot.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), metavar="METHOD",
+                      help="methods to plot")
+    plot.add_argument("--mbs", type=positive_int, default=1, help="micro-batch size")
+    plot.add_argument("--cp", type=positive_int, default=None, help="CP size for CP methods (default: all GPUs)")
+    plot.add_argument("--min-seq-len", type=power_of_two, default=1024, help="shortest T plotted")
+    plot.add_argument("--max-seq-len", type=power_of_two, default=262144, help="longest T plotted")
+    plot.add_argument("--out", default="longshield-plan.png", help="PNG path, missing folders are created")
+    for plugin in entry_points(group=PLUGIN_GROUP):
+        if argv[:1] == [plugin.name]:  # import a plug-in (it may need torch) only to run it
+            plugin.load()(functools.partial(add_command, sub))
+        else:
+            sub.add_parser(plugin.name, help=f"(plug-in; `longshield-plan {plugin.name} --help` for its options)")
     return parser
 
 
-def _command(sub: argparse._SubParsersAction, name: str, handler: object, help_text: str,
-             precisions: Sequence[str] = tuple(PRECISIONS), hardware: bool = True) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help_text, description=help_text)
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Ends each option's help with its default (lists space-separated), unless the help already names it or there
+    is none to show (required options, flags, ``None``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or action.required or default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, handler: Handler, help_text: str,
+                precisions: Sequence[str] = tuple(PRECISIONS), hardware: bool = True) -> argparse.ArgumentParser:
+    """Add a subcommand with the common options (``--model``, ``--gpus``/``--gpu`` unless ``hardware=False``,
+    ``--precision``, ``--json``); ``handler(args, console)`` returns the command's JSON object."""
+    p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_DefaultsHelpFormatter)
     p.set_defaults(handler=handler, parser=p)
-    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="llama3.1-8b")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="llama3.1-8b", help="model preset")
     if hardware:  # `trace` measures one rank's tensors: no GPU type or count
-        p.add_argument("--gpus", type=_gpus, default=4.0, help="GPU count, or 'inf' for the FSDP ceiling")
-        p.add_argument("--gpu", choices=list(GPU_PRESETS), default="h100")
-    p.add_argument("--precision", choices=list(precisions), default="bf16-mixed")
+        # A string default goes through `type` like typed input, and shows as "4" rather than "4.0" in --help.
+        p.add_argument("--gpus", type=_gpus, default="4", help="GPU count, or 'inf' for the FSDP ceiling")
+        p.add_argument("--gpu", choices=list(GPU_PRESETS), default="h100", help="GPU type")
+    p.add_argument("--precision", choices=list(precisions), default="bf16-mixed", help="training precision")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return p
 
 
 def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
-    p.add_argument("--method", choices=list(METHODS), default="v2")
-    p.add_argument("--mbs", type=_positive_int, default=1, help="micro-batch size")
-    p.add_argument("--cp", type=_positive_int, default=None, help="CP size (default: all GPUs for CP methods)")
+    p.add_argument("--method", choices=list(METHODS), default="v2", help="training method")
+    p.add_argument("--mbs", type=positive_int, default=1, help="micro-batch size")
+    p.add_argument("--cp", type=positive_int, default=None, help="CP size (default: all GPUs for CP methods)")
     if seq_len:
-        p.add_argument("--seq-len", type=_power_of_two, required=True, help="sequence length, a power of two (16k ok)")
+        p.add_argument("--seq-len", type=power_of_two, required=True,
+                       help="sequence length, a power of two (16k and 1M ok)")
 
 
 def _gpus(text: str) -> float:
@@ -241,22 +286,27 @@ def _gpus(text: str) -> float:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {text!r}")
     return int(text)
 
 
-def _power_of_two(text: str) -> int:
+_SEQ_LEN_SUFFIXES = {"k": 2**10, "m": 2**20}  # binary, as sequence lengths are quoted: 16k = 16384, 1M = 2**20
+
+
+def power_of_two(text: str) -> int:
+    """A sequence length such as ``16384``, ``16k`` or ``1M``; anything but a positive power of two is refused."""
     raw = text.strip().lower()
-    scale = 1024 if raw.endswith("k") else 1
+    scale = _SEQ_LEN_SUFFIXES.get(raw[-1:], 1)
     digits = raw[:-1] if scale > 1 else raw
     if not digits.isdigit() or int(digits) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive power of two such as 16384 or 16k, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive power of two such as 16384, 16k or 1M, got {text!r}")
     value = int(digits) * scale
     if value & (value - 1):
         lower = 1 << (value.bit_length() - 1)
-        raise argparse.ArgumentTypeError(f"must be a power of two, got {value}; try {lower} or {2 * lower}")
+        given = f" ({text.strip()})" if scale > 1 else ""
+        raise argparse.ArgumentTypeError(f"must be a power of two, got {value}{given}; try {lower} or {2 * lower}")
     return value
 
 

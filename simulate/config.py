@@ -181,7 +181,7 @@ def longshield_config(
                        cp=cp, gpu=gpu, precision=precision)
 
 
-TRACEABLE_METHODS = ("nondp-cp", "nondp-cp-ac", "v1", "v2", "v3")  # LongShield's code paths (simulate.trace)
+TRACEABLE_METHODS = ("nondp-cp", "nondp-cp-ac", "v1", "v2", "v3")  # LongShield's code paths (traced memory)
 
 
 def _preset_name(spec: object, presets: Mapping[str, object], default: str) -> str:

@@ -13,8 +13,9 @@ from simulate.planner import candidate_seq_lens, probe_config
 def plot_memory_vs_seq_len(path: str | Path, model: str, gpus: int | float | str, methods: tuple[str, ...],
                            mbs: int = 1, cp: int | None = None, gpu: str = "h100", precision: str = "bf16-mixed",
                            min_seq_len: int = 1024, max_seq_len: int = 262144) -> Path:
-    """Write the plot to ``path`` and return it. One line per method; dashed lines at the GPU's capacity and at
-    the most TorchTitan can report before the run OOMs (capacity minus the memory outside the allocator)."""
+    """Write the plot to ``path``, creating missing folders, and return it. One line per method; dashed lines at the
+    GPU's capacity and at the most TorchTitan can report before the run OOMs (capacity minus the memory outside the
+    allocator)."""
     try:
         import matplotlib
 
@@ -45,7 +46,12 @@ def plot_memory_vs_seq_len(path: str | Path, model: str, gpus: int | float | str
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
     out = Path(path)
-    fig.savefig(out, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=120, bbox_inches="tight")
+    except OSError as err:
+        raise ValueError(f"Cannot write the plot to {str(out)!r} ({err.strerror or err}); pick another --out.") from err
+    finally:
+        plt.close(fig)
     return out
 

@@ -1,5 +1,5 @@
-"""Traced memory (`simulate.trace`): honest against a real CPU step, responsive to CP size, V1/V2 and
-checkpointing, and the analytic model within 10% of it on points of the README's grid."""
+"""Traced memory (`lightning_longshield.traced_memory`): honest against a real CPU step, responsive to CP size,
+V1/V2 and checkpointing, and the analytic model within 10% of it on points of the README's grid."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from lightning_longshield.models import LlamaConfig
+from lightning_longshield.traced_memory import trace_step
 from simulate import estimate_memory
 from simulate.config import longshield_config
-from simulate.trace import trace_step
 
 MIB = 2**20
 

@@ -14,6 +14,7 @@ from lightning_longshield.privacy.clipping import clip_factors, per_sample_squar
 from lightning_longshield.privacy.grad_sample import PerSampleGradCapture
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.noise import GaussianNoise
+from lightning_longshield.privacy.observer import DPStepObserver
 from lightning_longshield.privacy.shards import ParamShard
 
 
@@ -49,6 +50,12 @@ class DPSGDEngine:
         self.context_parallel_group = context_parallel_group
         self.last_per_sample_norms: Optional[torch.Tensor] = None
         self.last_held_bytes = 0
+        self.observer = DPStepObserver()
+
+    def observe(self, observer: DPStepObserver) -> None:
+        """Announce this engine's step events to ``observer`` (replacing the previous one)."""
+        self.observer = observer
+        self.capture.exchange.observer = observer
 
     def begin_logical_batch(self) -> None:
         """Drop the previous step's gradients: until `release`, ``.grad`` only ever holds one micro-batch's."""
@@ -57,17 +64,20 @@ class DPSGDEngine:
 
     def prepare_microbatch(self, batch_size: int) -> None:
         """Capture per-sample gradients only when the micro-batch holds more than one sample."""
+        self.observer.microbatch_started()
         self.capture.enabled = batch_size > 1
 
     def accumulate_microbatch(self, batch_size: int) -> None:
         """Clip the per-sample gradients of the last backward and add them to the logical batch's sum."""
         holds_shards = self.capture.exchange.holds_shards if self.capture.enabled else self.sharded
         grad_samples = self.capture.collect()
+        self.observer.microbatch_gradients(grad_samples.values())
         self.last_held_bytes = sum(g.numel() * g.element_size() for g in grad_samples.values())
         squared_norms = per_sample_squared_norms(grad_samples.values(), batch_size)
         if holds_shards and self.context_parallel_group is not None:
             dist.all_reduce(squared_norms, group=self.context_parallel_group)
         self.accumulator.add(grad_samples, clip_factors(squared_norms, self.max_grad_norm))
+        self.observer.clipped_sums(self.accumulator.sums.values())
         self.last_per_sample_norms = squared_norms.sqrt()
 
     def release(self, noise_multiplier: float, sample_rate: float, expected_batch_size: float) -> None:

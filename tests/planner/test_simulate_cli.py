@@ -65,6 +65,8 @@ def test_tables_render(capsys: pytest.CaptureFixture[str]) -> None:
     (["fit", "--seq-len", "4096", "--gpus", "0"], "positive integer or 'inf'"),
     (["fit", "--seq-len", "4096", "--cp", "3"], "must divide the GPU count"),
     (["max-seq", "--gpus", "inf", "--method", "v2"], "give --cp N with --gpus inf"),
+    (["fit", "--seq-len", "3M"], "must be a power of two, got 3145728 (3M); try 2097152 or 4194304"),
+    (["fit", "--seq-len", "1.5M"], "such as 16384, 16k or 1M"),
 ])
 def test_bad_input_exits_2_with_a_clear_error(argv: list[str], message: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -81,3 +83,60 @@ def test_plot_writes_a_png(tmp_path, capsys: pytest.CaptureFixture[str]) -> None
                 "--min-seq-len", "4096", "--max-seq-len", "65536", "--out", str(path))
     assert out["path"] == str(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_seq_len_takes_k_and_m_suffixes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _json(capsys, "fit", "--model", "llama3.2-1b", "--seq-len", "1M")["seq_len"] == 2**20 == 1048576
+    assert _json(capsys, "fit", "--model", "llama3.2-1b", "--seq-len", "1m")["seq_len"] == 2**20
+    assert _json(capsys, "recommend", "--model", "llama3.2-1b", "--seq-len", "16k", "--methods", "v3",
+                 "--mbs", "1")["seq_len"] == 16384
+
+
+@pytest.mark.parametrize(("argv", "present", "absent"), [
+    # MBS 1: never "lower --mbs"; here the model states need more GPUs, and checkpointing would not help
+    (["--model", "llama3.1-70b", "--gpus", "1", "--method", "v2"], ["try --gpus"], ["--mbs", "--method"]),
+    # MBS 1 where dropping the kept unsharded weights (activation checkpointing) is enough
+    (["--model", "llama3.2-3b", "--gpus", "1", "--method", "v2"], ["--method v3 (activation checkpointing)"],
+     ["--mbs"]),
+    (["--model", "llama3.1-8b", "--gpus", "4", "--method", "v1", "--mbs", "8"], ["--mbs 1", "--method v3"], []),
+    # no single change is enough: the changes still open are named, MBS not among them at MBS 1
+    (["--model", "llama3.1-8b", "--gpus", "1", "--method", "v1", "--gpu", "a100-40"],
+     ["combine --method v3 (activation checkpointing), more GPUs and a GPU with more memory"], ["--mbs"]),
+])
+def test_max_seq_advice_follows_the_inputs(argv: list[str], present: list[str], absent: list[str],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["max-seq", *argv]) == 0
+    text = capsys.readouterr().out
+    assert "Nothing fits" in text
+    advice = text.split("GiB; ", 1)[1]
+    assert all(p in advice for p in present), advice
+    assert not any(a in advice for a in absent), advice
+
+
+@pytest.mark.parametrize("command", ["fit", "max-seq", "compare", "recommend", "plot", "trace"])
+def test_help_shows_defaults(command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # argparse wraps help at the terminal width
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "model preset (default: llama3.1-8b)" in text and "training precision (default: bf16-mixed)" in text
+    if command != "trace":  # `trace` has no GPU type or count
+        assert "GPU type (default: h100)" in text and "(default: 4)" in text
+    if command == "compare":
+        assert "micro-batch sizes to try (default: 1 2 4 8)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_plot_creates_missing_folders(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "some" / "missing" / "folder" / "memory.png"
+    out = _json(capsys, "plot", "--model", "llama3.2-1b", "--methods", "v2", "--min-seq-len", "4096",
+                "--max-seq-len", "16384", "--out", str(path))
+    assert out["path"] == str(path) and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:  # a folder that cannot be made: one line, no traceback
+        main(["plot", "--model", "llama3.2-1b", "--methods", "v2", "--out", str(tmp_path / "a-file" / "memory.png")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Cannot write the plot to" in err and "pick another --out" in err and "Traceback" not in err

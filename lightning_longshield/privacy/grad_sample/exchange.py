@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_longshield.privacy.grad_sample.layers import grad_sampler_for
+from lightning_longshield.privacy.observer import DPStepObserver
 from lightning_longshield.privacy.shards import ParamShard
 
 ParamNamer = Callable[[nn.Module, nn.Parameter], str]
@@ -40,9 +41,11 @@ class LocalExchange:
     def __init__(self) -> None:
         self.grad_samples: dict[str, torch.Tensor] = {}
         self.held_bytes = 0
+        self.observer = DPStepObserver()
 
     def receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor, name_of: ParamNamer):
         for param, grad_sample in grad_sampler_for(layer)(layer, [activation], grad_output).items():
+            self.observer.per_sample_gradient(grad_sample)
             self._store(name_of(layer, param), grad_sample)
 
     def _store(self, name: str, grad_sample: torch.Tensor) -> None:
