@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 from typing import Optional
 
 import lightning as L
@@ -66,12 +67,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         if args.val_check_interval > 0
         else {}
     )
+    train_loader = data.train_dataloader()
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=1,
         precision=args.precision,
         max_steps=args.max_steps,
+        max_epochs=math.ceil(args.max_steps / len(train_loader)),  # so the progress bar can count epochs
         callbacks=[RichProgressBar()],
         logger=False,
         enable_checkpointing=False,
@@ -79,9 +82,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         log_every_n_steps=5,
         **validation,
     )
+    # Lightning 2.6's own use of a torch API deprecated in torch 2.13; nothing this script can change.
+    warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\).*")
+    if not validation:  # validation runs once, after training
+        warnings.filterwarnings("ignore", ".*but have no `val_dataloader`.*")
     trainer.fit(
         module,
-        train_dataloaders=data.train_dataloader(),
+        train_dataloaders=train_loader,
         val_dataloaders=data.val_dataloader() if validation else None,
     )
     (metrics,) = trainer.validate(module, dataloaders=data.val_dataloader(), verbose=False)

@@ -125,7 +125,8 @@ class CausalLMModule(L.LightningModule):
         input_ids, labels, position_ids, token_counts = unpack_batch(batch)
         logits = self(input_ids, position_ids)
         loss = per_sample_token_loss(logits, labels, token_counts).mean()
-        self.log("val_loss", self._whole_sequence(loss), batch_size=input_ids.shape[0])
+        # sync_dist: the mean over data-parallel groups (the CP ranks of a group already agree on the whole loss).
+        self.log("val_loss", self._whole_sequence(loss), batch_size=input_ids.shape[0], sync_dist=True)
         self.val_perplexity.update(logits.float(), labels)
         self.log("val_perplexity", self.val_perplexity, prog_bar=True)
 
