@@ -41,14 +41,16 @@ def fit(world_size: int, strategy_kwargs: dict[str, Any], tie_embeddings: bool, 
     return strategy, recorder.states
 
 
-def train_configurations(rank: int, world_size: int, configurations: list[dict[str, Any]], out_dir: str) -> None:
-    """Fit every configuration in turn; rank 0 saves the full states after each step to ``out_dir/<i>.pt``."""
-    for index, config in enumerate(configurations):
+def train_configurations(
+    rank: int, world_size: int, configurations: dict[str, dict[str, Any]], out_dir: str
+) -> None:
+    """Fit every configuration in turn; rank 0 saves the full states after each step to ``out_dir/<name>.pt``."""
+    for name, config in configurations.items():
         strategy, states = fit(world_size, **config)
         held = torch.tensor([float(strategy._engine.last_held_bytes)])
         dist.all_reduce(held, op=dist.ReduceOp.MAX)
         if rank == 0:
-            torch.save({"states": states, "held_bytes": held.item(), "config": config}, Path(out_dir) / f"{index}.pt")
+            torch.save({"states": states, "held_bytes": held.item(), "config": config}, Path(out_dir) / f"{name}.pt")
 
 
 def noise_and_epsilon(rank: int, world_size: int, out_dir: str) -> None:
@@ -67,7 +69,8 @@ def noise_and_epsilon(rank: int, world_size: int, out_dir: str) -> None:
     dist.all_gather_object(shards, local)
     if rank == 0:
         results["updates"] = {name: final[name].float() - value for name, value in initial.items()}
-        results["shards"] = shards
+        # Rank g * 2 + r holds CP shard r of data-parallel group g.
+        results["shards"] = {f"dp{index // 2}_cp{index % 2}": shard for index, shard in enumerate(shards)}
     sigma = 1.1
     strategy = LongShieldStrategy(context_parallel_size=2, noise_multiplier=sigma, accountant="rdp",
                                   target_delta=1e-3, seed=12)
@@ -125,19 +128,21 @@ class CountLiveTensors(Callback):
 
 
 def leak_check(rank: int, world_size: int, out_dir: str) -> None:
-    """CP 2 with activation checkpointing (V2): live tensors after step 5 and after step 50."""
+    """CP 2 with activation checkpointing (V2): live tensors ``after_step_5`` and ``after_step_50``."""
     counter = CountLiveTensors((5, 50))
     strategy = LongShieldStrategy(noise_multiplier=1.0, micro_batch_size=2, activation_checkpointing=True, seed=0)
     trainer = make_trainer(strategy, max_steps=50, devices=world_size, callbacks=[counter])
     trainer.fit(make_module(small_config(n_layers=2), optimizer="adamw", learning_rate=1e-3),
                 loader(RandomTokens(size=64), 4))
-    torch.save(counter.counts, Path(out_dir) / f"leak{rank}.pt")
+    counts = {f"after_step_{step}": count for step, count in counter.counts.items()}
+    torch.save(counts, Path(out_dir) / f"leak{rank}.pt")
 
 
 def fit_bf16(rank: int, world_size: int, out_dir: str) -> None:
-    """CP 2, bf16-mixed (bf16 FSDP gathers), V2 micro-batch 2, with and without activation checkpointing."""
+    """CP 2, bf16-mixed (bf16 FSDP gathers), V2 micro-batch 2, without (``"v2"``) and with (``"v3"``) activation
+    checkpointing."""
     results = {}
-    for activation_checkpointing in (False, True):
+    for name, activation_checkpointing in (("v2", False), ("v3", True)):
         strategy = LongShieldStrategy(context_parallel_size=world_size, noise_multiplier=0.0, max_grad_norm=0.05,
                                       micro_batch_size=2, poisson_sampling=False, seed=0,
                                       activation_checkpointing=activation_checkpointing)
@@ -145,7 +150,7 @@ def fit_bf16(rank: int, world_size: int, out_dir: str) -> None:
         trainer = make_trainer(strategy, max_steps=1, devices=world_size, precision="bf16-mixed",
                                callbacks=[recorder])
         trainer.fit(make_module(small_config()), loader(RandomTokens(**DATASET), LOGICAL_BATCH))
-        results[activation_checkpointing] = recorder.states[0]
+        results[name] = recorder.states[0]
     if rank == 0:
         torch.save(results, Path(out_dir) / "bf16.pt")
 

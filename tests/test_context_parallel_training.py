@@ -4,6 +4,7 @@ context mesh equals CP size 1 and the independent per-sample-loop reference (noi
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -28,30 +29,31 @@ from multiprocess import run_processes
 CLIP = 0.05
 EXCHANGES = {
     "v1": dict(shard_per_sample_grads=False),
-    "v2-input-stationary": dict(grad_sample_pattern="input_stationary"),
-    "v2-output-stationary": dict(grad_sample_pattern="output_stationary"),
+    "v2_input_stationary": dict(grad_sample_pattern="input_stationary"),
+    "v2_output_stationary": dict(grad_sample_pattern="output_stationary"),
 }
 
 
-def configurations(context_parallel_size: int) -> list[dict]:
-    return [
-        dict(
-            strategy_kwargs=dict(context_parallel_size=context_parallel_size, micro_batch_size=mbs, **exchange),
+def configurations(context_parallel_size: int) -> dict[str, dict]:
+    """Runs by name, e.g. ``"v1_mbs2_untied"`` or ``"v2_input_stationary_checkpointed_mbs1"`` (LongShield-V3)."""
+    return {
+        f"{exchange}_mbs{mbs}_{'tied' if tie else 'untied'}": dict(
+            strategy_kwargs=dict(context_parallel_size=context_parallel_size, micro_batch_size=mbs, **kwargs),
             tie_embeddings=tie,
             max_grad_norm=CLIP,
         )
-        for exchange in EXCHANGES.values()
+        for exchange, kwargs in EXCHANGES.items()
         for mbs, tie in ((1, False), (2, True), (2, False))
-    ] + [  # LongShield-V3: the same runs with every block checkpointed
-        dict(
+    } | {  # LongShield-V3: the same runs with every block checkpointed
+        f"{exchange}_checkpointed_mbs{mbs}": dict(
             strategy_kwargs=dict(context_parallel_size=context_parallel_size, micro_batch_size=mbs,
-                                 activation_checkpointing=True, **exchange),
+                                 activation_checkpointing=True, **kwargs),
             tie_embeddings=False,
             max_grad_norm=CLIP,
         )
-        for exchange in EXCHANGES.values()
+        for exchange, kwargs in EXCHANGES.items()
         for mbs in (1, 2)
-    ]
+    }
 
 
 def reference_states(tie_embeddings: bool) -> list[dict[str, torch.Tensor]]:
@@ -62,11 +64,12 @@ def reference_states(tie_embeddings: bool) -> list[dict[str, torch.Tensor]]:
             for k in range(STEPS)]
 
 
-def check_against_reference(out_dir, count: int) -> list[float]:
+def check_against_reference(out_dir, names: Iterable[str]) -> dict[str, float]:
+    """Check every named run against the reference; return each run's per-sample-gradient bytes (largest rank's)."""
     references = {tie: reference_states(tie) for tie in (False, True)}
-    held = []
-    for index in range(count):
-        result = torch.load(out_dir / f"{index}.pt", weights_only=False)
+    held = {}
+    for run in names:
+        result = torch.load(out_dir / f"{run}.pt", weights_only=False)
         expected = references[result["config"]["tie_embeddings"]]
         assert len(result["states"]) == STEPS
         for step, (state, reference) in enumerate(zip(result["states"], expected)):
@@ -75,7 +78,7 @@ def check_against_reference(out_dir, count: int) -> list[float]:
                     state[name], value, rtol=1e-4, atol=1e-6,
                     msg=lambda m, name=name, step=step, c=result["config"]: f"{c} step {step + 1} {name}: {m}",
                 )
-        held.append(result["held_bytes"])
+        held[run] = result["held_bytes"]
     return held
 
 
@@ -84,9 +87,11 @@ def check_against_reference(out_dir, count: int) -> list[float]:
 def test_context_parallel_updates_match_reference(tmp_path, world_size, context_parallel_size):
     configs = configurations(context_parallel_size)
     run_processes(world_size, tmp_path, train_configurations, configs, str(tmp_path))
-    held = check_against_reference(tmp_path, len(configs))
+    held = check_against_reference(tmp_path, configs)
     # Per-rank per-sample-gradient bytes held after backward (micro-batch 2, untied): V2 holds 1/N of V1.
-    v1, v2_input, v2_output = held[2], held[5], held[8]
+    v1 = held["v1_mbs2_untied"]
+    v2_input = held["v2_input_stationary_mbs2_untied"]
+    v2_output = held["v2_output_stationary_mbs2_untied"]
     assert v2_input == pytest.approx(v1 / context_parallel_size, rel=0.02)
     assert v2_output == pytest.approx(v1 / context_parallel_size, rel=0.02)
 
@@ -99,10 +104,11 @@ def test_noise_is_added_once_across_data_parallel_groups_and_epsilon_matches(tmp
     noise = torch.cat([update.flatten() for update in result["updates"].values()])
     expected_std = 1000.0 * 1e-3 / LOGICAL_BATCH
     assert abs(noise.std().item() / expected_std - 1) < 0.03, "noise added once, not once per data-parallel group"
-    # Ranks g*2 + r hold CP shard r of data-parallel group g: replicas of a shard are identical (one noise draw).
+    # Replicas of a CP shard in the two data-parallel groups are identical (one noise draw).
     shards = result["shards"]
-    assert torch.equal(shards[0], shards[2]) and torch.equal(shards[1], shards[3])
-    assert not torch.equal(shards[0][: shards[1].numel()], shards[1][: shards[0].numel()])
+    assert torch.equal(shards["dp0_cp0"], shards["dp1_cp0"]) and torch.equal(shards["dp0_cp1"], shards["dp1_cp1"])
+    cp0, cp1 = shards["dp0_cp0"], shards["dp0_cp1"]
+    assert not torch.equal(cp0[: cp1.numel()], cp1[: cp0.numel()])
     # The two CP shards draw independent noise: each parameter's two halves along its sharded dim 0 (CP ranks 0
     # and 1) are uncorrelated element by element (the same stream on both ranks would correlate them fully).
     halves = torch.cat([u.reshape(2, -1) for u in result["updates"].values() if u.shape[0] % 2 == 0], dim=1)
@@ -153,7 +159,7 @@ def test_no_leak_with_checkpointing_under_context_parallelism(tmp_path):
     run_processes(2, tmp_path, leak_check, str(tmp_path))
     for rank in range(2):
         counts = torch.load(tmp_path / f"leak{rank}.pt")
-        assert counts[50] <= counts[5] + 5, counts
+        assert counts["after_step_50"] <= counts["after_step_5"] + 5, counts
 
 
 @pytest.mark.slow
@@ -166,10 +172,10 @@ def test_bf16_mixed_under_context_parallelism_is_close_to_the_fp32_reference(tmp
     expected = reference_dp_sgd(copy.deepcopy(initial), [samples(dataset, range(LOGICAL_BATCH))], CLIP, LOGICAL_BATCH)
     start = torch.cat([v.flatten() for v in initial.state_dict().values()])
     expected_update = torch.cat([v.flatten() for v in expected.state_dict().values()]) - start
-    for activation_checkpointing, state in results.items():
+    for run, state in results.items():  # "v2" and "v3" (with activation checkpointing)
         update = torch.cat([state[name].float().flatten() for name in initial.state_dict()]) - start
         relative_error = ((update - expected_update).norm() / expected_update.norm()).item()
-        assert relative_error < 0.05, (activation_checkpointing, relative_error)
+        assert relative_error < 0.05, (run, relative_error)
 
 
 @pytest.mark.slow
@@ -177,13 +183,13 @@ def test_model_built_in_configure_model_is_initialised_shard_by_shard(tmp_path):
     """Under CP the model is built on the meta device and each rank initialises only its own shards: with the
     model's own distribution, independent across ranks, reproducible from the strategy's seed."""
     run_processes(2, tmp_path, meta_initialisation, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"meta{rank}.pt", weights_only=False) for rank in range(2)]
+    rank0, rank1 = (torch.load(tmp_path / f"meta{rank}.pt", weights_only=False) for rank in range(2))
     # The gathered full state (rank 0 holds it: full state dicts are offloaded to rank 0's CPU).
-    first, again, other = (ranks[0][run]["full"] for run in ("first", "again", "other"))
+    first, again, other = (rank0[run]["full"] for run in ("first", "again", "other"))
     for name, value in first.items():
         torch.testing.assert_close(value, again[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
     assert all(not torch.equal(value, other[name]) for name, value in first.items() if "norm" not in name)
-    local0, local1 = (ranks[rank]["first"]["local"]["tok_embeddings.weight"] for rank in range(2))
+    local0, local1 = (results["first"]["local"]["tok_embeddings.weight"] for results in (rank0, rank1))
     assert local0.shape == local1.shape and not torch.equal(local0, local1)
     config = small_config()
     assert abs(first["tok_embeddings.weight"].std().item() - 1.0) < 0.1
