@@ -255,7 +255,7 @@ def _least_disturbed(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: min(run[key] for run in runs) for key in runs[0]}
 
 
-def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
     if numerator is None or not denominator:
         return None
     return round(numerator / denominator, 3)
@@ -274,8 +274,8 @@ def _row(micro_batch_size: int, accumulation: int, measured: dict[str, dict[str,
                       ("opacus", "nondp_torch")):
         if dp not in measured or nondp not in measured:
             continue
-        row[f"{dp}_over_nondp"] = _ratio(get(dp, "step_s"), get(nondp, "step_s"))
-        row[f"{dp}_peak_mem_over_nondp"] = _ratio(get(dp, "peak_mem_bytes"), get(nondp, "peak_mem_bytes"))
+        row[f"{dp}_over_nondp"] = ratio(get(dp, "step_s"), get(nondp, "step_s"))
+        row[f"{dp}_peak_mem_over_nondp"] = ratio(get(dp, "peak_mem_bytes"), get(nondp, "peak_mem_bytes"))
     return row
 
 

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dp_overhead import WorkerFailed, measure  # noqa: E402
+from dp_overhead import WorkerFailed, measure, ratio  # noqa: E402
 
 METHODS = ("nondp_lightning", "longshield", "longshield_v3", "opacus")
 DEFAULT_POINTS = ("4096x1", "4096x2", "16384x1")
@@ -73,8 +73,7 @@ def _run(method: str, seq_len: int, mbs: int, args: argparse.Namespace) -> dict[
 
 
 def _ratio(runs: dict[str, dict[str, Any]], numerator: str, denominator: str, key: str) -> Optional[float]:
-    top, bottom = runs.get(numerator, {}).get(key), runs.get(denominator, {}).get(key)
-    return round(top / bottom, 3) if top and bottom else None
+    return ratio(runs.get(numerator, {}).get(key), runs.get(denominator, {}).get(key))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
