@@ -217,8 +217,9 @@ def test_meta_device_set_up_needs_well_under_the_whole_model_per_rank(tmp_path):
     for mode in ("prebuilt", "meta"):
         out = tmp_path / mode
         out.mkdir()
-        subprocess.run([sys.executable, str(probe), mode, str(out)], env=env, check=True, timeout=600,
-                       capture_output=True)
+        run = subprocess.run([sys.executable, str(probe), mode, str(out)], env=env, timeout=600,
+                             capture_output=True, text=True)
+        assert run.returncode == 0, f"the {mode} probe failed:\n{run.stderr[-4000:]}"
         growth[mode] = [json.loads((out / f"rank{rank}.json").read_text())["peak_growth"] for rank in range(2)]
     assert min(growth["prebuilt"]) > 1.3 * 2**30, growth  # the whole fp32 model was there
     assert max(growth["meta"]) < 0.65 * min(growth["prebuilt"]), growth
