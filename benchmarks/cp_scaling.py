@@ -97,7 +97,7 @@ NOTES = (
     " run with the smallest step_s. Memory: each configuration in fresh processes forked from a forkserver that"
     " preloaded lightning_longshield; peak_rss_mib is ru_maxrss at the end, peak_rss_growth_mib that minus the RSS"
     " at on_train_start (model sharded, optimizer built, AdamW state not yet allocated), max over ranks; RSS follows"
-    " the allocator, not tensor lifetimes. per_sample_grad_bytes: strategy._engine.last_held_bytes after the last"
+    " the allocator, not tensor lifetimes. per_sample_grad_bytes: strategy.dp_engine.last_held_bytes after the last"
     " backward. comm_bytes_per_step: bytes handed to torch.distributed ProcessGroup collective methods (where every"
     " torch.distributed function ends, so deprecated aliases such as all_gather_into_tensor -> all_gather_single"
     " and functions captured at import time are counted once each), per timed step: all_gather counts the gathered"
@@ -296,7 +296,7 @@ def train(run: Run, counter: CommunicationCounter) -> dict[str, Any]:
         "step_s": statistics.median(durations),
         "peak_rss": _peak_rss(),
         "peak_rss_growth": _peak_rss() - probe.setup_rss,
-        "per_sample_grad_bytes": strategy._engine.last_held_bytes if dp else 0,
+        "per_sample_grad_bytes": strategy.dp_engine.last_held_bytes if dp else 0,
         "comm_bytes_per_step": communicated,
     }
 

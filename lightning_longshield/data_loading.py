@@ -67,3 +67,17 @@ def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, da
         dataloader.dataset, num_replicas=data_parallel_size, rank=data_parallel_rank, shuffle=shuffle
     )
     return rebuild_dataloader(dataloader, sampler=sampler)
+
+
+def training_dataloader(
+    dataloader: DataLoader,
+    sampling: Optional[UniformSource],
+    first_draw: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+) -> DataLoader:
+    """Poisson logical batches from ``sampling`` (draws numbered from ``first_draw``, the DP steps already taken),
+    or, without it, the DataLoader's own batches split over data-parallel groups."""
+    if sampling is None:
+        return data_parallel_dataloader(dataloader, data_parallel_rank, data_parallel_size)
+    return poisson_dataloader(dataloader, sampling, first_draw, data_parallel_rank, data_parallel_size)

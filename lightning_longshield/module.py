@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics.text import Perplexity
 
+from lightning_longshield.context_parallel.mesh import CONTEXT_PARALLEL
 from lightning_longshield.loss import IGNORE_INDEX, per_sample_token_loss
 from lightning_longshield.models import Llama, LlamaConfig
 
@@ -133,9 +134,9 @@ class CausalLMModule(L.LightningModule):
     def _whole_sequence(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss of whole sequences for logging: a shard's loss summed over the context-parallel group."""
         mesh = self.device_mesh
-        if mesh is None or "context_parallel" not in (mesh.mesh_dim_names or ()):
+        if mesh is None or CONTEXT_PARALLEL not in (mesh.mesh_dim_names or ()):
             return loss.detach()
-        context_parallel = mesh["context_parallel"]
+        context_parallel = mesh[CONTEXT_PARALLEL]
         if context_parallel.size() == 1:
             return loss.detach()
         total = loss.detach().clone()

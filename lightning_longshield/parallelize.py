@@ -1,9 +1,10 @@
-"""Parallelism applied from outside the model: FSDP2 over the context-parallel group, aligned with DP shards."""
+"""Parallelism applied from outside the model: activation checkpointing, CP attention and FSDP2 over the CP group."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import torch
 from torch import nn
@@ -11,8 +12,74 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from lightning_longshield.checkpointing import CheckpointPolicy, apply_activation_checkpointing, select_blocks
+from lightning_longshield.context_parallel import apply_context_parallel_attention
+from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES, LocalExchange, build_exchange
 from lightning_longshield.privacy.randomness import derive_seed
 from lightning_longshield.privacy.shards import ParamShard
+
+GRAD_SAMPLE_PATTERNS = ("input_stationary", "output_stationary")
+
+
+@dataclass(frozen=True)
+class DPParallelism:
+    """How a DP step is parallelised: CP size, the per-sample exchange (V1 / V2 and its pattern), communication
+    overlap and bucketing, and activation checkpointing (V3). The strategy's arguments of the same names."""
+
+    context_parallel_size: Optional[int] = None
+    shard_per_sample_grads: bool = True
+    grad_sample_pattern: Literal["input_stationary", "output_stationary"] = "input_stationary"
+    overlap_communication: bool = True
+    communication_bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20
+    activation_checkpointing: CheckpointPolicy = False
+
+    def __post_init__(self) -> None:
+        if self.context_parallel_size is not None and self.context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size must be >= 1 or None, got {self.context_parallel_size}.")
+        if self.grad_sample_pattern not in GRAD_SAMPLE_PATTERNS:
+            raise ValueError(
+                f"grad_sample_pattern={self.grad_sample_pattern!r}; choose one of {GRAD_SAMPLE_PATTERNS}."
+            )
+        if self.communication_bucket_mb < 0:
+            raise ValueError(f"communication_bucket_mb must be >= 0, got {self.communication_bucket_mb}.")
+        select_blocks([], self.activation_checkpointing)  # validates the policy's type and value
+
+    @property
+    def output_stationary(self) -> bool:
+        return self.grad_sample_pattern == "output_stationary"
+
+
+def parallelize(
+    module: nn.Module,
+    parallelism: DPParallelism,
+    context_parallel_mesh: DeviceMesh,
+    device: torch.device,
+    precision: object = "32-true",
+) -> LocalExchange:
+    """Prepare ``module`` for DP training on its context-parallel group; returns the exchange for its layout.
+
+    Activation checkpointing first (DP-safe, LongShield-V3); then, with more than one rank in the group, attention
+    that all-gathers K/V over it, FSDP2 sharding (`shard_with_fsdp`, with the precision's `gather_policy`), the
+    materialisation of a meta-device model shard by shard on ``device`` and the V1 / V2 exchange over the group.
+    """
+    if parallelism.activation_checkpointing is not False:
+        apply_activation_checkpointing(module, parallelism.activation_checkpointing)
+    if context_parallel_mesh.size() == 1:
+        return LocalExchange()
+    group = context_parallel_mesh.get_group()
+    apply_context_parallel_attention(module, group)
+    shards = shard_with_fsdp(
+        module, context_parallel_mesh, parallelism.output_stationary, mp_policy=gather_policy(precision)
+    )
+    materialize_meta_parameters(module, device, context_parallel_mesh.get_local_rank())
+    return build_exchange(
+        group,
+        shards,
+        shard_per_sample_grads=parallelism.shard_per_sample_grads,
+        output_stationary=parallelism.output_stationary,
+        overlap=parallelism.overlap_communication,
+        bucket_bytes=int(parallelism.communication_bucket_mb * 2**20),
+    )
 
 
 def shard_with_fsdp(

@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_longshield.checkpointing import CheckpointPolicy
+from lightning_longshield.parallelize import DPParallelism
 from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory
 from simulate.config import longshield_config
 from simulate.throughput import estimate_step_time
@@ -63,7 +64,7 @@ class PreflightResult:
     def fits(self) -> bool:
         return self.memory.fits
 
-    def run(self) -> str:
+    def describe_run(self) -> str:
         """The run as the planner saw it."""
         cfg = self.config
         return (
@@ -102,7 +103,7 @@ class PreflightResult:
         )
         lines = [
             f"LongShield pre-flight: the run does not fit in GPU memory: {self.peak()} vs {capacity},"
-            f" for {self.run()}.",
+            f" for {self.describe_run()}.",
             self.breakdown(),
             fix,
             *self.notes,
@@ -276,8 +277,7 @@ def run_preflight(
     cp: int,
     mbs: int,
     precision: str,
-    shard_per_sample_grads: bool,
-    activation_checkpointing: CheckpointPolicy,
+    parallelism: DPParallelism,
 ) -> Optional[PreflightResult]:
     """The strategy's pre-flight: on CUDA, raise :class:`PreflightMemoryError` if the run will not fit; else log.
 
@@ -292,20 +292,20 @@ def run_preflight(
         rank_zero_info(f"LongShield pre-flight memory check skipped: {reason}.")
         return None
     assert model is not None and seq_len is not None and planner_precision is not None
-    method, notes = simulate_method(shard_per_sample_grads, activation_checkpointing)
+    method, notes = simulate_method(parallelism.shard_per_sample_grads, parallelism.activation_checkpointing)
     run = (model, method, world_size, cp, mbs, seq_len, planner_precision)
     if not is_cuda(device):
         result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, notes=notes)
         rank_zero_info(
-            f"LongShield pre-flight ({device.type}: logged, not checked): on CUDA, {result.peak()} for {result.run()}."
-            f" {result.breakdown()}"
+            f"LongShield pre-flight ({device.type}: logged, not checked): on CUDA, {result.peak()} for"
+            f" {result.describe_run()}. {result.breakdown()}"
         )
         return result
     name, capacity = device_properties(device)
     result = predict(*run, capacity, gpu_name=name, notes=notes).check()
     rank_zero_info(
-        f"LongShield pre-flight: fits, {result.peak()} of {capacity / GIB:.1f} GiB ({name}) for {result.run()}."
-        f" {result.breakdown()}"
+        f"LongShield pre-flight: fits, {result.peak()} of {capacity / GIB:.1f} GiB ({name}) for"
+        f" {result.describe_run()}. {result.breakdown()}"
     )
     return result
 

@@ -201,15 +201,13 @@ def _traced_peak(model: str, method: MethodSpec, cp: int, mbs: int, seq_len: int
     module.trainer = trainer
     trainer.state.fn, trainer.state.stage = TrainerFn.FITTING, RunningStage.TRAINING
     strategy.setup_environment()  # the (fake) device mesh, outside fake mode: DeviceMesh reads rank lists
-    module.log = _ignore  # type: ignore[method-assign]  # logging would copy fake tensors into metric states
-    strategy.model_to_device = _ignore  # type: ignore[method-assign]  # fake parameters already live on the CPU
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         _build_fake_model(module)
         if method.private:
             strategy.setup(trainer)
             optimizer = strategy.optimizers[0]
-            strategy.privacy_plan = PrivacyPlan(1.0, 1e-6, 0.01, mbs, 100 * mbs, 1, None)
+            strategy.privacy.plan = PrivacyPlan(1.0, 1e-6, 0.01, mbs, 100 * mbs, 1, None)
         else:
             optimizer = _setup_non_private(strategy, module)
         _initialise_optimizer_state(optimizer)
@@ -327,7 +325,10 @@ def _build_fake_model(module: nn.Module) -> None:
 
 def _setup_non_private(strategy, module: nn.Module) -> torch.optim.Optimizer:
     """The strategy's parallelisation (checkpointing, CP attention, FSDP2) without the DP engine."""
-    strategy._parallelize(module)
+    from lightning_longshield.parallelize import parallelize
+
+    mesh, precision = strategy.context_parallel_mesh, strategy.precision_plugin.precision
+    parallelize(module, strategy.parallelism, mesh, strategy.root_device, precision)
     return module.configure_optimizers()
 
 

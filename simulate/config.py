@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from simulate.specs import GPU_PRESETS, MODEL_PRESETS, GPUSpec, ModelSpec, get_gpu_spec, get_model_spec
 
@@ -15,8 +15,9 @@ class MethodSpec:
 
     ``per_sample_grads`` is ``"none"`` (non-DP), ``"ghost"`` (FSDP + mixed ghost clipping with book-keeping,
     the paper's ZeRO-DP+), ``"full"`` (LongShield-V1: every CP rank all-reduces and keeps full per-sample
-    gradients, and so accumulates their clipped sum whole) or ``"sharded"`` (LongShield-V2/V3: reduce-scatter
-    over CP, each rank keeps and accumulates 1/N of them).
+    gradients) or ``"sharded"`` (LongShield-V2/V3: reduce-scatter over CP, each rank keeps and accumulates 1/N of
+    them). ``whole_clipped_sum``: every CP rank accumulates the whole clipped sum (the paper's V1 prototype);
+    LongShield's V1 keeps only its shard of each clipped gradient (`longshield_config`).
     """
 
     name: str
@@ -25,6 +26,7 @@ class MethodSpec:
     activation_checkpointing: bool
     per_sample_grads: str
     overlap_grad_comm: bool = False
+    whole_clipped_sum: bool = False
 
     @property
     def private(self) -> bool:
@@ -38,7 +40,8 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("zero-dp", "FSDP + mixed ghost clipping + book-keeping (ZeRO-DP+)", False, False, "ghost"),
         MethodSpec("nondp-cp", "non-private FSDP + context parallelism", True, False, "none"),
         MethodSpec("nondp-cp-ac", "non-private CP + block activation checkpointing", True, True, "none"),
-        MethodSpec("v1", "LongShield-V1: CP + per-sample grads all-reduced over CP", True, False, "full"),
+        MethodSpec("v1", "LongShield-V1: CP + per-sample grads all-reduced over CP", True, False, "full",
+                   whole_clipped_sum=True),
         MethodSpec("v2", "LongShield-V2: CP + per-sample grads reduce-scattered over CP (overlapped)", True, False,
                    "sharded", overlap_grad_comm=True),
         MethodSpec("v3", "LongShield-V3: V2 + DP-safe block activation checkpointing", True, True, "sharded",
@@ -176,9 +179,10 @@ def longshield_config(
 ) -> RunConfig:
     """One context-parallel group of `LongShieldStrategy` as the planner sees it: ``cp`` GPUs (the strategy shards
     model states over the CP group only; data-parallel groups are replicas) and the method the strategy really runs
-    (`as_run_by_longshield`)."""
-    return make_config(model=model, gpus=cp, method=as_run_by_longshield(method, mbs), mbs=mbs, seq_len=seq_len,
-                       cp=cp, gpu=gpu, precision=precision)
+    (`as_run_by_longshield`; its V1 keeps only its shard of each clipped gradient, not the whole clipped sum)."""
+    config = make_config(model=model, gpus=cp, method=as_run_by_longshield(method, mbs), mbs=mbs, seq_len=seq_len,
+                         cp=cp, gpu=gpu, precision=precision)
+    return replace(config, method=replace(config.method, whole_clipped_sum=False))
 
 
 TRACEABLE_METHODS = ("nondp-cp", "nondp-cp-ac", "v1", "v2", "v3")  # LongShield's code paths (traced memory)

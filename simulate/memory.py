@@ -6,7 +6,7 @@ each phase is summed by category; the peak is the largest phase. What is alive w
 
 * model states: fp32 master parameters and AdamW's two fp32 moments (FSDP2-sharded over all GPUs), fp32
   gradients (non-DP, ZeRO-DP+; sharded over all GPUs) or LongShield's fp32 clipped-sum accumulator (per
-  data-parallel group: 1/N of the model under V2/V3, all of it under V1);
+  data-parallel group: 1/N of the model, or all of it in the paper's V1 prototype, ``whole_clipped_sum``);
 * FSDP buffers: the root group (embedding, final norm, output) stays unsharded from forward through backward,
   two blocks are unsharded at a time (current + prefetched), and non-DP backward holds the current block's
   unsharded gradient (compute dtype + fp32 reduce-scatter copy) and the head's unsharded gradient;
@@ -112,12 +112,14 @@ def model_state_bytes(cfg: RunConfig) -> float:
 
     Parameters, moments and FSDP gradients are sharded over every GPU. LongShield's accumulator follows its
     per-sample gradients: each data-parallel group accumulates its own clipped sum (summed over groups once per
-    logical batch), sharded over the CP group under V2/V3 and whole on every CP rank under V1.
+    logical batch), sharded over the CP group, or whole on every CP rank in the paper's V1 (``whole_clipped_sum``).
     """
     if math.isinf(cfg.num_gpus):
         return 0.0
     params, master = cfg.model.num_parameters, cfg.precision.master_bytes
-    accumulator_shards = {"full": 1, "sharded": cfg.cp_size}.get(cfg.method.per_sample_grads, cfg.num_gpus)
+    accumulator_shards = cfg.num_gpus
+    if cfg.method.per_sample_grads in ("full", "sharded"):
+        accumulator_shards = 1 if cfg.method.whole_clipped_sum else cfg.cp_size
     return params * (master + 2 * FP32) / cfg.num_gpus + params * master / accumulator_shards
 
 

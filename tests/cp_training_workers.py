@@ -47,10 +47,33 @@ def train_configurations(
     """Fit every configuration in turn; rank 0 saves the full states after each step to ``out_dir/<name>.pt``."""
     for name, config in configurations.items():
         strategy, states = fit(world_size, **config)
-        held = torch.tensor([float(strategy._engine.last_held_bytes)])
+        held = torch.tensor([float(strategy.dp_engine.last_held_bytes)])
         dist.all_reduce(held, op=dist.ReduceOp.MAX)
         if rank == 0:
             torch.save({"states": states, "held_bytes": held.item(), "config": config}, Path(out_dir) / f"{name}.pt")
+
+
+UNEVEN_BATCH = 3  # micro-batches of 2 and 1: the capture path and the summed-gradient path in one logical batch
+
+
+def uneven_micro_batches(rank: int, world_size: int, out_dir: str) -> None:
+    """CP 2, logical batches of 3 at micro-batch size 2: V1, and V2 with every per-sample gradient in its own
+    reduce-scatter (``bucket_0``) or all of them in one bucket (``bucket_all``)."""
+    runs = {
+        "v1": dict(shard_per_sample_grads=False),
+        "v2_bucket_0": dict(communication_bucket_mb=0),
+        "v2_bucket_all": dict(communication_bucket_mb=1024),
+    }
+    results = {}
+    for name, kwargs in runs.items():
+        strategy = LongShieldStrategy(context_parallel_size=world_size, noise_multiplier=0.0, max_grad_norm=0.05,
+                                      micro_batch_size=2, poisson_sampling=False, seed=0, **kwargs)
+        recorder = FullStateAfterEachStep()
+        trainer = make_trainer(strategy, max_steps=STEPS, devices=world_size, callbacks=[recorder])
+        trainer.fit(make_module(small_config()), loader(RandomTokens(**DATASET), UNEVEN_BATCH))
+        results[name] = recorder.states
+    if rank == 0:
+        torch.save(results, Path(out_dir) / "uneven.pt")
 
 
 def noise_and_epsilon(rank: int, world_size: int, out_dir: str) -> None:

@@ -16,6 +16,8 @@ from torch.distributed import ProcessGroup
 
 from helpers import small_config
 from lightning_longshield.context_parallel import (
+    CONTEXT_PARALLEL,
+    DATA_PARALLEL,
     ContextParallelAttention,
     all_gather_sequence,
     all_gather_unsharded,
@@ -53,8 +55,8 @@ def run(rank: int, world_size: int, mesh_shapes: list[tuple[int, int]]) -> None:
     torch.set_num_threads(1)
     for dp_size, cp_size in mesh_shapes:
         mesh = build_device_mesh("cpu", dp_size, cp_size)
-        cp_mesh = mesh["context_parallel"]
-        cp = CP(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(), mesh["data_parallel"].get_local_rank())
+        cp_mesh = mesh[CONTEXT_PARALLEL]
+        cp = CP(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(), mesh[DATA_PARALLEL].get_local_rank())
         assert cp.size == cp_size and cp.rank == rank % cp_size and cp.dp_rank == rank // cp_size
         assert dist.get_rank(cp.group) == cp.rank
         for check in (check_collectives, check_attention, check_attention_gqa, check_llama):

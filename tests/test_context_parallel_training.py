@@ -14,6 +14,7 @@ from cp_training_workers import (
     DATASET,
     LOGICAL_BATCH,
     STEPS,
+    UNEVEN_BATCH,
     context_parallel_errors,
     fit_bf16,
     leak_check,
@@ -21,6 +22,7 @@ from cp_training_workers import (
     noise_and_epsilon,
     save_checkpoint_under_cp,
     train_configurations,
+    uneven_micro_batches,
 )
 from helpers import RandomTokens, loader, make_module, make_trainer, reference_dp_sgd, samples, small_config
 from lightning_longshield import LongShieldStrategy
@@ -94,6 +96,25 @@ def test_context_parallel_updates_match_reference(tmp_path, world_size, context_
     v2_output = held["v2_output_stationary_mbs2_untied"]
     assert v2_input == pytest.approx(v1 / context_parallel_size, rel=0.02)
     assert v2_output == pytest.approx(v1 / context_parallel_size, rel=0.02)
+
+
+@pytest.mark.slow
+def test_uneven_micro_batches_and_bucketed_reduce_scatters_match_reference(tmp_path):
+    """Logical batches of 3 at micro-batch size 2 mix the per-sample capture (2 samples) with the summed-gradient
+    path (1 sample) under V1 and V2; bucketing V2's reduce-scatters changes nothing, bit for bit."""
+    run_processes(2, tmp_path, uneven_micro_batches, str(tmp_path))
+    results = torch.load(tmp_path / "uneven.pt", weights_only=False)
+    dataset = RandomTokens(**DATASET)
+    initial = make_module(small_config()).model
+    batches = [samples(dataset, range(k * UNEVEN_BATCH, (k + 1) * UNEVEN_BATCH)) for k in range(STEPS)]
+    for step in range(STEPS):
+        reference = reference_dp_sgd(copy.deepcopy(initial), batches[: step + 1], CLIP, UNEVEN_BATCH).state_dict()
+        for run, states in results.items():
+            for name, value in reference.items():
+                torch.testing.assert_close(states[step][name], value, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m, r=run, n=name, s=step: f"{r} step {s + 1} {n}: {m}")
+    for bucketed, unbucketed in zip(results["v2_bucket_all"], results["v2_bucket_0"]):
+        assert all(torch.equal(bucketed[name], unbucketed[name]) for name in unbucketed)
 
 
 @pytest.mark.slow

@@ -55,7 +55,7 @@ def test_clipping_is_active_in_clipping_case():
     strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=0.05, micro_batch_size=4,
                                   poisson_sampling=False, seed=0)
     make_trainer(strategy, max_steps=1).fit(module, loader(dataset, 4))
-    norms = strategy._engine.last_per_sample_norms
+    norms = strategy.dp_engine.last_per_sample_norms
     assert norms.dtype == torch.float64 and norms.shape == (4,)
     assert (norms > 0.05).all() and (norms < 1e6).all()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import lightning as L
 import pytest
 import torch
@@ -31,6 +33,15 @@ def test_string_strategy_trains_with_defaults():
     assert trainer.strategy.privacy_plan.target_epsilon == 8.0
 
 
+def test_a_single_process_keeps_plain_tracebacks(monkeypatch):
+    """torch.distributed prefixes every traceback line with "[rank0]:"; alone on one process that is noise."""
+    monkeypatch.setattr("sys.excepthook", sys.__excepthook__)
+    make_trainer(LongShieldStrategy(noise_multiplier=1.0), max_steps=1).fit(
+        make_module(small_config(n_layers=1)), loader(RandomTokens(size=8, seq_len=8), 2)
+    )
+    assert sys.excepthook is sys.__excepthook__
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -43,6 +54,7 @@ def test_string_strategy_trains_with_defaults():
         (dict(accountant="gdp"), "accountant='gdp' is not supported"),
         (dict(grad_sample_pattern="diagonal"), "grad_sample_pattern"),
         (dict(context_parallel_size=0), "context_parallel_size must be >= 1"),
+        (dict(communication_bucket_mb=-1), "communication_bucket_mb must be >= 0"),
         (dict(secure_mode=True, noise_seed=1), "remove noise_seed"),
     ],
 )

@@ -29,7 +29,7 @@ def test_bf16_private_gradient_close_to_fp32_reference(precision, micro_batch_si
                                   poisson_sampling=False, seed=0)
     recorder = RecordGradients()
     make_trainer(strategy, max_steps=1, precision=precision, callbacks=[recorder]).fit(module, loader(dataset, 4))
-    assert strategy._engine.last_per_sample_norms.dtype == torch.float64
+    assert strategy.dp_engine.last_per_sample_norms.dtype == torch.float64
     expected = reference_dp_sgd(initial, [samples(dataset, range(4))], 0.1, 4)
     pairs = zip(initial.parameters(), expected.parameters())
     expected_gradient = torch.cat([(p - q).detach().flatten() for p, q in pairs])

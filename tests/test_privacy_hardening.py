@@ -44,12 +44,12 @@ def test_checkpoint_holds_no_seed_or_generator_state(tmp_path, mode):
     trainer.save_checkpoint(tmp_path / "dp.ckpt")
     checkpoint = torch.load(tmp_path / "dp.ckpt", weights_only=False)
 
-    secret_ints = {987_654_321, strategy._noise._seed}
+    secret_ints = {987_654_321, strategy.privacy.noise._seed}
     secret_bytes = b""
-    if isinstance(strategy._sampling, SeededUniforms):
-        secret_ints.add(strategy._sampling._seed)
+    if isinstance(strategy.privacy.sampling, SeededUniforms):
+        secret_ints.add(strategy.privacy.sampling._seed)
     else:
-        secret_bytes = strategy._sampling._key
+        secret_bytes = strategy.privacy.sampling._key
     leaves = list(walk(checkpoint))
     assert len(leaves) > 20
     for path, leaf in leaves:
@@ -207,7 +207,7 @@ def test_a_sample_contributes_at_most_c_in_every_precision(precision, micro_batc
 
     class CaptureSums(Callback):
         def on_train_start(self, trainer, pl_module):
-            accumulator = strategy._engine.accumulator
+            accumulator = strategy.dp_engine.accumulator
             release = accumulator.release
 
             def recording_release(*args, **kwargs):
@@ -247,8 +247,8 @@ def test_secure_mode_trains_with_poisson_sampling():
                                   target_delta=1e-3)
     trainer = make_trainer(strategy, max_steps=3)
     trainer.fit(make_module(small_config(n_layers=1)), loader(RandomTokens(size=16, seq_len=8), 4))
-    assert trainer.global_step == 3 and isinstance(strategy._sampling, CryptographicUniforms)
-    assert strategy._noise.secure_mode
+    assert trainer.global_step == 3 and isinstance(strategy.privacy.sampling, CryptographicUniforms)
+    assert strategy.privacy.noise.secure_mode
 
 
 # ----------------------------------------------------------------------------------------------- messages, inputs

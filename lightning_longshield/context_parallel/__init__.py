@@ -1,7 +1,8 @@
 """Context parallelism: the device mesh, head-tail sequence sharding, CP attention and the CP-aware loss.
 
-The CP process group is ``mesh["context_parallel"].get_group()`` and a rank's CP rank is
-``mesh["context_parallel"].get_local_rank()`` (mesh from `build_device_mesh`).
+The CP process group is ``mesh[CONTEXT_PARALLEL].get_group()`` and a rank's CP rank is
+``mesh[CONTEXT_PARALLEL].get_local_rank()`` (mesh from `build_device_mesh`; the axis names are `DATA_PARALLEL` and
+`CONTEXT_PARALLEL`).
 """
 
 from lightning_longshield.context_parallel.attention import (
@@ -17,7 +18,13 @@ from lightning_longshield.context_parallel.collectives import (
     sum_over_shards,
 )
 from lightning_longshield.context_parallel.loss import context_parallel_per_sample_loss
-from lightning_longshield.context_parallel.mesh import MESH_DIM_NAMES, build_device_mesh, resolve_parallel_sizes
+from lightning_longshield.context_parallel.mesh import (
+    CONTEXT_PARALLEL,
+    DATA_PARALLEL,
+    MESH_DIM_NAMES,
+    build_device_mesh,
+    resolve_parallel_sizes,
+)
 from lightning_longshield.context_parallel.sharding import (
     check_shardable,
     head_tail_chunks,
@@ -28,6 +35,8 @@ from lightning_longshield.context_parallel.sharding import (
 )
 
 __all__ = [
+    "CONTEXT_PARALLEL",
+    "DATA_PARALLEL",
     "MESH_DIM_NAMES",
     "ContextParallelAttention",
     "all_gather_sequence",

@@ -6,7 +6,9 @@ from typing import Optional
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIM_NAMES = ("data_parallel", "context_parallel")
+DATA_PARALLEL = "data_parallel"
+CONTEXT_PARALLEL = "context_parallel"
+MESH_DIM_NAMES = (DATA_PARALLEL, CONTEXT_PARALLEL)
 
 
 def resolve_parallel_sizes(world_size: int, context_parallel_size: Optional[int]) -> tuple[int, int]:

@@ -8,16 +8,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_longshield.privacy.grad_sample.capture import local_tensor
 from lightning_longshield.privacy.noise import GaussianNoise
-from lightning_longshield.privacy.shards import ParamShard
+from lightning_longshield.privacy.shards import local_tensor
 
 
 class ClippedGradientSum:
     """fp32 running sums, per parameter name, of clipped per-sample gradients over one logical batch.
 
-    A sum has the shape of the per-sample gradients it receives: the local shard of the parameter, or (V1) the
-    whole parameter, of which `release` keeps the local shard. Every sample's scaled gradient is formed and added
+    A sum has the shape of this rank's part of the parameter (its FSDP2 shard under context parallelism: the
+    exchange hands over only that part). Every sample's scaled gradient is formed and added
     in fp32 (a bf16 product or sum could round a clipped contribution above ``C``). `release` adds Gaussian noise
     and sums over the ``D`` data-parallel groups: each group adds its own independent ``N(0, (sigma C)^2 / D)``
     before the all-reduce, so the sum carries exactly ``N(0, (sigma C)^2)`` per coordinate, every replica holds the
@@ -28,11 +27,9 @@ class ClippedGradientSum:
     def __init__(
         self,
         parameters: dict[str, nn.Parameter],
-        shards: Optional[dict[str, ParamShard]] = None,
         data_parallel_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.parameters = parameters
-        self.shards = shards or {}
         self.data_parallel_group = data_parallel_group
         self.sums: dict[str, torch.Tensor] = {}
 
@@ -84,8 +81,6 @@ class ClippedGradientSum:
             total = self.sums.get(name)
             if total is None:
                 total = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
-            elif total.shape != local.shape:
-                total = self.shards[name].take(total)
             if noise_std > 0:
                 total = total + noise.sample(total.shape, noise_std / replicas**0.5, total.device)
             if self.data_parallel_group is not None:

@@ -15,19 +15,18 @@ from lightning_longshield.privacy.grad_sample import PerSampleGradCapture
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.observer import DPStepObserver
-from lightning_longshield.privacy.shards import ParamShard
 
 
 class DPSGDEngine:
     """Owns the per-sample-gradient capture of a model and turns micro-batch backwards into one private gradient.
 
     Per micro-batch: `prepare_microbatch` before forward, `accumulate_microbatch` after backward (per-sample squared
-    norms of the local shards, summed over the context-parallel group when shards are held, so every rank clips with
-    the same complete norm; then add to the fp32 sum). Per logical batch: `release` adds the data-parallel groups'
-    sums and Gaussian noise with std ``noise_multiplier * max_grad_norm``, divides by the expected logical batch
-    size, fills ``param.grad`` and records the step with the accountant.
+    norms of the gradients this rank holds, completed by the exchange so every rank clips with the same norm; then
+    this rank's part is added to the fp32 sum). Per logical batch: `release` adds the data-parallel groups' sums and
+    Gaussian noise with std ``noise_multiplier * max_grad_norm``, divides by the expected logical batch size, fills
+    ``param.grad`` and records the step with the accountant.
 
-    ``shards`` (name -> `ParamShard`) is given when parameters are FSDP2-sharded over ``context_parallel_group``.
+    The ``exchange`` (default: no context parallelism) decides everything that depends on the parallel layout.
     """
 
     def __init__(
@@ -37,17 +36,14 @@ class DPSGDEngine:
         noise: GaussianNoise,
         accountant: PrivacyAccountant,
         exchange: Optional[LocalExchange] = None,
-        shards: Optional[dict[str, ParamShard]] = None,
-        context_parallel_group: Optional[dist.ProcessGroup] = None,
         data_parallel_group: Optional[dist.ProcessGroup] = None,
     ):
         self.capture = PerSampleGradCapture(model, exchange)
-        self.accumulator = ClippedGradientSum(self.capture.parameters, shards, data_parallel_group)
+        self.exchange = self.capture.exchange
+        self.accumulator = ClippedGradientSum(self.capture.parameters, data_parallel_group)
         self.max_grad_norm = max_grad_norm
         self.noise = noise
         self.accountant = accountant
-        self.sharded = shards is not None
-        self.context_parallel_group = context_parallel_group
         self.last_per_sample_norms: Optional[torch.Tensor] = None
         self.last_held_bytes = 0
         self.observer = DPStepObserver()
@@ -55,7 +51,7 @@ class DPSGDEngine:
     def observe(self, observer: DPStepObserver) -> None:
         """Announce this engine's step events to ``observer`` (replacing the previous one)."""
         self.observer = observer
-        self.capture.exchange.observer = observer
+        self.exchange.observer = observer
 
     def begin_logical_batch(self) -> None:
         """Drop the previous step's gradients: until `release`, ``.grad`` only ever holds one micro-batch's."""
@@ -63,20 +59,19 @@ class DPSGDEngine:
             param.grad = None
 
     def prepare_microbatch(self, batch_size: int) -> None:
-        """Capture per-sample gradients only when the micro-batch holds more than one sample."""
+        """Before a micro-batch's forward: the exchange decides whether its backward needs per-sample capture."""
         self.observer.microbatch_started()
-        self.capture.enabled = batch_size > 1
+        self.capture.start_microbatch(batch_size)
 
     def accumulate_microbatch(self, batch_size: int) -> None:
         """Clip the per-sample gradients of the last backward and add them to the logical batch's sum."""
-        holds_shards = self.capture.exchange.holds_shards if self.capture.enabled else self.sharded
         grad_samples = self.capture.collect()
         self.observer.microbatch_gradients(grad_samples.values())
         self.last_held_bytes = sum(g.numel() * g.element_size() for g in grad_samples.values())
-        squared_norms = per_sample_squared_norms(grad_samples.values(), batch_size)
-        if holds_shards and self.context_parallel_group is not None:
-            dist.all_reduce(squared_norms, group=self.context_parallel_group)
-        self.accumulator.add(grad_samples, clip_factors(squared_norms, self.max_grad_norm))
+        local_norms = per_sample_squared_norms(grad_samples.values(), batch_size)
+        squared_norms = self.exchange.complete_squared_norms(local_norms)
+        factors = clip_factors(squared_norms, self.max_grad_norm)
+        self.accumulator.add(self.exchange.local_part(grad_samples), factors)
         self.observer.clipped_sums(self.accumulator.sums.values())
         self.last_per_sample_norms = squared_norms.sqrt()
 

@@ -8,6 +8,11 @@ import torch
 import torch.nn.functional as F
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2 parameters and gradients), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 @dataclass(frozen=True)
 class ParamShard:
     """Rank ``rank`` of ``world`` owns chunk ``rank`` of dimension ``dim`` (full length ``size``).

@@ -13,11 +13,6 @@ from lightning_longshield.privacy.grad_sample.layers import check_supported_laye
 from lightning_longshield.privacy.grad_sample.tap import PerSampleGradTap
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2 parameters and gradients), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 class PerSampleGradCapture:
     """Computes per-sample gradients ``(B, *shape)`` of all trainable parameters of ``model``, keyed by name.
 
@@ -27,8 +22,9 @@ class PerSampleGradCapture:
     and autograd never builds the summed ``.grad``. A parameter shared by several layers (tied embeddings) receives
     the sum of its uses, under its first name.
 
-    When a micro-batch holds a single sample, the summed gradient *is* its per-sample gradient, so the capture stays
-    disabled and plain autograd (with FSDP2's reduce-scatter, if the model is sharded) fills ``.grad``.
+    When a micro-batch holds a single sample, the summed gradient *is* its per-sample gradient, so the exchange
+    keeps the capture disabled and plain autograd (with FSDP2's reduce-scatter, if the model is sharded) fills
+    ``.grad``, which the exchange reads back.
     """
 
     def __init__(self, model: nn.Module, exchange: Optional[LocalExchange] = None) -> None:
@@ -81,19 +77,20 @@ class PerSampleGradCapture:
                 return name
         raise KeyError(f"{type(layer).__name__} returned a per-sample gradient for a parameter it does not own.")
 
+    def start_microbatch(self, batch_size: int) -> None:
+        """Capture per-sample gradients in the next backward if the exchange needs them (more than one sample)."""
+        self.enabled = self.exchange.start_microbatch(batch_size)
+
     def collect(self) -> dict[str, torch.Tensor]:
         """Per-sample gradients of the last backward, then forget them (and any ``.grad``) to free memory."""
-        if self.enabled:
-            self.enabled = False
-            leaked = [name for name, p in self.parameters.items() if p.grad is not None]
-            if leaked:
-                raise RuntimeError(
-                    "These parameters received a summed gradient outside a supported layer's forward, so their"
-                    f" per-sample gradients are unknown: {leaked}. Use parameters only inside the module that owns"
-                    " them (tie weights by sharing the nn.Parameter between modules, not with functional calls)."
-                )
-            return self.exchange.finish()
-        grads = {name: local_tensor(p.grad).unsqueeze(0) for name, p in self.parameters.items() if p.grad is not None}
-        for p in self.parameters.values():
-            p.grad = None
-        return grads
+        if not self.enabled:
+            return self.exchange.summed_gradients(self.parameters)
+        self.enabled = False
+        leaked = [name for name, p in self.parameters.items() if p.grad is not None]
+        if leaked:
+            raise RuntimeError(
+                "These parameters received a summed gradient outside a supported layer's forward, so their"
+                f" per-sample gradients are unknown: {leaked}. Use parameters only inside the module that owns"
+                " them (tie weights by sharing the nn.Parameter between modules, not with functional calls)."
+            )
+        return self.exchange.finish()

@@ -5,21 +5,23 @@ can compute locally is a partial sum. The exchanges below complete it (names fol
 
 - `LocalExchange`: no context parallelism; the local result is complete.
 - `AllReduceExchange` (V1): all-reduce the partials; every rank holds every complete per-sample gradient.
-- `ReduceScatterExchange` (V2, input-stationary): reduce-scatter the partials so each rank holds the complete
-  per-sample gradients of its parameter shard only; asynchronous, with each layer's wait deferred until the next
-  layer's gradient arrives so the collective overlaps the backward of the layer in between.
+- `ReduceScatterExchange` (V2, input-stationary): reduce-scatter the partials (bucketed) so each rank holds the
+  complete per-sample gradients of its parameter shard only; asynchronous, with each bucket's wait deferred until
+  the next bucket is launched so the collective overlaps the backward of the layers in between.
 - `OutputStationaryExchange` (V2, output-stationary): for linear layers, exchange the inputs instead (all-to-all the
   tensor whose feature dimension is sharded, all-gather the other) and compute the complete shard locally; other
   layer types fall back to the reduce-scatter.
 
-Every exchange keys its results by parameter name, sums the uses of a shared (tied) parameter, and reports the
-bytes of per-sample gradients it holds.
+Every exchange keys its results by parameter name, sums the uses of a shared (tied) parameter, reports the bytes of
+per-sample gradients it holds, and decides for its own layout whether squared norms need a sum over the group and
+which slice the clipped sum keeps (`build_exchange` picks one from the strategy's settings).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,21 +29,35 @@ from torch import nn
 
 from lightning_longshield.privacy.grad_sample.layers import grad_sampler_for
 from lightning_longshield.privacy.observer import DPStepObserver
-from lightning_longshield.privacy.shards import ParamShard
+from lightning_longshield.privacy.shards import ParamShard, local_tensor
 
 ParamNamer = Callable[[nn.Module, nn.Parameter], str]
 
 
-class LocalExchange:
-    """Per-sample gradients of complete sequences: computed by the layer's Opacus sampler, kept as they are."""
+#: Default size of a reduce-scatter bucket: small per-sample gradients (norm weights, biases) travel together.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
 
-    #: Whether the held per-sample gradients are shards whose squared norms must be summed over the CP group.
-    holds_shards = False
+
+class LocalExchange:
+    """No context parallelism: per-sample gradients of complete sequences, computed by the layer's Opacus sampler.
+
+    An exchange owns one micro-batch's path from backward to "complete squared norms, and this rank's part of every
+    per-sample gradient": `start_microbatch` says whether per-sample capture is needed (more than one sample), the
+    capture feeds `receive` and takes `finish`; with one sample `summed_gradients` reads ``.grad`` instead (the
+    summed gradient is that sample's); `complete_squared_norms` sums norms of shards over the group and
+    `local_part` keeps the slice this rank's clipped sum accumulates.
+    """
 
     def __init__(self) -> None:
         self.grad_samples: dict[str, torch.Tensor] = {}
         self.held_bytes = 0
         self.observer = DPStepObserver()
+        self.capturing = False
+
+    def start_microbatch(self, batch_size: int) -> bool:
+        """Whether the next backward needs per-sample capture: with one sample ``.grad`` already is its gradient."""
+        self.capturing = batch_size > 1
+        return self.capturing
 
     def receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor, name_of: ParamNamer):
         for param, grad_sample in grad_sampler_for(layer)(layer, [activation], grad_output).items():
@@ -55,52 +71,120 @@ class LocalExchange:
             self.held_bytes += grad_sample.numel() * grad_sample.element_size()
 
     def finish(self) -> dict[str, torch.Tensor]:
-        """The per-sample gradients of the last backward (the exchange forgets them)."""
+        """The captured per-sample gradients of the last backward (the exchange forgets them)."""
         grads, self.grad_samples = self.grad_samples, {}
         return grads
 
+    def summed_gradients(self, parameters: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+        """A one-sample micro-batch's gradients: every ``.grad`` (its local shard under FSDP2) as a batch of one.
+
+        The ``.grad`` attributes are cleared: the clipped sum is the only copy that outlives the micro-batch.
+        """
+        grads = {name: local_tensor(p.grad).unsqueeze(0) for name, p in parameters.items() if p.grad is not None}
+        for param in parameters.values():
+            param.grad = None
+        return grads
+
+    def complete_squared_norms(self, squared_norms: torch.Tensor) -> torch.Tensor:
+        """Per-sample squared norms over all parameters, from those of the gradients this rank holds."""
+        return squared_norms
+
+    def local_part(self, grad_samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The part of each per-sample gradient this rank's clipped sum keeps (its parameter shard)."""
+        return grad_samples
+
 
 class AllReduceExchange(LocalExchange):
-    """LongShield-V1: all-reduce each partial per-sample gradient over the context-parallel group."""
+    """LongShield-V1: all-reduce each partial per-sample gradient over the context-parallel group.
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    Every rank then holds complete per-sample gradients of every parameter, so their norms need no communication;
+    after clipping, each rank keeps the slice of its FSDP2 shard. A one-sample micro-batch goes through FSDP2's
+    reduce-scatter instead, whose shards' squared norms are summed over the group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, shards: dict[str, ParamShard]) -> None:
         super().__init__()
         self.group = group
+        self.shards = shards
 
     def _store(self, name: str, grad_sample: torch.Tensor) -> None:
         dist.all_reduce(grad_sample, group=self.group)
         super()._store(name, grad_sample)
 
+    def complete_squared_norms(self, squared_norms: torch.Tensor) -> torch.Tensor:
+        if not self.capturing:
+            dist.all_reduce(squared_norms, group=self.group)
+        return squared_norms
+
+    def local_part(self, grad_samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not self.capturing:
+            return grad_samples
+        return {name: self.shards[name].take(grad, offset=1) for name, grad in grad_samples.items()}
+
 
 class ReduceScatterExchange(LocalExchange):
-    """LongShield-V2 (input-stationary): asynchronous reduce-scatter of each partial to the owner of each shard."""
+    """LongShield-V2 (input-stationary): asynchronous reduce-scatter of each partial to the owner of each shard.
 
-    holds_shards = True
+    Partials are bucketed: consecutive ones of one dtype travel in one reduce-scatter once the bucket holds
+    ``bucket_bytes`` (0: one collective per parameter), so small parameters do not cost one collective each. With
+    ``overlap`` one bucket stays in flight while the backward of the next layers runs.
+    """
 
-    def __init__(self, group: dist.ProcessGroup, shards: dict[str, ParamShard], overlap: bool = True) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        shards: dict[str, ParamShard],
+        overlap: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
         super().__init__()
         self.group = group
         self.shards = shards
         self.overlap = overlap
-        self._pending: list[tuple[dist.Work, str, torch.Tensor]] = []
+        self.bucket_bytes = bucket_bytes
+        self._bucket: list[tuple[str, torch.Tensor]] = []
+        self._bucket_size = 0
+        self._pending: list[tuple[dist.Work, list[tuple[str, torch.Tensor]], torch.Tensor]] = []
 
     def _store(self, name: str, grad_sample: torch.Tensor) -> None:
         chunks = self.shards[name].padded_chunks_first(grad_sample, offset=1)
-        output = torch.empty_like(chunks[:1])
-        work = dist.reduce_scatter_tensor(output, chunks, group=self.group, async_op=True)
-        self._pending.append((work, name, output))
-        # Keep one collective in flight: it overlaps the data-gradient compute of the next layer down.
-        self._wait(keep=1 if self.overlap else 0)
+        if self._bucket and self._bucket[0][1].dtype != chunks.dtype:
+            self._launch_bucket()
+        self._bucket.append((name, chunks))
+        self._bucket_size += chunks.numel() * chunks.element_size()
+        if self._bucket_size >= self.bucket_bytes:
+            self._launch_bucket()
+            # Keep one collective in flight: it overlaps the data-gradient compute of the next layers down.
+            self._wait(keep=1 if self.overlap else 0)
+
+    def _launch_bucket(self) -> None:
+        if not self._bucket:
+            return
+        bucket, self._bucket, self._bucket_size = self._bucket, [], 0
+        if len(bucket) == 1:
+            flat = bucket[0][1]
+        else:
+            flat = torch.cat([chunks.flatten(1) for _, chunks in bucket], dim=1)
+        output = torch.empty_like(flat[:1])
+        work = dist.reduce_scatter_tensor(output, flat, group=self.group, async_op=True)
+        self._pending.append((work, bucket, output))
 
     def _wait(self, keep: int) -> None:
         while len(self._pending) > keep:
-            work, name, output = self._pending.pop(0)
+            work, bucket, output = self._pending.pop(0)
             work.wait()
-            super()._store(name, self.shards[name].from_chunk(output[0], offset=1))
+            pieces = output[0].split([chunks[0].numel() for _, chunks in bucket]) if len(bucket) > 1 else [output[0]]
+            for (name, chunks), piece in zip(bucket, pieces):
+                super()._store(name, self.shards[name].from_chunk(piece.view(chunks.shape[1:]), offset=1))
 
     def finish(self) -> dict[str, torch.Tensor]:
+        self._launch_bucket()
         self._wait(keep=0)
         return super().finish()
+
+    def complete_squared_norms(self, squared_norms: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(squared_norms, group=self.group)
+        return squared_norms
 
 
 class OutputStationaryExchange(ReduceScatterExchange):
@@ -136,3 +220,22 @@ def _all_to_all_features(x: torch.Tensor, shard: ParamShard, group: dist.Process
     received = torch.empty_like(chunks)
     dist.all_to_all_single(received, chunks, group=group)
     return received.movedim(0, 1).flatten(1, 2)
+
+
+def build_exchange(
+    group: Optional[dist.ProcessGroup],
+    shards: Optional[dict[str, ParamShard]],
+    shard_per_sample_grads: bool = True,
+    output_stationary: bool = False,
+    overlap: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> LocalExchange:
+    """The exchange for a layout: local without shards (CP 1), else V1 (all-reduce) or V2 (input- or
+    output-stationary) over the context-parallel ``group``."""
+    if shards is None or group is None:
+        return LocalExchange()
+    if not shard_per_sample_grads:
+        return AllReduceExchange(group, shards)
+    if output_stationary:
+        return OutputStationaryExchange(group, shards, overlap, bucket_bytes)
+    return ReduceScatterExchange(group, shards, overlap, bucket_bytes)

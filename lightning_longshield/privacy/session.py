@@ -1,0 +1,213 @@
+"""`PrivacySession`: one strategy's privacy lifecycle, from the user's arguments to the budget stop and checkpoints.
+
+What it owns: the validated arguments, the accountant, the plan resolved when training starts (noise calibration,
+delta, sampling rate), the secret randomness of each fit (noise generator, Poisson stream), the budget (how many
+more private releases it allows) and what a checkpoint keeps of it (the plan and the accountant's history, never
+a secret). The strategy calls it at fixed points of a fit; nothing here touches models or processes.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Optional, TypeVar
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_longshield.privacy.accountant import PrivacyAccountant
+from lightning_longshield.privacy.noise import GaussianNoise
+from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, resolve_plan
+from lightning_longshield.privacy.randomness import (
+    CryptographicUniforms,
+    SeededUniforms,
+    UniformSource,
+    derive_seed,
+    fresh_seed,
+)
+
+T = TypeVar("T")
+
+
+class PrivacySession:
+    """The privacy state of a strategy across fits: plan, accountant, secret randomness, budget, checkpoint state.
+
+    Lifecycle: `open_fit` draws fresh secret randomness for a fit; `record_training_data` notes the dataset size and
+    the DataLoader's batch size; `start_training` resolves the plan and the budget (returns whether the budget is
+    already spent); `check_release_allowed` guards each release and `released` counts it down (returns whether
+    training must stop); `state_dict` / `load_state_dict` carry the plan and history through checkpoints.
+    """
+
+    def __init__(
+        self,
+        arguments: PrivacyArguments,
+        secure_mode: bool = False,
+        noise_seed: Optional[int] = None,
+        poisson_sampling: bool = True,
+    ) -> None:
+        arguments.validate()
+        if secure_mode and noise_seed is not None:
+            raise ValueError(
+                "secure_mode=True draws the noise and the sampling from OS entropy; remove noise_seed (reproducible"
+                " noise is for tests) or set secure_mode=False."
+            )
+        if noise_seed is not None:
+            rank_zero_warn(
+                f"noise_seed={noise_seed}: the noise and the Poisson sampling are reproducible from this seed. The"
+                " privacy guarantee holds only while the seed stays secret: anyone who knows it can subtract the noise"
+                " and see which samples each step used. Use it for tests, never for a release."
+            )
+        self.arguments = arguments
+        self.secure_mode = secure_mode
+        self.noise_seed = noise_seed
+        self.poisson_sampling = poisson_sampling
+        self.accountant = PrivacyAccountant(arguments.accountant)
+        self.plan: Optional[PrivacyPlan] = None
+        self.noise: Optional[GaussianNoise] = None
+        self.sampling: Optional[UniformSource] = None
+        self.dataset_size: Optional[int] = None
+        self.dataloader_batch_size: Optional[int] = None
+        self.steps_left_in_budget: Optional[int] = None
+        self._restored_plan: Optional[dict[str, Any]] = None
+        self._planned_end = 0
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self.arguments.max_grad_norm
+
+    # ------------------------------------------------------------------ a fit's secret randomness
+
+    def open_fit(self, device: torch.device, stream: tuple[int, ...], broadcast: Callable[[T], T]) -> None:
+        """Fresh secret randomness for a fit: this process's noise generator and the Poisson masks' stream.
+
+        Draws are keyed by the DP step, so with ``noise_seed`` a resumed or second fit continues the streams instead
+        of replaying them. ``stream`` (data-parallel rank, context-parallel rank) separates the processes' noise;
+        ``broadcast`` (from rank 0) gives every process the same Poisson masks.
+        """
+        self.sampling = self._sampling_randomness(broadcast)
+        noise_seed = None if self.noise_seed is None else derive_seed(self.noise_seed, "noise")
+        self.noise = GaussianNoise(device, noise_seed, stream, self.secure_mode)
+
+    def _sampling_randomness(self, broadcast: Callable[[Any], Any]) -> UniformSource:
+        if self.noise_seed is not None:
+            return SeededUniforms(derive_seed(self.noise_seed, "sampling"))
+        if self.secure_mode:
+            return CryptographicUniforms(broadcast(secrets.token_bytes(32)))
+        return SeededUniforms(broadcast(fresh_seed()))
+
+    def record_training_data(self, dataset_size: int, batch_size: Optional[int]) -> None:
+        """Note the training set's size and the DataLoader's batch size (the expected logical batch per DP group)."""
+        if dataset_size == 0:
+            raise ValueError("The training dataset is empty; DP-SGD needs at least one sample.")
+        if batch_size is None:
+            raise ValueError(
+                "The training DataLoader must set batch_size: it is the expected logical (privacy) batch per"
+                " data-parallel group. A custom batch_sampler is replaced by Poisson sampling."
+            )
+        self.dataset_size, self.dataloader_batch_size = dataset_size, batch_size
+
+    # ------------------------------------------------------------------ plan and budget
+
+    def start_training(self, global_step: int, planned_steps: float, data_parallel_size: int) -> bool:
+        """Resolve the plan for ``planned_steps`` more steps and the budget; returns whether training must stop now.
+
+        A restored checkpoint's noise multiplier, target and delta replace the arguments, so a resumed run keeps
+        the mechanism it was accounted with.
+        """
+        if self.dataset_size is None or self.dataloader_batch_size is None:
+            raise ValueError("LongShieldStrategy needs a training DataLoader with a sized dataset.")
+        arguments = self.arguments
+        if self._restored_plan is not None:
+            stored = self._restored_plan
+            arguments = replace(
+                arguments,
+                noise_multiplier=stored["noise_multiplier"],
+                target_epsilon=stored["target_epsilon"],
+                target_delta=stored["delta"],
+            )
+        self.plan, messages = resolve_plan(
+            arguments,
+            dataset_size=self.dataset_size,
+            expected_batch_size=self.dataloader_batch_size * data_parallel_size,
+            planned_steps=planned_steps,  # type: ignore[arg-type]
+            accountant=self.accountant,
+        )
+        if not self.poisson_sampling:
+            messages.append(
+                "poisson_sampling=False: logical batches come from the DataLoader, but the accountant assumes"
+                " Poisson sampling, so the reported epsilon is not a formal guarantee."
+            )
+        for message in messages:
+            rank_zero_warn(message)
+        rank_zero_info(f"LongShield DP-SGD: {self.plan.describe()}, max_grad_norm={self.max_grad_norm:g}.")
+        self._planned_end = global_step + planned_steps
+        self.steps_left_in_budget = self._budgeted_steps(planned_steps)
+        if self.steps_left_in_budget == 0:
+            self._warn_stop("the privacy budget is already spent")
+            return True
+        if self.steps_left_in_budget is not None and self.steps_left_in_budget < planned_steps:
+            rank_zero_warn(
+                f"The privacy budget allows {self.steps_left_in_budget} of the {planned_steps} planned steps;"
+                " training will stop there."
+            )
+        elif self.steps_left_in_budget is not None:
+            rank_zero_info(f"The privacy budget (target epsilon) covers all {planned_steps} planned steps.")
+        return False
+
+    def _budgeted_steps(self, planned_steps: float) -> Optional[int]:
+        plan = self.plan
+        assert plan is not None
+        if plan.target_epsilon is None:
+            return None
+        limit = int(min(planned_steps, 10 * plan.planned_steps + 1))
+        return self.accountant.steps_within_budget(
+            plan.target_epsilon, plan.noise_multiplier, plan.sample_rate, plan.delta, limit
+        )
+
+    def check_release_allowed(self) -> None:
+        """Refuse a release the budget does not cover (the strategy stops before it; this is the last guard)."""
+        if self.steps_left_in_budget == 0:
+            raise RuntimeError("The privacy budget is spent; refusing to release another private gradient.")
+
+    def released(self, global_step: int) -> bool:
+        """Count one private release at ``global_step``; returns whether the budget now stops training."""
+        if self.steps_left_in_budget is None:
+            return False
+        self.steps_left_in_budget -= 1
+        if self.steps_left_in_budget > 0:
+            return False
+        # Only a stop that cuts the plan short is news; a run whose last planned step uses the budget just ends.
+        if global_step + 1 < self._planned_end:
+            self._warn_stop("one more step would exceed the privacy budget")
+        return True
+
+    def _warn_stop(self, reason: str) -> None:
+        plan = self.plan
+        assert plan is not None
+        rank_zero_warn(
+            f"Stopping DP training: {reason} (epsilon={self.get_epsilon():.3f} of target {plan.target_epsilon},"
+            f" delta={plan.delta:.3g}, after {self.accountant.steps} DP steps)."
+        )
+
+    def get_epsilon(self, delta: Optional[float] = None) -> float:
+        """Epsilon spent so far at ``delta`` (default: the plan's delta)."""
+        if delta is None:
+            if self.plan is None:
+                raise ValueError("No delta yet: pass delta=..., or call after training has started.")
+            delta = self.plan.delta
+        return self.accountant.get_epsilon(delta)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """What a resumed run needs: the plan and the accountant's history. Never the noise's or the sampler's
+        secrets: a resumed run draws fresh ones. ``None`` before a fit has started training."""
+        if self.noise is None or self.plan is None:
+            return None
+        return {"plan": self.plan.state_dict(), "accountant": self.accountant.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the checkpoint's accounting; its plan fixes the mechanism when training starts."""
+        self.accountant.load_state_dict(state["accountant"])
+        self._restored_plan = state["plan"]

@@ -1,0 +1,27 @@
+"""Trainer settings that would break DP-SGD's semantics, refused before training with the fix named."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+
+def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, precision_plugin: Precision) -> None:
+    """Raise if the trainer or module would clip, accumulate or scale gradients behind the strategy's back."""
+    if not module.automatic_optimization:
+        raise ValueError("LongShieldStrategy owns backward and the optimizer step; set automatic_optimization=True.")
+    if trainer.gradient_clip_val is not None:
+        raise ValueError(
+            "gradient_clip_val is set, but DP-SGD clips each sample's gradient itself: remove gradient_clip_val"
+            " from the Trainer and set LongShieldStrategy(max_grad_norm=...) instead."
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            "accumulate_grad_batches must be 1: one optimizer step is one DP step over one logical batch. Set"
+            " the logical batch with the DataLoader's batch_size and the memory with micro_batch_size."
+        )
+    if isinstance(precision_plugin, MixedPrecision) and precision_plugin.scaler is not None:
+        raise ValueError(
+            "16-bit mixed precision with a GradScaler is not supported: loss scaling would scale the per-sample"
+            " gradients before clipping. Use precision='bf16-mixed' or 'bf16-true' (or 32)."
+        )
