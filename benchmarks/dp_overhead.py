@@ -40,9 +40,9 @@ from opacus.utils.batch_memory_manager import wrap_data_loader
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_longshield import CausalLMModule, LongShieldStrategy
-from lightning_longshield.data import python_stdlib_corpus
 from lightning_longshield.loss import causal_lm_loss
 from lightning_longshield.models import Llama, LlamaConfig
+from lightning_longshield.text_data import python_stdlib_corpus
 
 METHODS = ("nondp_lightning", "longshield", "longshield_v3", "nondp_torch", "opacus")
 PRECISIONS = ("32-true", "bf16-mixed")

@@ -23,8 +23,8 @@ import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
 from lightning_longshield import CausalLMModule, LongShieldStrategy
-from lightning_longshield.data import StdlibTextDataModule
 from lightning_longshield.models import LlamaConfig
+from lightning_longshield.text_data import StdlibTextDataModule
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -12,7 +12,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from lightning_longshield.checkpointing import CheckpointPolicy, apply_activation_checkpointing, select_blocks
+from lightning_longshield.activation_checkpointing import (
+    CheckpointPolicy,
+    apply_activation_checkpointing,
+    select_blocks,
+)
 from lightning_longshield.context_parallel import apply_context_parallel_attention
 from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES, LocalExchange, build_exchange
 from lightning_longshield.privacy.randomness import derive_seed

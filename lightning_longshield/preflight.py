@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_longshield.checkpointing import CheckpointPolicy
+from lightning_longshield.activation_checkpointing import CheckpointPolicy
 from lightning_longshield.parallelize import DPParallelism
 from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory
 from simulate.config import longshield_config

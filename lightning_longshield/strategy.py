@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_longshield import preflight as _preflight
+from lightning_longshield.activation_checkpointing import CheckpointPolicy
 from lightning_longshield.batching import batch_size_of, split_into_microbatches
 from lightning_longshield.callbacks import PrivacyMonitor
-from lightning_longshield.checkpointing import CheckpointPolicy
 from lightning_longshield.context_parallel import (
     CONTEXT_PARALLEL,
     DATA_PARALLEL,
@@ -34,7 +34,7 @@ from lightning_longshield.context_parallel import (
     resolve_parallel_sizes,
     shard_batch,
 )
-from lightning_longshield.data_loading import data_parallel_dataloader, training_dataloader
+from lightning_longshield.dp_dataloaders import data_parallel_dataloader, training_dataloader
 from lightning_longshield.full_state_checkpoints import FullStateCheckpoints
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
 from lightning_longshield.parallelize import DPParallelism, parallelize

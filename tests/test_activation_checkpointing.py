@@ -20,7 +20,7 @@ from helpers import (
     small_config,
 )
 from lightning_longshield import LongShieldStrategy
-from lightning_longshield.checkpointing import CheckpointedForward, apply_activation_checkpointing
+from lightning_longshield.activation_checkpointing import CheckpointedForward, apply_activation_checkpointing
 from lightning_longshield.loss import per_sample_token_loss
 from lightning_longshield.models import Llama
 from lightning_longshield.privacy import PerSampleGradCapture

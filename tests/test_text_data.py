@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_longshield.data import (
+from lightning_longshield.text_data import (
     ByteTokenizer,
     PackedTokenDataset,
     StdlibTextDataModule,
