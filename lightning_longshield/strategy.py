@@ -137,7 +137,6 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         arguments = PrivacyArguments(noise_multiplier, target_epsilon, target_delta, max_grad_norm, accountant)
         self.privacy = PrivacySession(arguments, secure_mode, noise_seed, poisson_sampling)
         self.micro_batch_size = micro_batch_size
-        self.poisson_sampling = poisson_sampling
         self.seed = seed
         self.preflight = preflight
         self._start_method = start_method
@@ -249,7 +248,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
                 world_size=self.world_size, cp=self.context_parallel_mesh.size(), mbs=self.micro_batch_size,
                 precision=str(self.precision_plugin.precision), parallelism=self.parallelism,
             )
-        sampling = self.privacy.sampling if self.poisson_sampling else None
+        sampling = self.privacy.sampling if self.privacy.poisson_sampling else None
         return training_dataloader(dataloader, sampling, self.accountant.steps, rank, size)
 
     # ------------------------------------------------------------------ privacy

@@ -29,7 +29,8 @@ class FullStateAfterEachStep(Callback):
         self.states.append({k.removeprefix("model."): v.clone() for k, v in state.items()})
 
 
-def fit(world_size: int, strategy_kwargs: dict[str, Any], tie_embeddings: bool, max_grad_norm: float):
+def fit(world_size: int, strategy_kwargs: dict[str, Any], tie_embeddings: bool, max_grad_norm: float,
+        logical_batch: int = LOGICAL_BATCH):
     strategy = LongShieldStrategy(
         noise_multiplier=0.0, max_grad_norm=max_grad_norm, poisson_sampling=False, seed=0, **strategy_kwargs
     )
@@ -37,7 +38,7 @@ def fit(world_size: int, strategy_kwargs: dict[str, Any], tie_embeddings: bool, 
     module = make_module(small_config(tie_embeddings=tie_embeddings))
     data_parallel = world_size // strategy_kwargs["context_parallel_size"]
     trainer = make_trainer(strategy, max_steps=STEPS, devices=world_size, callbacks=[recorder])
-    trainer.fit(module, loader(RandomTokens(**DATASET), LOGICAL_BATCH // data_parallel))
+    trainer.fit(module, loader(RandomTokens(**DATASET), logical_batch // data_parallel))
     return strategy, recorder.states
 
 
@@ -66,12 +67,9 @@ def uneven_micro_batches(rank: int, world_size: int, out_dir: str) -> None:
     }
     results = {}
     for name, kwargs in runs.items():
-        strategy = LongShieldStrategy(context_parallel_size=world_size, noise_multiplier=0.0, max_grad_norm=0.05,
-                                      micro_batch_size=2, poisson_sampling=False, seed=0, **kwargs)
-        recorder = FullStateAfterEachStep()
-        trainer = make_trainer(strategy, max_steps=STEPS, devices=world_size, callbacks=[recorder])
-        trainer.fit(make_module(small_config()), loader(RandomTokens(**DATASET), UNEVEN_BATCH))
-        results[name] = recorder.states
+        strategy_kwargs = dict(context_parallel_size=world_size, micro_batch_size=2, **kwargs)
+        _, results[name] = fit(world_size, strategy_kwargs, tie_embeddings=False, max_grad_norm=0.05,
+                               logical_batch=UNEVEN_BATCH)
     if rank == 0:
         torch.save(results, Path(out_dir) / "uneven.pt")
 

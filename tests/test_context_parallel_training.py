@@ -58,11 +58,11 @@ def configurations(context_parallel_size: int) -> dict[str, dict]:
     }
 
 
-def reference_states(tie_embeddings: bool) -> list[dict[str, torch.Tensor]]:
+def reference_states(tie_embeddings: bool, logical_batch: int = LOGICAL_BATCH) -> list[dict[str, torch.Tensor]]:
     dataset = RandomTokens(**DATASET)
     initial = make_module(small_config(tie_embeddings=tie_embeddings)).model
-    batches = [samples(dataset, range(k * LOGICAL_BATCH, (k + 1) * LOGICAL_BATCH)) for k in range(STEPS)]
-    return [reference_dp_sgd(copy.deepcopy(initial), batches[: k + 1], CLIP, LOGICAL_BATCH).state_dict()
+    batches = [samples(dataset, range(k * logical_batch, (k + 1) * logical_batch)) for k in range(STEPS)]
+    return [reference_dp_sgd(copy.deepcopy(initial), batches[: k + 1], CLIP, logical_batch).state_dict()
             for k in range(STEPS)]
 
 
@@ -104,11 +104,7 @@ def test_uneven_micro_batches_and_bucketed_reduce_scatters_match_reference(tmp_p
     path (1 sample) under V1 and V2; bucketing V2's reduce-scatters changes nothing, bit for bit."""
     run_processes(2, tmp_path, uneven_micro_batches, str(tmp_path))
     results = torch.load(tmp_path / "uneven.pt", weights_only=False)
-    dataset = RandomTokens(**DATASET)
-    initial = make_module(small_config()).model
-    batches = [samples(dataset, range(k * UNEVEN_BATCH, (k + 1) * UNEVEN_BATCH)) for k in range(STEPS)]
-    for step in range(STEPS):
-        reference = reference_dp_sgd(copy.deepcopy(initial), batches[: step + 1], CLIP, UNEVEN_BATCH).state_dict()
+    for step, reference in enumerate(reference_states(tie_embeddings=False, logical_batch=UNEVEN_BATCH)):
         for run, states in results.items():
             for name, value in reference.items():
                 torch.testing.assert_close(states[step][name], value, rtol=1e-4, atol=1e-6,
