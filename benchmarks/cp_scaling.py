@@ -86,7 +86,8 @@ COLLECTIVES = {
 NOTES = (
     "Same model, data, micro-batches and parallelism for every method at a CP size: FSDP2 over the CP group"
     " (lightning_longshield.parallelize.shard_with_fsdp, sum reduction), CP attention (K/V all-gathered over the CP"
-    " group) and head-tail sequence sharding; at CP 1 neither FSDP nor CP attention (as LongShieldStrategy does)."
+    " group) and head-tail sequence sharding; at CP 1 FSDP2 on a one-rank mesh and the model's own attention (as"
+    " LongShieldStrategy does)."
     " nondp is Lightning's ModelParallelStrategy (its tensor_parallel mesh dimension is the CP group) with the same"
     " CausalLMModule loss, plain AdamW and accumulate_grad_batches = micro-batches per step, so both sides pay the"
     " same Lightning loop overheads; FSDP2 reduce-scatters its gradients after every micro-batch. DP methods:"
@@ -226,7 +227,7 @@ class NonDPModule(CausalLMModule):
         context_parallel = self.device_mesh["tensor_parallel"]
         if context_parallel.size() > 1:
             apply_context_parallel_attention(self, context_parallel.get_group())
-            shard_with_fsdp(self, context_parallel)
+        shard_with_fsdp(self, context_parallel)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         context_parallel = self.device_mesh["tensor_parallel"]

@@ -62,16 +62,18 @@ def parallelize(
 ) -> LocalExchange:
     """Prepare ``module`` for DP training on its context-parallel group; returns the exchange for its layout.
 
-    Activation checkpointing first (DP-safe, LongShield-V3); then, with more than one rank in the group, attention
-    that all-gathers K/V over it, FSDP2 sharding (`shard_with_fsdp`, with the precision's `gather_policy`), the
-    materialisation of a meta-device model shard by shard on ``device`` and the V1 / V2 exchange over the group.
+    The same steps at every group size (a one-rank group at CP 1, as TorchTitan applies FSDP at degree 1):
+    activation checkpointing (DP-safe, LongShield-V3); attention that all-gathers K/V over the group (the model's own
+    attention on one rank); FSDP2 sharding
+    (`shard_with_fsdp`, with the precision's `gather_policy`); the materialisation of a meta-device model shard by
+    shard on ``device``; and the exchange that completes per-sample gradients over the group (V1 / V2, or local
+    when the group is one rank).
     """
     if parallelism.activation_checkpointing is not False:
         apply_activation_checkpointing(module, parallelism.activation_checkpointing)
-    if context_parallel_mesh.size() == 1:
-        return LocalExchange()
     group = context_parallel_mesh.get_group()
-    apply_context_parallel_attention(module, group)
+    if context_parallel_mesh.size() > 1:
+        apply_context_parallel_attention(module, group)
     shards = shard_with_fsdp(
         module, context_parallel_mesh, parallelism.output_stationary, mp_policy=gather_policy(precision)
     )

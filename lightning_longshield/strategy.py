@@ -142,7 +142,6 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         self._start_method = start_method
         self._engine: Optional[DPSGDEngine] = None
         self._metric_guard = SampledBatchMetricGuard()
-        self._current_microbatch_samples = 0
 
     # ------------------------------------------------------------------ topology and launch
 
@@ -290,24 +289,40 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward and backward of every micro-batch but the last; Lightning back-propagates the last one."""
+        """One DP step's forward and backward: every micro-batch of the logical batch is run and back-propagated here
+        (the one path into backward), its clipped per-sample gradients folded into the clipped sum. Returns the last
+        micro-batch's output with its loss detached: Lightning's closure finds nothing left to back-propagate."""
         batch, rest = args[0], args[1:]
         self.dp_engine.begin_logical_batch()
         if batch_size_of(batch) == 0:
-            self._current_microbatch_samples = 0
-            return torch.zeros((), device=self.root_device, requires_grad=True)
-        microbatches = split_into_microbatches(batch, self.micro_batch_size)
-        for microbatch in microbatches[:-1]:
-            output = self._microbatch_forward(microbatch, rest, kwargs)
-            self.backward(output["loss"] if isinstance(output, Mapping) else output, None)
-        output = self._microbatch_forward(microbatches[-1], rest, kwargs)
+            return torch.zeros((), device=self.root_device)
+        for microbatch in split_into_microbatches(batch, self.micro_batch_size):
+            output = self._microbatch_step(microbatch, rest, kwargs)
         self._metric_guard.check(self.lightning_module.trainer._results or {})
         return output
 
-    def _microbatch_forward(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self._current_microbatch_samples = batch_size_of(microbatch)
-        self.dp_engine.prepare_microbatch(self._current_microbatch_samples)
-        return super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
+    def _microbatch_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        size = batch_size_of(microbatch)
+        self.dp_engine.prepare_microbatch(size)
+        output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        self._backward_microbatch(loss, size)
+        return {**output, "loss": loss.detach()} if isinstance(output, Mapping) else loss.detach()
+
+    def _backward_microbatch(self, loss: Tensor, size: int) -> None:
+        """Back-propagate one micro-batch and fold its clipped per-sample gradients into the logical batch.
+
+        The gradients are folded (and ``.grad`` cleared) before ``on_after_backward`` runs, so no hook ever sees a
+        sample's unclipped gradient; ``on_before_optimizer_step`` sees the private one.
+        """
+        module = self.lightning_module
+        self.pre_backward(loss)
+        loss = self.precision_plugin.pre_backward(loss, module)
+        # The loss is a mean over samples; scaling by the size makes each sample's gradient its own loss's gradient.
+        self.precision_plugin.backward(loss * size, module, None)
+        self.dp_engine.accumulate_microbatch(size)
+        loss = self.precision_plugin.post_backward(loss, module)
+        self.post_backward(loss)
 
     def _shard_sequence(self, batch: Any) -> Any:
         """This rank's head-tail shard of every sequence (with global positions and whole-sequence token counts)."""
@@ -322,22 +337,8 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        """Back-propagate one micro-batch and fold its clipped per-sample gradients into the logical batch.
-
-        The gradients are folded (and ``.grad`` cleared) before ``on_after_backward`` runs, so no hook ever sees a
-        sample's unclipped gradient; ``on_before_optimizer_step`` sees the private one.
-        """
-        size = self._current_microbatch_samples
-        if size == 0:
-            return closure_loss.detach()
-        module = self.lightning_module
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        # The loss is a mean over samples; scaling by the size makes each sample's gradient its own loss's gradient.
-        self.precision_plugin.backward(closure_loss * size, module, optimizer, *args, **kwargs)
-        self.dp_engine.accumulate_microbatch(size)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
+        """Lightning's closure calls this after `training_step`, which has already back-propagated every micro-batch
+        of the logical batch: nothing is left to do."""
         return closure_loss
 
     @override

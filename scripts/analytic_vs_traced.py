@@ -2,7 +2,7 @@
 
     python scripts/analytic_vs_traced.py --jobs 2 --json grid.jsonl   # the full grid (96 traces); every point,
                                                                       # with both breakdowns, as a JSON line
-    python scripts/analytic_vs_traced.py --models llama3.2-1b         # part of the grid
+    python scripts/analytic_vs_traced.py --models llama3.2-1b --cp 1  # part of the grid
     python scripts/analytic_vs_traced.py --from-json grid.jsonl       # the table of saved points, no tracing
 
 Each point traces one DP step of rank 0 (`lightning_longshield.traced_memory.trace_step`, in a fresh process) and
@@ -55,8 +55,10 @@ def with_analytic(row: dict[str, object]) -> dict[str, object]:
             "analytic_breakdown_gib": analytic.as_gib(), "analytic_phase": analytic.phase}
 
 
-def grid(models: tuple[str, ...] = MODELS) -> list[tuple[str, str, int, int, int]]:
-    return list(itertools.product(models, METHODS, CP_SIZES, MICRO_BATCH_SIZES, SEQ_LENS))
+def grid(
+    models: tuple[str, ...] = MODELS, cp_sizes: tuple[int, ...] = CP_SIZES
+) -> list[tuple[str, str, int, int, int]]:
+    return list(itertools.product(models, METHODS, cp_sizes, MICRO_BATCH_SIZES, SEQ_LENS))
 
 
 def _grid_order(row: dict[str, object]) -> tuple[object, ...]:
@@ -89,6 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=1, help="traces run in parallel (each needs about 2 GiB)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--cp", type=int, nargs="+", choices=CP_SIZES, default=list(CP_SIZES), help="CP sizes")
     parser.add_argument("--json", type=Path, help="append every point, with both breakdowns, as a JSON line")
     parser.add_argument("--from-json", type=Path, nargs="+", help="print the table of these saved points instead")
     args = parser.parse_args()
@@ -98,7 +101,7 @@ def main() -> None:
         rows = []
         context = multiprocessing.get_context("spawn")
         with context.Pool(args.jobs, maxtasksperchild=1) as pool:  # a fresh process (and process group) per trace
-            for row in pool.imap_unordered(trace_point, grid(tuple(args.models))):
+            for row in pool.imap_unordered(trace_point, grid(tuple(args.models), tuple(args.cp))):
                 rows.append(row)
                 if args.json:
                     with args.json.open("a") as out:

@@ -24,9 +24,8 @@ each phase is summed by category; the peak is the largest phase. What is alive w
   its per-sample gradient (grad sample) or the two ``(MBS, T, T)`` Gram matrices (ghost norm, when ``2 T^2 < p d``);
 * communication: the gathered dK/dV being reduce-scattered over CP (the gathered K/V themselves are saved
   activations);
-* context-parallel methods at CP size 1 are LongShield's single-process path: no FSDP, and autocast's bf16 weight
-  copies take the place of FSDP's buffers; at micro-batch 1 the sample's gradient is the whole fp32 ``.grad``,
-  which grows block by block over backward next to the clipped sum.
+* context-parallel methods at CP size 1 take the same path on a one-rank group (FSDP2 over one rank, as the
+  strategy runs them): the formulas above with ``N = 1``.
 
 Reserved memory (what TorchTitan reports) adds allocator fragmentation; the fit check adds the CUDA context and
 NCCL buffers, which live outside the allocator. Constants: :mod:`simulate.calibration`.
@@ -133,8 +132,6 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
 
     states = model_state_bytes(cfg)
     fsdp_params = a * (root_numel + 2 * block_numel)
-    if method.context_parallel and n == 1:
-        fsdp_params = _unsharded_weight_copies(cfg)
     full_block = _sum_saved(layers.block_saved_tensors(m, a, method.context_parallel), t, n)
     kept_block = (_sum_saved(layers.checkpoint_saved_tensors(m, a), t, n)
                   if method.activation_checkpointing else full_block)
@@ -150,11 +147,6 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
     fsdp_grads = not method.private or psg.fsdp_gradient
     head_grad = a * vd if fsdp_grads else 0.0
     block_grad = grad_reduce * block_numel if fsdp_grads else 0.0
-    # Without FSDP (LongShield at CP size 1) the sample's gradient is autograd's whole fp32 ``.grad``, which grows
-    # block by block until the clipped sum takes it in after backward.
-    growing_grad = FP32 * block_numel if method.private and psg.fsdp_gradient and n == 1 else 0.0
-    if growing_grad:
-        head_grad = FP32 * vd
 
     def phase(**parts: float) -> dict[str, float]:
         parts["model_states"] = states
@@ -178,15 +170,14 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
         done = m.n_layers - 1 - i  # blocks already differentiated
         out.append((f"backward: block {i}", phase(
             activations=(acts_all if retained else i * kept_block + full_block + head) + work_act,
-            fsdp_buffers=head_grad + block_grad + done * growing_grad,
+            fsdp_buffers=head_grad + block_grad,
             per_sample_grads=psg.head_kept() + done * psg.block_kept() + psg.block_in_flight(),
             ghost_norm=ghost.head_kept() + done * ghost.block_kept() + ghost.block_transient(),
             communication=work_comm,
         )))
     out.append(("backward: embedding", phase(
         activations=acts_all if retained else 0.0,
-        fsdp_buffers=head_grad + m.n_layers * growing_grad
-        + (0.0 if m.tie_embeddings or not fsdp_grads else (FP32 if growing_grad else a) * vd),
+        fsdp_buffers=head_grad + (0.0 if m.tie_embeddings or not fsdp_grads else a * vd),
         per_sample_grads=psg.head_kept() + m.n_layers * psg.block_kept() + psg.embedding(),
         ghost_norm=ghost.head_kept() + m.n_layers * ghost.block_kept() + ghost.embedding_transient(),
     )))
@@ -197,17 +188,6 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
             ghost_norm=ghost.head_kept() + m.n_layers * ghost.block_kept(),
         )))
     return out
-
-
-def _unsharded_weight_copies(cfg: RunConfig) -> float:
-    """LongShield at context-parallel size 1 runs without FSDP: nothing is gathered, but bf16-mixed is autocast
-    over the fp32 weights, and every linear layer saves its own bf16 copy of its weight for backward (in a
-    checkpointed block only while the block is recomputed and differentiated). Counted with the FSDP buffers."""
-    m, a = cfg.model, cfg.precision.activation_bytes
-    if a >= FP32:
-        return 0.0
-    blocks = 1 if cfg.method.activation_checkpointing else m.n_layers
-    return a * (blocks * m.block_numel + m.embedding_numel)
 
 
 def _sum_saved(saved: list[layers.SavedTensor], local_tokens: float, cp_size: int) -> float:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_longshield import CausalLMModule, LongShieldStrategy
@@ -104,9 +106,31 @@ def samples(dataset: Dataset, indices: range) -> list[dict[str, torch.Tensor]]:
     return [dataset[i] for i in indices]
 
 
-def assert_models_close(actual: torch.nn.Module, expected: torch.nn.Module, rtol: float = 1e-4, atol: float = 1e-6):
-    expected_state = expected.state_dict()
-    for name, value in actual.state_dict().items():
+def full_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A detached, unsharded copy of a model's state: FSDP2's DTensor shards (at any CP size) gathered whole."""
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    return {name: whole(value).detach().clone()
+            for name, value in state.items()}
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter or gradient as one plain tensor (an FSDP2 DTensor shard gathered whole)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def flat_parameters(module: torch.nn.Module) -> torch.Tensor:
+    """Every parameter of ``module``, whole and detached, in one flat vector."""
+    return torch.cat([whole(p).detach().flatten().clone() for p in module.parameters()])
+
+
+def assert_models_close(
+    actual: torch.nn.Module | Mapping[str, torch.Tensor],
+    expected: torch.nn.Module | Mapping[str, torch.Tensor],
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+):
+    expected_state = full_state(expected)
+    for name, value in full_state(actual).items():
         torch.testing.assert_close(
             value, expected_state[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
         )

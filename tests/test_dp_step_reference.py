@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from helpers import (
     RandomTokens,
     assert_models_close,
+    full_state,
     loader,
     make_module,
     make_trainer,
@@ -26,7 +27,7 @@ BATCH = 4
 class SnapshotAfterFirstStep(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == 1:
-            self.model = copy.deepcopy(pl_module.model)
+            self.model = full_state(pl_module.model)
 
 
 @pytest.mark.parametrize("micro_batch_size", [1, 2])

@@ -11,7 +11,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 import lightning_longshield  # noqa: F401  (registers the strategy)
-from helpers import RandomTokens, loader, make_module, make_trainer, small_config
+from helpers import RandomTokens, full_state, loader, make_module, make_trainer, small_config
 from lightning_longshield import LongShieldStrategy
 from lightning_longshield.models import Llama, LlamaConfig
 from simulate.specs import get_model_spec
@@ -93,7 +93,7 @@ def test_unsupported_layer_is_refused_before_training():
     before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(TypeError, match=r"model.extra \(Conv1d\)"):
         fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
-    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+    assert all(torch.equal(v, before[k]) for k, v in full_state(module).items())
 
 
 def test_empty_dataset_is_refused():

@@ -3,14 +3,12 @@ drawn from secret randomness (a public ``seed`` fixes the model's initialisation
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from scipy import stats
 
-from helpers import RandomTokens, loader, make_module, make_trainer, small_config
+from helpers import RandomTokens, flat_parameters, full_state, loader, make_module, make_trainer, small_config
 from lightning_longshield import CausalLMModule, LongShieldStrategy
 from lightning_longshield.privacy import GaussianNoise
 
@@ -19,7 +17,7 @@ SIGMA, CLIP, BATCH = 1.3, 0.7, 4
 
 class RecordInitialParameters(Callback):
     def on_train_start(self, trainer, pl_module):
-        self.initial = torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()])
+        self.initial = flat_parameters(pl_module)
 
 
 def one_step(noise_multiplier: float, **strategy_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +34,7 @@ def one_step(noise_multiplier: float, **strategy_kwargs) -> tuple[torch.Tensor, 
     )
     recorder = RecordInitialParameters()
     make_trainer(strategy, max_steps=1, callbacks=[recorder]).fit(module, loader(RandomTokens(size=8), BATCH))
-    final = torch.cat([p.detach().flatten() for p in module.parameters()])
+    final = flat_parameters(module)
     return recorder.initial, final - recorder.initial
 
 
@@ -97,11 +95,11 @@ def test_noise_is_drawn_once_per_step_not_per_microbatch():
     deltas = {}
     for micro_batch_size in (1, 4):
         module = make_module(small_config())
-        initial = copy.deepcopy(module.state_dict())
+        initial = full_state(module)
         strategy = LongShieldStrategy(noise_multiplier=1000.0, max_grad_norm=1e-3, micro_batch_size=micro_batch_size,
                                       poisson_sampling=False, noise_seed=3)
         make_trainer(strategy, max_steps=1).fit(module, loader(RandomTokens(size=8), BATCH))
-        deltas[micro_batch_size] = torch.cat([(v - initial[k]).flatten() for k, v in module.state_dict().items()])
+        deltas[micro_batch_size] = torch.cat([(v - initial[k]).flatten() for k, v in full_state(module).items()])
     # The clipped sum has norm <= B * C = 4e-3 over all coordinates, so the update is noise (std 0.25) to
     # within 1e-3 per coordinate: same noise seed, same noise, whatever the micro-batching.
     torch.testing.assert_close(deltas[1], deltas[4], rtol=0, atol=2e-3)

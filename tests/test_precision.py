@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from helpers import RandomTokens, loader, make_module, make_trainer, reference_dp_sgd, samples, small_config
+from helpers import RandomTokens, loader, make_module, make_trainer, reference_dp_sgd, samples, small_config, whole
 from lightning_longshield import LongShieldStrategy
 from lightning_longshield.privacy import GaussianNoise
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
@@ -16,7 +16,7 @@ from lightning_longshield.privacy.accumulator import ClippedGradientSum
 
 class RecordGradients(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.gradient = torch.cat([p.grad.float().flatten() for p in pl_module.model.parameters()])
+        self.gradient = torch.cat([whole(p.grad).float().flatten() for p in pl_module.model.parameters()])
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])

@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import RandomTokens, loader, make_module, make_trainer, small_config
+from helpers import RandomTokens, full_state, loader, make_module, make_trainer, small_config
 from lightning_longshield import LongShieldStrategy, PreflightMemoryError, preflight
 from lightning_longshield.models import LlamaConfig
 from simulate import get_gpu_spec, get_model_spec, make_config
@@ -142,7 +142,7 @@ def test_cuda_device_that_is_too_small_stops_before_the_first_forward(monkeypatc
     with pytest.raises(PreflightMemoryError, match=r"vs 1.0 GiB capacity of the NVIDIA H100 80GB HBM3"):
         fit(LongShieldStrategy(noise_multiplier=1.0), module)
     assert forwards == []
-    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+    assert all(torch.equal(v, before[k]) for k, v in full_state(module).items())
 
 
 def test_cuda_device_that_is_large_enough_trains(monkeypatch):

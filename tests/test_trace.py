@@ -31,7 +31,10 @@ def traced(model: str, method: str, cp: int, mbs: int, seq_len: int, precision: 
 def test_traced_step_growth_equals_the_measured_cpu_peak(method):
     """Two real fp32 DP steps in a fresh process: the second step's peak resident growth is the traced growth."""
     probe = Path(__file__).with_name("trace_honesty_probe.py")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # large tensors are returned to the OS when freed
+    # A clean environment (nothing earlier tests or Lightning set in this process), and large tensors returned to the
+    # OS when freed.
+    env = {key: os.environ[key] for key in ("PATH", "HOME", "TMPDIR", "VIRTUAL_ENV") if key in os.environ}
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     result = subprocess.run([sys.executable, str(probe), "tiny", method, "2", "4096"], env=env, capture_output=True,
                             text=True, check=True, cwd=probe.parent)
     measured = json.loads(result.stdout.strip().splitlines()[-1])["step_growth"]

@@ -230,9 +230,9 @@ def build_exchange(
     overlap: bool = True,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> LocalExchange:
-    """The exchange for a layout: local without shards (CP 1), else V1 (all-reduce) or V2 (input- or
-    output-stationary) over the context-parallel ``group``."""
-    if shards is None or group is None:
+    """The exchange for a layout: local without a group or on a one-rank group (CP 1: every shard is the whole
+    parameter), else V1 (all-reduce) or V2 (input- or output-stationary) over the context-parallel ``group``."""
+    if shards is None or group is None or dist.get_world_size(group) == 1:
         return LocalExchange()
     if not shard_per_sample_grads:
         return AllReduceExchange(group, shards)

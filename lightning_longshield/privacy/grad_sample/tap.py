@@ -31,7 +31,9 @@ class PerSampleGradTap(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.sink, ctx.layer, ctx.num_parameters = sink, layer, len(parameters)
         ctx.save_for_backward(activation)
-        return output.view_as(output)
+        # An alias without view tracking (``view_as`` would make every sharded model's output a view, which FSDP2
+        # warns about); autograd still routes the output's gradient through this node.
+        return output.detach()
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
