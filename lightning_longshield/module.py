@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any, Literal, Optional, Union
 
 import lightning as L
@@ -11,10 +14,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics.text import Perplexity
 
 from lightning_longshield.context_parallel.mesh import CONTEXT_PARALLEL
+from lightning_longshield.lora import LoraOptions, apply_lora
 from lightning_longshield.loss import IGNORE_INDEX, per_sample_token_loss
 from lightning_longshield.models import Llama, LlamaConfig
 
 OPTIMIZERS = ("adamw", "sgd")
+
+# `CausalLMModule.on_before_batch_transfer` checks every batch, also when the data comes from a data module; Lightning
+# says on every such run that the module's hook is the one used, which is the intent.
+warnings.filterwarnings("ignore", "You have overridden `on_before_batch_transfer` in `LightningModule` but have passed")
 
 
 def check_batch(batch: Any, vocab_size: Optional[int]) -> None:
@@ -65,10 +73,15 @@ def unpack_batch(
 class CausalLMModule(L.LightningModule):
     """Trains `Llama` on batches ``{"input_ids", "labels"}`` with the per-sample-mean token loss.
 
-    The model is built in `configure_model` (so strategies can build it sharded); ``model`` is the `Llama`.
+    ``config`` is a `LlamaConfig`, a preset name or a local Hugging Face Llama directory (its weights are loaded;
+    under context parallelism each rank reads only its shards). The model is built in `configure_model` (so
+    strategies can build it sharded); ``model`` is the `Llama`.
     The training loss is the mean over samples of each sample's mean token loss; clipping, noise and batch scaling
     belong to the strategy. Validation logs ``val_loss`` and ``val_perplexity``. Every batch is checked (shapes,
     token ids within ``vocab_size``) on the host before it moves to the device.
+
+    ``lora`` (a `LoraOptions`) injects PEFT LoRA adapters and freezes the rest of the model: only the adapters are
+    trained, clipped and noised.
 
     ``log_train_loss=True`` also logs ``train_loss``, the loss of each sampled micro-batch. It is computed without
     noise from the private training data (at one sample per micro-batch it is one record's loss), so it is NOT
@@ -77,34 +90,63 @@ class CausalLMModule(L.LightningModule):
 
     def __init__(
         self,
-        config: Union[LlamaConfig, str] = "tiny",
+        config: Union[LlamaConfig, str, Mapping[str, Any]] = "tiny",
         optimizer: Literal["adamw", "sgd"] = "adamw",
         learning_rate: float = 3e-4,
         weight_decay: float = 0.0,
         log_train_loss: bool = False,
+        lora: Optional[Union[LoraOptions, Mapping[str, Any]]] = None,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {OPTIMIZERS}.")
-        self.config = LlamaConfig.from_name(config) if isinstance(config, str) else config
+        self.pretrained_directory = config if isinstance(config, str) and os.path.isdir(config) else None
+        if self.pretrained_directory is not None:
+            self.config = Llama.read_pretrained_config(self.pretrained_directory)
+        else:
+            self.config = LlamaConfig.from_name(config) if isinstance(config, str) else config
+            if isinstance(config, Mapping):  # as saved in a checkpoint's hyper-parameters
+                self.config = LlamaConfig(**config)
         self.optimizer_name = optimizer
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
         self.log_train_loss = log_train_loss
+        self.lora = LoraOptions(**lora) if isinstance(lora, Mapping) else lora
         if log_train_loss:
             rank_zero_warn(
                 "log_train_loss=True: train_loss is the un-noised loss of each sampled batch of private data; it is"
                 " not covered by the differential-privacy guarantee. Monitor val_loss on held-out data instead."
             )
-        self.save_hyperparameters({"config": self.config.to_dict(), "optimizer": optimizer,
+        self.save_hyperparameters({"config": self.pretrained_directory or self.config.to_dict(), "optimizer": optimizer,
                                    "learning_rate": learning_rate, "weight_decay": weight_decay,
-                                   "log_train_loss": log_train_loss})
+                                   "log_train_loss": log_train_loss,
+                                   "lora": None if self.lora is None else asdict(self.lora)})
         self.model: Optional[Llama] = None
         self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
 
+    def setup(self, stage: str) -> None:
+        """Refuse data whose tokenizer has more tokens than the model's embedding (the data module's `check_vocab`)."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        check_vocab = getattr(datamodule, "check_vocab", None)
+        if callable(check_vocab):
+            check_vocab(self.config.vocab_size)
+
     def configure_model(self) -> None:
+        """Build the `Llama` (on the meta device under context parallelism), from the Hugging Face checkpoint if
+        ``config`` named one, and inject its LoRA adapters, if any."""
         if self.model is None:
-            self.model = Llama(self.config)
+            if self.pretrained_directory is None:
+                model = Llama(self.config)
+            else:  # on the meta device the weights are read later, each rank its own shards
+                model = Llama.from_pretrained(self.pretrained_directory, device=torch.get_default_device())
+            if self.lora is not None:
+                apply_lora(model, self.lora)
+            self.model = model
+
+    def save_pretrained(self, directory: str, dtype: Optional[torch.dtype] = None) -> None:
+        """Write the model (LoRA adapters merged) as a Hugging Face Llama directory; a collective under FSDP2."""
+        assert self.model is not None, "call configure_model() first"
+        self.model.save_pretrained(directory, dtype)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         assert self.model is not None, "call configure_model() first"

@@ -18,6 +18,7 @@ from lightning_longshield.activation_checkpointing import (
     select_blocks,
 )
 from lightning_longshield.context_parallel import apply_context_parallel_attention
+from lightning_longshield.lora import reset_adapters
 from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES, LocalExchange, build_exchange
 from lightning_longshield.privacy.randomness import derive_seed
 from lightning_longshield.privacy.shards import ParamShard
@@ -148,7 +149,8 @@ def gather_policy(precision: object) -> Optional[MixedPrecisionPolicy]:
 
 def materialize_meta_parameters(module: nn.Module, device: torch.device, rank: int) -> bool:
     """Allocate a meta-device module's (FSDP2-sharded) parameters on ``device`` and initialise them, each rank only
-    its own shards, with the model's ``init_weights``. Returns whether there was anything to materialise.
+    its own shards, with the model's ``init_weights`` (LoRA adapters as PEFT initialises them). Returns whether
+    there was anything to materialise.
 
     The initial distribution is the model's own; the draws come from a generator seeded by a hash of one draw of
     the global RNG and ``rank``, so a run seeded the same way on the same layout is reproducible and the ranks'
@@ -172,4 +174,5 @@ def materialize_meta_parameters(module: nn.Module, device: torch.device, rank: i
         torch.manual_seed(seed)
         for initializer in initializers:
             initializer.init_weights()
+        reset_adapters(module)
     return True

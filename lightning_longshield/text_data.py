@@ -152,6 +152,10 @@ class StdlibTextDataModule(L.LightningDataModule):
         self.train_dataset = PackedTokenDataset(tokens[:cut], self.seq_len)
         self.val_dataset = PackedTokenDataset(tokens[cut : windows * window], self.seq_len)
 
+    def describe_privacy_unit(self) -> str:
+        """What one sample is, in words: the unit the privacy guarantee protects."""
+        return f"one window of {self.seq_len + 1} bytes of standard-library source"
+
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self._require(self.train_dataset), batch_size=self.batch_size, shuffle=True)
 

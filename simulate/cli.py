@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
     p = planner.plan(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, seq_len=args.seq_len,
-                     cp=args.cp, gpu=args.gpu, precision=args.precision)
+                     cp=args.cp, gpu=args.gpu, precision=args.precision, lora_rank=args.lora_rank)
     if not args.json:
         _print_plan(console, p)
     return p.to_dict()
@@ -70,7 +70,7 @@ def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
 
 def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:
     inputs = dict(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, cp=args.cp, gpu=args.gpu,
-                  precision=args.precision)
+                  precision=args.precision, lora_rank=args.lora_rank)
     best = planner.max_seq_len(**inputs)
     probe = planner.probe_config(**inputs)
     out = {k: v for k, v in probe.inputs().items() if k != "seq_len"}
@@ -274,6 +274,8 @@ def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
     p.add_argument("--method", choices=list(METHODS), default="v2", help="training method")
     p.add_argument("--mbs", type=positive_int, default=1, help="micro-batch size")
     p.add_argument("--cp", type=positive_int, default=None, help="CP size (default: all GPUs for CP methods)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="LoRA rank on every block projection (only the adapters train); 0: full fine-tuning")
     if seq_len:
         p.add_argument("--seq-len", type=power_of_two, required=True,
                        help="sequence length, a power of two (16k and 1M ok)")
@@ -341,6 +343,8 @@ def _print_plan(console: Console, p: planner.Plan) -> None:
 def _title(inputs: dict[str, object], with_seq: bool) -> str:
     parts = [f"[bold]{inputs['model']}[/]", str(inputs["method"]), f"{inputs['gpus']} x {inputs['gpu']}",
              f"MBS {inputs['mbs']}", f"CP {inputs['cp']}"]
+    if inputs.get("lora_rank"):
+        parts.append(f"LoRA rank {inputs['lora_rank']}")
     if with_seq:
         parts.append(f"T {inputs['seq_len']:,}")
     return " | ".join(parts)

@@ -6,7 +6,16 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from simulate.specs import GPU_PRESETS, MODEL_PRESETS, GPUSpec, ModelSpec, get_gpu_spec, get_model_spec
+from simulate.specs import (
+    GPU_PRESETS,
+    MODEL_PRESETS,
+    GPUSpec,
+    ModelSpec,
+    TrainableParams,
+    get_gpu_spec,
+    get_model_spec,
+    trainable_params,
+)
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,12 @@ class RunConfig:
     seq_len: int
     cp_size: int
     precision: Precision
+    lora_rank: int = 0  # > 0: only LoRA adapters of this rank on every block projection train
+
+    @property
+    def trainable(self) -> TrainableParams:
+        """The parameters that take gradients (all of them, or the LoRA adapters)."""
+        return trainable_params(self.model, self.lora_rank)
 
     @property
     def tokens_per_rank(self) -> float:
@@ -105,6 +120,7 @@ class RunConfig:
             "cp": self.cp_size,
             "gpu": self.gpu_name,
             "precision": self.precision.name,
+            "lora_rank": self.lora_rank,
         }
 
 
@@ -131,6 +147,7 @@ def make_config(
     cp: int | None = None,
     gpu: str | GPUSpec = "h100",
     precision: str = "bf16-mixed",
+    lora_rank: int = 0,
 ) -> RunConfig:
     """Validate raw inputs into a :class:`RunConfig`; every error says how to fix the input.
 
@@ -151,6 +168,11 @@ def make_config(
         raise ValueError(f"Micro-batch size must be a positive integer, got {mbs!r}; use --mbs 1 or more.")
     if int(seq_len) != seq_len or seq_len < 1:
         raise ValueError(f"Sequence length must be a positive integer, got {seq_len!r}.")
+    if int(lora_rank) != lora_rank or lora_rank < 0:
+        raise ValueError(f"--lora-rank must be 0 (full fine-tuning) or a positive integer, got {lora_rank!r}.")
+    if lora_rank and method_spec.per_sample_grads == "ghost":
+        raise ValueError("LoRA is modelled for LongShield's methods and the non-DP baselines, not zero-dp; drop"
+                         " --lora-rank or pick another method.")
     cp_size = _resolve_cp(method_spec, num_gpus, cp)
     if method_spec.context_parallel and seq_len % (2 * cp_size):
         raise ValueError(
@@ -158,7 +180,7 @@ def make_config(
             "(load-balanced sharding cuts it into 2N chunks); pick a multiple of it."
         )
     return RunConfig(model_name, spec, gpu_name, gpu_spec, num_gpus, method_spec, int(mbs), int(seq_len), cp_size,
-                     PRECISIONS[precision])
+                     PRECISIONS[precision], int(lora_rank))
 
 
 def as_run_by_longshield(method: str, mbs: int) -> str:
@@ -176,12 +198,13 @@ def longshield_config(
     seq_len: int,
     precision: str = "bf16-mixed",
     gpu: str | GPUSpec = "h100",
+    lora_rank: int = 0,
 ) -> RunConfig:
     """One context-parallel group of `LongShieldStrategy` as the planner sees it: ``cp`` GPUs (the strategy shards
     model states over the CP group only; data-parallel groups are replicas) and the method the strategy really runs
     (`as_run_by_longshield`; its V1 keeps only its shard of each clipped gradient, not the whole clipped sum)."""
     config = make_config(model=model, gpus=cp, method=as_run_by_longshield(method, mbs), mbs=mbs, seq_len=seq_len,
-                         cp=cp, gpu=gpu, precision=precision)
+                         cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank)
     return replace(config, method=replace(config.method, whole_clipped_sum=False))
 
 

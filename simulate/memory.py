@@ -107,7 +107,8 @@ def estimate_memory(cfg: RunConfig) -> MemoryBreakdown:
 
 
 def model_state_bytes(cfg: RunConfig) -> float:
-    """fp32 master parameters, gradients (or the DP clipped-sum accumulator) and AdamW moments per rank.
+    """fp32 master parameters, gradients (or the DP clipped-sum accumulator) and AdamW moments per rank (the last
+    two of the trainable parameters only: under LoRA, of the adapters).
 
     Parameters, moments and FSDP gradients are sharded over every GPU. LongShield's accumulator follows its
     per-sample gradients: each data-parallel group accumulates its own clipped sum (summed over groups once per
@@ -115,11 +116,11 @@ def model_state_bytes(cfg: RunConfig) -> float:
     """
     if math.isinf(cfg.num_gpus):
         return 0.0
-    params, master = cfg.model.num_parameters, cfg.precision.master_bytes
+    params, trainable, master = cfg.model.num_parameters, cfg.trainable.total, cfg.precision.master_bytes
     accumulator_shards = cfg.num_gpus
     if cfg.method.per_sample_grads in ("full", "sharded"):
         accumulator_shards = 1 if cfg.method.whole_clipped_sum else cfg.cp_size
-    return params * (master + 2 * FP32) / cfg.num_gpus + params * master / accumulator_shards
+    return (params * master + trainable * 2 * FP32) / cfg.num_gpus + trainable * master / accumulator_shards
 
 
 def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
@@ -145,8 +146,8 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
     # sample's gradient). Otherwise LongShield's per-sample gradients are its only weight gradients; ZeRO-DP+'s norm
     # pass skips them (origin-parameter trick) and forms the clipped sum per layer afterwards.
     fsdp_grads = not method.private or psg.fsdp_gradient
-    head_grad = a * vd if fsdp_grads else 0.0
-    block_grad = grad_reduce * block_numel if fsdp_grads else 0.0
+    head_grad = a * cfg.trainable.embedding if fsdp_grads else 0.0
+    block_grad = grad_reduce * cfg.trainable.block if fsdp_grads else 0.0
 
     def phase(**parts: float) -> dict[str, float]:
         parts["model_states"] = states
@@ -177,7 +178,7 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
         )))
     out.append(("backward: embedding", phase(
         activations=acts_all if retained else 0.0,
-        fsdp_buffers=head_grad + (0.0 if m.tie_embeddings or not fsdp_grads else a * vd),
+        fsdp_buffers=head_grad + (0.0 if m.tie_embeddings or not fsdp_grads else a * cfg.trainable.embedding),
         per_sample_grads=psg.head_kept() + m.n_layers * psg.block_kept() + psg.embedding(),
         ghost_norm=ghost.head_kept() + m.n_layers * ghost.block_kept() + ghost.embedding_transient(),
     )))
@@ -228,11 +229,11 @@ class _PerSampleGrads:
         self.share = 1.0 / cfg.cp_size if kind == "sharded" else 1.0
         # Partials wait for a reduce-scatter (at micro-batch 1 they are FSDP's gradient buffers, counted as such).
         self.reduced = kind == "sharded" and cfg.cp_size > 1 and not self.fsdp_gradient
-        m = cfg.model
-        self.block_numel = m.block_numel
-        self.largest = max(lin.numel for lin in m.block_linears())
-        self.vd = m.embedding_numel
-        self.tied = m.tie_embeddings
+        trainable = cfg.trainable
+        self.block_numel = trainable.block
+        self.largest = trainable.largest_in_block
+        self.vd = trainable.embedding
+        self.tied = cfg.model.tie_embeddings
 
     def block_kept(self) -> float:
         return self.unit * self.block_numel * self.share if self.active else 0.0

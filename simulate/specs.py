@@ -102,6 +102,43 @@ class ModelSpec:
         return self.n_layers * self.block_numel + self.root_numel
 
 
+#: The projections LoRA adapts by default: every linear layer of every block.
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def lora_numel(spec: ModelSpec, rank: int, target_modules: tuple[str, ...] | list[str] = LORA_TARGETS) -> int:
+    """Parameters of LoRA adapters of ``rank`` on the named linear layers (``A``: in x r, ``B``: r x out)."""
+    targets = set(target_modules)
+    per_block = sum(rank * (lin.in_features + lin.out_features) for lin in spec.block_linears() if lin.name in targets)
+    head = sum(rank * (lin.in_features + lin.out_features) for lin in spec.head_linears() if lin.name in targets)
+    return spec.n_layers * per_block + head
+
+
+@dataclass(frozen=True)
+class TrainableParams:
+    """The parameters that take gradients: per block, in the (tied or untied) embedding/head weight of
+    ``vocab_size x dim``, the largest single tensor of a block, and in all."""
+
+    block: int
+    embedding: int
+    largest_in_block: int
+    total: int
+
+
+def trainable_params(spec: ModelSpec, lora_rank: int = 0) -> TrainableParams:
+    """Everything (``lora_rank=0``), or LoRA adapters of ``lora_rank`` on every block projection (`LORA_TARGETS`)."""
+    if lora_rank == 0:
+        return TrainableParams(spec.block_numel, spec.embedding_numel,
+                               max(lin.numel for lin in spec.block_linears()), spec.num_parameters)
+    adapters = [lin for lin in spec.block_linears() if lin.name in LORA_TARGETS]
+    return TrainableParams(
+        block=sum(lora_rank * (lin.in_features + lin.out_features) for lin in adapters),
+        embedding=0,
+        largest_in_block=max(lora_rank * max(lin.in_features, lin.out_features) for lin in adapters),
+        total=lora_numel(spec, lora_rank),
+    )
+
+
 _LLAMA_3_1_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
 _LLAMA_3_2_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
 

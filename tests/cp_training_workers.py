@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from helpers import RandomTokens, loader, make_module, make_trainer, small_config
+from helpers import RandomTokens, loader, make_lora_module, make_module, make_trainer, small_config
 from lightning_longshield import LongShieldStrategy
 
 DATASET = dict(size=24, seq_len=16)
@@ -30,12 +30,13 @@ class FullStateAfterEachStep(Callback):
 
 
 def fit(world_size: int, strategy_kwargs: dict[str, Any], tie_embeddings: bool, max_grad_norm: float,
-        logical_batch: int = LOGICAL_BATCH):
+        logical_batch: int = LOGICAL_BATCH, lora: bool = False):
     strategy = LongShieldStrategy(
         noise_multiplier=0.0, max_grad_norm=max_grad_norm, poisson_sampling=False, seed=0, **strategy_kwargs
     )
     recorder = FullStateAfterEachStep()
-    module = make_module(small_config(tie_embeddings=tie_embeddings))
+    config = small_config(tie_embeddings=tie_embeddings)
+    module = make_lora_module(config) if lora else make_module(config)
     data_parallel = world_size // strategy_kwargs["context_parallel_size"]
     trainer = make_trainer(strategy, max_steps=STEPS, devices=world_size, callbacks=[recorder])
     trainer.fit(module, loader(RandomTokens(**DATASET), logical_batch // data_parallel))
@@ -72,6 +73,23 @@ def uneven_micro_batches(rank: int, world_size: int, out_dir: str) -> None:
                                logical_batch=UNEVEN_BATCH)
     if rank == 0:
         torch.save(results, Path(out_dir) / "uneven.pt")
+
+
+LORA_RUNS = {  # LoRA adapters (FSDP2 with frozen base weights) through each exchange
+    "v1_mbs2": dict(shard_per_sample_grads=False, micro_batch_size=2),
+    "v2_checkpointed_mbs2": dict(micro_batch_size=2, activation_checkpointing=True),
+    "v2_output_stationary_mbs1": dict(grad_sample_pattern="output_stationary", micro_batch_size=1),
+}
+
+
+def lora_under_cp(rank: int, world_size: int, out_dir: str) -> None:
+    """CP ``world_size`` LoRA fine-tuning through V1, V2 with checkpointing, and V2 output-stationary."""
+    results = {}
+    for name, kwargs in LORA_RUNS.items():
+        _, results[name] = fit(world_size, dict(context_parallel_size=world_size, **kwargs), tie_embeddings=False,
+                               max_grad_norm=0.05, lora=True)
+    if rank == 0:
+        torch.save(results, Path(out_dir) / "lora.pt")
 
 
 def noise_and_epsilon(rank: int, world_size: int, out_dir: str) -> None:

@@ -51,7 +51,7 @@ class CP:
 
 
 def run(rank: int, world_size: int, mesh_shapes: list[tuple[int, int]]) -> None:
-    """Run every check on every (dp, cp) mesh (called by `multiprocess.run_processes` in an initialised group)."""
+    """Run every check on every (dp, cp) mesh (called by `process_runner.run_processes` in an initialised group)."""
     torch.set_num_threads(1)
     for dp_size, cp_size in mesh_shapes:
         mesh = build_device_mesh("cpu", dp_size, cp_size)

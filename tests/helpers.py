@@ -58,6 +58,20 @@ def make_module(config: LlamaConfig, seed: int = 0, **kwargs: Any) -> CausalLMMo
     return module
 
 
+def make_lora_module(config: LlamaConfig, seed: int = 0, **lora: Any) -> CausalLMModule:
+    """`make_module` with LoRA adapters whose B is drawn at random (PEFT starts B at zero, which would make every
+    A gradient zero and the exactness tests vacuous for A)."""
+    from lightning_longshield.lora import LoraOptions
+
+    module = make_module(config, seed, lora=LoraOptions(**{"rank": 4, **lora}))
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in module.model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return module
+
+
 def loader(dataset: Dataset, batch_size: int) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=False)
 

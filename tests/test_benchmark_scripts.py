@@ -37,3 +37,15 @@ def test_gpu_throughput_benchmark_refuses_without_cuda():
     result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_throughput.py")], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and "CUDA is not available" in result.stderr
+
+
+def test_lora_vs_full_benchmark_reports_side_by_side_ratios():
+    command = [sys.executable, str(BENCHMARKS / "lora_vs_full.py"), "--seq-len", "32", "--micro-batch-size", "2",
+               "--steps", "1", "--warmup", "0", "--lora-rank", "4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    ratios = report["lora_over_full"]
+    assert 0 < ratios["trainable_parameters"] < 0.1 and ratios["step_s"] > 0
+    # per-sample gradients exist only for the adapters: the byte ratio is the parameter ratio
+    assert ratios["per_sample_grad_bytes"] == ratios["trainable_parameters"]

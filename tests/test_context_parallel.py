@@ -22,7 +22,7 @@ from lightning_longshield.context_parallel import (
 from lightning_longshield.loss import per_sample_token_loss
 from lightning_longshield.models import Llama
 from lightning_longshield.models.llama import causal_attention
-from multiprocess import run_processes
+from process_runner import run_processes
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])

@@ -26,7 +26,7 @@ from cp_training_workers import (
 )
 from helpers import RandomTokens, loader, make_module, make_trainer, reference_dp_sgd, samples, small_config
 from lightning_longshield import LongShieldStrategy
-from multiprocess import run_processes
+from process_runner import run_processes
 
 CLIP = 0.05
 EXCHANGES = {

@@ -24,3 +24,17 @@ def test_train_dp_stdlib_prints_guarantee_and_perplexity():
     assert 0 < delta < 1
     assert math.isfinite(float(perplexity[1])) and float(perplexity[1]) > 1
     assert "Not released: training losses" in result.stdout
+
+
+def test_finetune_hf_example_prints_guarantee_with_unit_and_exports(tmp_path):
+    example = EXAMPLE.with_name("finetune_hf.py")
+    command = [sys.executable, str(example), "--max-steps", "2", "--seq-len", "64", "--work-dir", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    guarantee = re.search(r"Privacy guarantee: \(epsilon=(\S+), delta=(\S+)\)-DP .*privacy unit: one document",
+                          result.stdout)
+    perplexity = re.search(r"Validation perplexity: (\S+)", result.stdout)
+    assert guarantee and perplexity, result.stdout[-3000:]
+    assert 0 < float(guarantee[1]) <= 8.0 and math.isfinite(float(perplexity[1]))
+    assert "Trained: LoRA adapters" in result.stdout
+    assert (tmp_path / "exported" / "model.safetensors").exists() and (tmp_path / "exported" / "config.json").exists()

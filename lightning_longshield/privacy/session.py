@@ -198,6 +198,18 @@ class PrivacySession:
             delta = self.plan.delta
         return self.accountant.get_epsilon(delta)
 
+    def describe_guarantee(self, privacy_unit: str = "one training sample") -> str:
+        """The guarantee spent so far, in one sentence naming what it protects (``privacy_unit``)."""
+        plan = self.plan
+        if plan is None:
+            raise ValueError("No guarantee yet: training has not started.")
+        return (
+            f"Privacy guarantee: (epsilon={self.get_epsilon():.3f}, delta={plan.delta:.3g})-DP after"
+            f" {self.accountant.steps} steps (noise_multiplier={plan.noise_multiplier:.3f}, sampling rate"
+            f" q={plan.sample_rate:.3g} = {plan.expected_batch_size}/{plan.dataset_size} samples); privacy unit:"
+            f" {privacy_unit}."
+        )
+
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> Optional[dict[str, Any]]:

@@ -6,7 +6,7 @@ import pytest
 
 from simulate import calibration, layers, make_config
 from simulate.memory import GIB, estimate_memory, model_state_bytes
-from simulate.specs import get_model_spec
+from simulate.specs import get_model_spec, lora_numel
 
 
 def test_block_saved_bytes_match_a_hand_count() -> None:
@@ -110,3 +110,18 @@ def test_cp_size_one_counts_the_micro_batch_gradient_once_as_fsdps_gradient() ->
     assert 0.9 * 4 * params <= peak.per_sample_grads <= 4 * params
     assert peak.fsdp_buffers < 2 * params / 2  # under half a bf16 copy of the model
 
+
+def test_lora_keeps_states_and_per_sample_gradients_of_the_adapters_only() -> None:
+    """Under LoRA the fp32 weights stay whole, while AdamW moments, the clipped sum and the per-sample gradients
+    shrink to the adapters' share (`lora_numel`, checked against the real module in tests/test_lora.py)."""
+    full = make_config(model="tiny", gpus=4, method="v2", cp=4, mbs=2, seq_len=4096)  # the peak in a block
+    lora = full.replace(lora_rank=16)
+    share = lora_numel(full.model, 16) / full.model.num_parameters
+    assert 0 < share < 0.1
+    full_peak, lora_peak = estimate_memory(full), estimate_memory(lora)
+    weights = full.model.num_parameters * 4 / 4  # fp32 master weights, sharded over 4 GPUs
+    assert lora_peak.model_states == pytest.approx(weights * (1 + 3 * share))
+    assert full_peak.model_states == pytest.approx(weights * 4)
+    assert 0 < lora_peak.per_sample_grads <= share * full_peak.per_sample_grads * 1.01
+    with pytest.raises(ValueError, match="not zero-dp"):
+        make_config(model="llama3.2-1b", gpus=4, method="zero-dp", lora_rank=8)

@@ -1,0 +1,61 @@
+"""``longshield-train``: DP training and fine-tuning from a YAML file and flags (LightningCLI).
+
+    longshield-train fit --config examples/configs/finetune_lora.yaml
+    longshield-train fit --config run.yaml --model.lora.rank 16 --trainer.max_steps 100
+    longshield-train fit --config run.yaml --print_config
+
+``model`` is `CausalLMModule` (a preset name or a local Hugging Face directory as ``config``, optional ``lora``),
+``data`` any data module by ``class_path`` (`LocalTextDataModule` for local files, `StdlibTextDataModule`), and
+``trainer.strategy`` defaults to `LongShieldStrategy`, whose arguments go under its ``init_args``. After ``fit``
+the privacy guarantee is printed with the data's privacy unit; ``--export_to DIR`` then writes the trained model
+(LoRA merged) as a Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_longshield.hf import require_hf
+from lightning_longshield.module import CausalLMModule
+
+DEFAULT_STRATEGY = {"class_path": "lightning_longshield.LongShieldStrategy"}
+
+
+class LongShieldCLI(LightningCLI):
+    """LightningCLI with `LongShieldStrategy` as the default strategy, the guarantee printed after ``fit`` and an
+    optional Hugging Face export."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument("--export_to", type=Optional[str], default=None,
+                            help="after fit, write the model (LoRA merged) here as a Hugging Face directory")
+
+    def after_fit(self) -> None:
+        strategy = self.trainer.strategy
+        privacy = getattr(strategy, "privacy", None)
+        if privacy is not None and privacy.plan is not None and self.trainer.is_global_zero:
+            describe_unit = getattr(self.datamodule, "describe_privacy_unit", None)
+            unit = describe_unit() if callable(describe_unit) else "one training sample"
+            print(privacy.describe_guarantee(unit))
+        export_to = self.config.get(self.subcommand, {}).get("export_to")
+        if export_to:
+            self.model.save_pretrained(export_to)
+            if self.trainer.is_global_zero:
+                print(f"Exported the trained model to {export_to}")
+
+
+def main(args: Optional[list[str]] = None) -> LongShieldCLI:
+    """Entry point of ``longshield-train``; returns the CLI (its ``trainer``, ``model`` and ``datamodule``)."""
+    require_hf("jsonargparse")
+    return LongShieldCLI(
+        CausalLMModule,
+        subclass_mode_data=True,
+        trainer_defaults={"strategy": DEFAULT_STRATEGY},
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""Hugging Face Llama checkpoints (``config.json`` plus safetensors) to and from `Llama`.
+
+Our RoPE rotates interleaved pairs ``(x[2i], x[2i+1])`` of each head (Meta's layout), Hugging Face's rotates halves
+``(x[i], x[i + head_dim/2])``. The two models are the same once the rows of every head of ``wq`` and ``wk`` are
+permuted: `to_interleaved` on import, `to_halves` on export.
+
+Loading reads from the files only the part of each parameter this rank holds (FSDP2 `DTensor` shards along any
+dimension), so a meta-device model is filled shard by shard without ever holding the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_longshield.hf import require_hf
+from lightning_longshield.models.config import LlamaConfig
+from simulate.specs import RopeScaling
+
+PathLike = Union[str, Path]
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+#: transformers' `LlamaConfig` defaults, for the keys a ``config.json`` may leave out.
+HF_LLAMA_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+    hidden_act="silu", attention_bias=False, mlp_bias=False,
+)
+_TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+#: Name segments of wrappers that leave the weight itself unchanged (torch.compile, activation checkpointing, PEFT).
+_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "base_layer"})
+
+
+# ---------------------------------------------------------------------------------------------------- configuration
+
+
+def config_from_hf(hf_config: Mapping[str, Any]) -> LlamaConfig:
+    """The `LlamaConfig` of a Hugging Face Llama ``config.json`` (as a dict); ValueError for what `Llama` lacks."""
+    model_type, architectures = hf_config.get("model_type"), hf_config.get("architectures") or []
+    if model_type != "llama" and "LlamaForCausalLM" not in architectures:
+        raise ValueError(
+            f"Found a checkpoint with model_type={model_type!r} and architectures={architectures}; only Llama"
+            " checkpoints (model_type 'llama', LlamaForCausalLM) are supported."
+        )
+    hf = {**HF_LLAMA_DEFAULTS, **{key: value for key, value in hf_config.items() if value is not None}}
+    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim", dim // heads) != dim // heads:
+        raise ValueError(
+            f"head_dim={hf['head_dim']} is not hidden_size // num_attention_heads = {dim // heads}; Llama derives"
+            " its head size from hidden_size."
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf[flag]:
+            raise ValueError(f"{flag}=True is not supported: Llama's projections have no biases.")
+    if hf["hidden_act"] != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported: Llama's MLP is SwiGLU (silu).")
+    rope_theta, rope_scaling = _rope_from_hf(hf)
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads", heads), ffn_dim=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"], rope_theta=float(rope_theta), norm_eps=float(hf["rms_norm_eps"]),
+        tie_embeddings=bool(hf["tie_word_embeddings"]), rope_scaling=rope_scaling,
+    )
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+    """RoPE base and scaling from ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling``."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = params.get("rope_theta") or hf["rope_theta"]
+    if rope_type == "default":
+        return theta, RopeScaling()
+    if rope_type != "llama3":
+        raise ValueError(
+            f"RoPE type {rope_type!r} is not supported; Llama implements the default RoPE and Llama-3 scaling"
+            " ('llama3')."
+        )
+    missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in params]
+    if missing:
+        raise ValueError(f"Llama-3 RoPE scaling {dict(params)} lacks {missing}.")
+    original = params.get("original_max_position_embeddings", hf["max_position_embeddings"])
+    return theta, RopeScaling(
+        float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"]), int(original)
+    )
+
+
+def hf_config_dict(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of ``config``, readable by transformers 4.x and 5.x.
+
+    RoPE is written both as ``rope_theta`` + ``rope_scaling`` (transformers 4) and as ``rope_parameters``
+    (transformers 5), and the dtype as ``torch_dtype`` and ``dtype``.
+    """
+    scaling = config.rope_scaling
+    rope_scaling = None
+    if scaling.factor != 1.0:
+        rope_scaling = dict(
+            rope_type="llama3", factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+            high_freq_factor=scaling.high_freq_factor, original_max_position_embeddings=scaling.original_max_seq_len,
+        )
+    dtype_name = str(dtype).removeprefix("torch.")
+    return dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=config.vocab_size,
+        hidden_size=config.dim, intermediate_size=config.ffn_dim, num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim,
+        hidden_act="silu", max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
+        tie_word_embeddings=config.tie_embeddings, attention_bias=False, mlp_bias=False,
+        rope_theta=config.rope_theta, rope_scaling=rope_scaling,
+        rope_parameters={**(rope_scaling or {"rope_type": "default"}), "rope_theta": config.rope_theta},
+        torch_dtype=dtype_name, dtype=dtype_name,
+    )
+
+
+def read_config(directory: PathLike) -> LlamaConfig:
+    """The `LlamaConfig` of the Hugging Face Llama checkpoint in ``directory``."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"No {CONFIG_FILE} in {directory}: expected a Hugging Face Llama checkpoint there.")
+    return config_from_hf(json.loads(path.read_text()))
+
+
+# ------------------------------------------------------------------------------------------------ names and layouts
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of one of `Llama`'s parameter names (wrapper segments such as PEFT's ``base_layer``
+    are looked through)."""
+    *module, leaf = (part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+    module = ".".join(module)
+    block = re.fullmatch(r"layers\.(\d+)\.(.+)", module)
+    if leaf == "weight" and module in _TOP_NAMES:
+        return f"{_TOP_NAMES[module]}.weight"
+    if leaf == "weight" and block and block[2] in _BLOCK_NAMES:
+        return f"model.layers.{block[1]}.{_BLOCK_NAMES[block[2]]}.weight"
+    raise KeyError(f"{name!r} is not a parameter of a Llama checkpoint.")
+
+
+def _is_rotary(hf: str) -> bool:
+    return hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_" in name
+
+
+def to_interleaved(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Permute the rows of whole heads from Hugging Face's rotate-half order to interleaved pairs."""
+    return weight.unflatten(0, (weight.shape[0] // head_dim, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
+
+
+def to_halves(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The inverse of `to_interleaved`."""
+    return weight.unflatten(0, (weight.shape[0] // head_dim, head_dim // 2, 2)).transpose(1, 2).flatten(0, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------- loading
+
+
+def weight_map(directory: PathLike) -> dict[str, Path]:
+    """The safetensors file that holds each tensor of the checkpoint in ``directory`` (one file or an index)."""
+    directory = Path(directory)
+    single, index = directory / WEIGHTS_FILE, directory / WEIGHTS_INDEX_FILE
+    if single.is_file():
+        with require_hf("safetensors").safe_open(single, framework="pt") as handle:
+            return dict.fromkeys(handle.keys(), single)
+    if index.is_file():
+        return {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    raise FileNotFoundError(
+        f"No weights in {directory}: looked for {WEIGHTS_FILE} and {WEIGHTS_INDEX_FILE} (safetensors checkpoints"
+        " only; convert PyTorch .bin files first)."
+    )
+
+
+@torch.no_grad()
+def load_pretrained_weights(model: nn.Module, directory: PathLike) -> None:
+    """Copy the checkpoint in ``directory`` into ``model`` (a `Llama`, possibly FSDP2-sharded), in place.
+
+    Each parameter reads only the slice this rank holds (a `DTensor`'s local shard, along any dimension; the whole
+    heads a row shard of ``wq``/``wk`` overlaps, for the permutation) and is cast to the parameter's dtype. LoRA
+    adapters are skipped (their own initialisation applies). Missing or unexpected tensors raise a ValueError.
+    """
+    safe_open = require_hf("safetensors").safe_open
+    files = weight_map(directory)
+    params = {hf_name(name): param for name, param in model.named_parameters() if not _is_adapter(name)}
+    sources = {name: name for name in params}
+    if "lm_head.weight" in params and "lm_head.weight" not in files and model.config.tie_embeddings:
+        sources["lm_head.weight"] = "model.embed_tokens.weight"  # a tied model whose parameters were untied
+    ignored = {"lm_head.weight"} | {name for name in files if name.endswith("rotary_emb.inv_freq")}
+    missing = sorted(set(sources.values()) - set(files))
+    unexpected = sorted(set(files) - set(sources.values()) - ignored)
+    if missing or unexpected:
+        raise ValueError(
+            f"The checkpoint in {directory} does not match the model ({model.config}): missing tensors {missing},"
+            f" unexpected tensors {unexpected}."
+        )
+    by_file = defaultdict(list)
+    for name, source in sources.items():
+        by_file[files[source]].append(name)
+    head_dim = model.config.head_dim
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as handle:
+            for name in names:
+                rotary_head_dim = head_dim if _is_rotary(name) else 0
+                _copy_local_part(params[name], handle.get_slice(sources[name]), name, rotary_head_dim)
+
+
+def _copy_local_part(param: torch.Tensor, source: Any, name: str, head_dim: int) -> None:
+    """Copy this rank's part of ``source`` (a safetensors slice) into ``param``; ``head_dim`` > 0 permutes rows."""
+    if list(source.get_shape()) != list(param.shape):
+        raise ValueError(f"{name} has shape {source.get_shape()} in the checkpoint, {list(param.shape)} in the model.")
+    if isinstance(param, DTensor):
+        local = param.to_local()
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    else:
+        local, shape, offset = param, param.shape, (0,) * param.dim()
+    if local.numel() == 0:
+        return
+    box = [slice(start, start + size) for start, size in zip(offset, shape)]
+    if head_dim:
+        start, stop = box[0].start, box[0].stop
+        first = start // head_dim * head_dim
+        box[0] = slice(first, -(-stop // head_dim) * head_dim)
+        local.copy_(to_interleaved(source[tuple(box)], head_dim)[start - first : stop - first])
+    else:
+        local.copy_(source[tuple(box)])
+
+
+# ---------------------------------------------------------------------------------------------------------- saving
+
+
+def hf_state_dict(
+    state: Mapping[str, torch.Tensor], config: LlamaConfig, dtype: Optional[torch.dtype] = None
+) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors under `Llama`'s names -> contiguous CPU tensors under Hugging Face's, with the
+    rows of ``wq``/``wk`` back in rotate-half order; a tied model's output weight is left out."""
+    tensors = {}
+    for name, tensor in state.items():
+        hf = hf_name(name)
+        if hf == "lm_head.weight" and config.tie_embeddings:
+            continue
+        tensor = tensor.detach().to("cpu", dtype)
+        tensors[hf] = (to_halves(tensor, config.head_dim) if _is_rotary(hf) else tensor).contiguous()
+    return tensors
+
+
+def write_pretrained(
+    state: Mapping[str, torch.Tensor], config: LlamaConfig, directory: PathLike, dtype: Optional[torch.dtype] = None
+) -> None:
+    """Write full tensors under `Llama`'s names (e.g. `lightning_longshield.lora.merged_state_dict`) and ``config``
+    as a Hugging Face Llama directory: ``model.safetensors`` and ``config.json``."""
+    save_file = require_hf("safetensors.torch").save_file
+    tensors = hf_state_dict(state, config, dtype)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    config_dict = hf_config_dict(config, dtype or tensors["model.embed_tokens.weight"].dtype)
+    (directory / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2) + "\n")
+
+
+@torch.no_grad()
+def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch.dtype] = None) -> None:
+    """Write ``model`` (a `Llama`, possibly FSDP2-sharded, possibly with LoRA adapters, which are merged into their
+    base weights) as a Hugging Face Llama directory that ``transformers.AutoModelForCausalLM.from_pretrained``
+    loads; ``dtype`` defaults to the parameters'.
+
+    Sharded parameters are gathered one at a time to the CPU, a collective: with more than one process every rank
+    calls this, rank 0 writes and all return once the files are complete.
+    """
+    from lightning_longshield.lora import merged_state_dict
+
+    state = merged_state_dict(model)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed or dist.get_rank() == 0:
+        write_pretrained(state, model.config, directory, dtype)
+    if distributed:
+        dist.barrier()

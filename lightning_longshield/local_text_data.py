@@ -1,0 +1,329 @@
+"""Local text files (.txt, .jsonl/.json, .parquet) as causal-LM samples with an explicit privacy unit."""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_longshield.hf import require_hf
+from lightning_longshield.loss import IGNORE_INDEX
+from lightning_longshield.text_data import ByteTokenizer, PackedTokenDataset
+
+PathLike = Union[str, "os.PathLike[str]"]
+PrivacyUnit = Literal["sequence", "document"]
+PRIVACY_UNITS = ("sequence", "document")
+# Extension -> (datasets builder, what one document of such a file is).
+FORMATS = {
+    ".txt": ("text", "a .txt file"),
+    ".jsonl": ("json", "a .jsonl line"),
+    ".json": ("json", "a .json record"),
+    ".parquet": ("parquet", "a .parquet row"),
+}
+BYTE_EOS = 0  # end of document for the byte-level tokenizer: the NUL byte, which text does not contain in practice
+
+
+def resolve_data_files(data_files: Union[PathLike, Sequence[PathLike]]) -> list[Path]:
+    """The files named by a path, a glob, a directory (its own supported files, not subdirectories; hidden files
+    skipped) or a list of them, in order (globs and directories sorted), without duplicates."""
+    entries = [data_files] if isinstance(data_files, (str, os.PathLike)) else list(data_files)
+    if not entries:
+        raise ValueError("data_files is empty: pass a file, a glob, a directory, or a list of them.")
+    kinds = "/".join(FORMATS)
+    files: list[Path] = []
+    for entry in entries:
+        path = Path(entry).expanduser()
+        if path.is_dir():
+            matched = sorted(
+                p for p in path.iterdir() if p.is_file() and p.suffix.lower() in FORMATS and not p.name.startswith(".")
+            )
+        elif path.is_file():
+            matched = [path]
+        else:
+            matched = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        if not matched:
+            raise FileNotFoundError(
+                f"No {kinds} files match data_files entry {str(entry)!r}: check the path (a file, a glob such as"
+                " 'data/*.jsonl' or 'data/**/*.txt', or a directory)."
+            )
+        unsupported = [p.name for p in matched if p.suffix.lower() not in FORMATS]
+        if unsupported:
+            raise ValueError(
+                f"Unsupported file type(s) {unsupported[:5]} in data_files entry {str(entry)!r}: use {kinds} files,"
+                " or a glob that matches only those (e.g. 'data/*.jsonl')."
+            )
+        files.extend(matched)
+    return list(dict.fromkeys(p.resolve() for p in files))
+
+
+class PaddedDocumentDataset(Dataset):
+    """One causal-LM sample per document: its first ``seq_len + 1`` tokens, right-padded to ``seq_len``.
+
+    ``documents`` holds token sequences, or rows ``{"input_ids": tokens}`` (such as a tokenized `datasets.Dataset`).
+
+    With ``tokens`` the document's first ``seq_len + 1`` tokens, ``input_ids`` is ``tokens[:seq_len]`` then
+    ``pad_id`` and ``labels[t]`` is ``tokens[t + 1]`` where that exists, else -100: a document of ``n`` tokens has
+    ``min(n, seq_len + 1) - 1`` labelled positions, and its tokens past ``seq_len + 1`` are not used.
+    """
+
+    def __init__(self, documents: Sequence[Sequence[int]], seq_len: int, pad_id: int) -> None:
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {seq_len}.")
+        self.documents, self.seq_len, self.pad_id = documents, seq_len, pad_id
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        document = self.documents[index]
+        if isinstance(document, Mapping):
+            document = document["input_ids"]
+        tokens = torch.as_tensor(document[: self.seq_len + 1], dtype=torch.long)
+        n = min(tokens.numel(), self.seq_len)
+        input_ids = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
+        labels = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
+        input_ids[:n] = tokens[:n]
+        labels[: tokens.numel() - 1] = tokens[1:]
+        return {"input_ids": input_ids, "labels": labels}
+
+
+class _Encode:
+    """Texts -> token ids for ``datasets.map``: the tokenizer's own special tokens (e.g. a BOS), then ``eos`` unless
+    it is already last; an empty or missing text gives no tokens (the document is dropped)."""
+
+    def __init__(self, tokenizer: Any, eos: Optional[int]) -> None:
+        transformers = sys.modules.get("transformers")
+        self.batched = transformers is not None and isinstance(tokenizer, transformers.PreTrainedTokenizerBase)
+        self.tokenizer, self.eos = tokenizer, eos
+
+    def __call__(self, texts: list[Optional[str]]) -> dict[str, list[list[int]]]:
+        texts = [text or "" for text in texts]
+        if self.batched:
+            ids = self.tokenizer(texts, verbose=False)["input_ids"]
+        else:
+            ids = [self.tokenizer.encode(text) for text in texts]
+        return {"input_ids": [self._end(list(tokens)) if text else [] for text, tokens in zip(texts, ids)]}
+
+    def _end(self, tokens: list[int]) -> list[int]:
+        return tokens + [self.eos] if self.eos is not None and tokens[-1:] != [self.eos] else tokens
+
+
+class LocalTextDataModule(L.LightningDataModule):
+    """Causal-LM samples from local text files, with the privacy unit stated explicitly.
+
+    Documents: a ``.txt`` file is one document; a ``.jsonl`` line, a ``.json`` record or a ``.parquet`` row is one
+    document, its text in ``text_field``. Files are read with ``datasets.load_dataset`` (local files only) and
+    tokenized with ``Dataset.map``; both are cached by ``datasets`` under ``cache_dir`` (default: its own cache), so
+    a second run reuses the tokens. ``tokenizer`` is None (UTF-8 bytes, `ByteTokenizer`), a path to a saved Hugging
+    Face tokenizer (``AutoTokenizer.from_pretrained(path, local_files_only=True)``) or an object with
+    ``encode(text) -> list[int]`` and ``len()`` or ``vocab_size``. Each document is encoded with the tokenizer's own
+    special tokens and, with ``add_eos``, ends with its EOS token (the byte-level tokenizer uses byte 0, NUL).
+    Documents without text are dropped; ``max_documents`` keeps only the first ones read.
+
+    Privacy unit (what one DP-SGD sample, and so the guarantee, covers):
+
+    - ``"sequence"``: the training documents are concatenated and cut into disjoint windows of ``seq_len + 1``
+      tokens (`PackedTokenDataset`); a window is the unit, so a document spanning several windows is protected only
+      per window.
+    - ``"document"``: one document is one sample (`PaddedDocumentDataset`), truncated to ``seq_len + 1`` tokens (the
+      rest is not trained on) and padded with ``tokenizer.pad_token_id`` (else the EOS id, else 0) at -100 labels.
+
+    Validation: a public, seeded (``seed``) choice of ``val_fraction`` of the documents (at least one), for both
+    units, so no document straddles training and validation; ``val_fraction=0`` means no validation set.
+    ``batch_size`` is the training DataLoader's batch size, which `LongShieldStrategy` uses as the expected logical
+    (privacy) batch.
+    """
+
+    def __init__(
+        self,
+        data_files: Union[PathLike, Sequence[PathLike]],
+        text_field: str = "text",
+        tokenizer: Any = None,
+        seq_len: int = 1024,
+        batch_size: int = 8,
+        privacy_unit: PrivacyUnit = "sequence",
+        val_fraction: float = 0.05,
+        val_batch_size: Optional[int] = None,
+        cache_dir: Optional[PathLike] = None,
+        num_proc: Optional[int] = None,
+        max_documents: Optional[int] = None,
+        add_eos: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if privacy_unit not in PRIVACY_UNITS:
+            raise ValueError(f"privacy_unit must be 'sequence' or 'document', got {privacy_unit!r}.")
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {seq_len}.")
+        for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size), ("num_proc", num_proc),
+                            ("max_documents", max_documents)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1{'' if name == 'batch_size' else ' or None'}, got {value}.")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1) (0: no validation set), got {val_fraction}.")
+        if not text_field or not isinstance(text_field, str):
+            raise ValueError(f"text_field must be a column name, got {text_field!r}.")
+        self.files = resolve_data_files(data_files)
+        self.tokenizer = self._load_tokenizer(tokenizer)
+        self.text_field, self.seq_len, self.privacy_unit = text_field, seq_len, privacy_unit
+        self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
+        self.val_fraction, self.seed, self.add_eos = val_fraction, seed, add_eos
+        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        self.num_proc, self.max_documents = num_proc, max_documents
+        self.train_dataset: Optional[Dataset] = None
+        self.val_dataset: Optional[Dataset] = None
+        self.train_documents: list[int] = []  # indices of documents in reading order
+        self.val_documents: list[int] = []
+        self._tokenized: Any = None
+
+    @staticmethod
+    def _load_tokenizer(tokenizer: Any) -> Any:
+        if tokenizer is None:
+            return ByteTokenizer()
+        if isinstance(tokenizer, (str, os.PathLike)):
+            auto = require_hf("transformers").AutoTokenizer
+            return auto.from_pretrained(os.fspath(tokenizer), local_files_only=True)
+        if not callable(getattr(tokenizer, "encode", None)) or not (
+            hasattr(type(tokenizer), "__len__") or hasattr(tokenizer, "vocab_size")
+        ):
+            raise TypeError(
+                f"tokenizer must be None (bytes), a path to a saved tokenizer, or an object with encode(text) ->"
+                f" list[int] and len() or vocab_size; got {type(tokenizer).__name__}."
+            )
+        return tokenizer
+
+    # ------------------------------------------------------------------ tokenizer facts
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids lie in ``[0, vocab_size)``: ``len(tokenizer)`` (added tokens included), 256 for bytes."""
+        tokenizer = self.tokenizer
+        return len(tokenizer) if hasattr(type(tokenizer), "__len__") else int(tokenizer.vocab_size)
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return BYTE_EOS
+        return getattr(self.tokenizer, "eos_token_id", None)
+
+    @property
+    def pad_token_id(self) -> int:
+        """The input id at padded positions of ``"document"`` samples (their labels are -100)."""
+        candidates = (getattr(self.tokenizer, "pad_token_id", None), self.eos_token_id)
+        return next((i for i in candidates if i is not None), 0)
+
+    def check_vocab(self, model_vocab_size: int) -> None:
+        """Raise if the tokenizer can emit ids that the model's embedding (``model_vocab_size`` rows) lacks."""
+        if self.vocab_size > model_vocab_size:
+            raise ValueError(
+                f"The tokenizer has {self.vocab_size} tokens but the model's embedding has {model_vocab_size} rows:"
+                f" use a model config with vocab_size >= {self.vocab_size}, or the tokenizer the model was built for."
+            )
+
+    def describe_privacy_unit(self) -> str:
+        """What one sample is, in words: the unit the privacy guarantee protects."""
+        if self.privacy_unit == "document":
+            kinds = " or ".join(dict.fromkeys(FORMATS[p.suffix.lower()][1] for p in self.files))
+            return f"one document ({kinds}), truncated to {self.seq_len + 1} tokens"
+        return (
+            f"one sequence of {self.seq_len + 1} tokens of concatenated documents; a document spanning"
+            " several sequences is protected only per sequence"
+        )
+
+    # ------------------------------------------------------------------ data
+
+    def prepare_data(self) -> None:
+        self._tokenize()
+
+    def _tokenize(self) -> Any:
+        """All documents as a ``datasets.Dataset`` with one ``input_ids`` column (int32), in reading order."""
+        if self._tokenized is not None:
+            return self._tokenized
+        datasets = require_hf("datasets")
+        features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
+        encode = _Encode(self.tokenizer, self.eos_token_id if self.add_eos else None)
+        parts, remaining = [], self.max_documents
+        for builder, group in itertools.groupby(self.files, key=lambda p: FORMATS[p.suffix.lower()][0]):
+            paths = [str(p) for p in group]
+            raw = datasets.load_dataset(
+                builder, data_files=paths, split="train", cache_dir=self.cache_dir, num_proc=self.num_proc,
+                **({"sample_by": "document"} if builder == "text" else {}),
+            )
+            field = "text" if builder == "text" else self.text_field
+            if field not in raw.column_names:
+                raise ValueError(
+                    f"{paths[0]}{' (and others)' if len(paths) > 1 else ''} has no field {field!r}; its fields are"
+                    f" {raw.column_names}: pass text_field=<the one holding the text>."
+                )
+            if getattr(raw.features[field], "dtype", None) not in ("string", "large_string"):
+                raise ValueError(f"Field {field!r} of {paths[0]} holds {raw.features[field]}, not text.")
+            if remaining is not None:
+                raw = raw.select(range(min(remaining, len(raw))))
+                remaining -= len(raw)
+            parts.append(raw.map(
+                encode, batched=True, input_columns=[field], remove_columns=raw.column_names, features=features,
+                num_proc=self.num_proc, desc="Tokenizing",
+            ))
+            if remaining == 0:
+                break
+        self._tokenized = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        return self._tokenized
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_dataset is not None:
+            return
+        import pyarrow.compute as pc
+
+        tokenized = self._tokenize()
+        lengths = pc.list_value_length(tokenized.data.column("input_ids")).to_pylist()
+        documents = torch.tensor([i for i, n in enumerate(lengths) if n], dtype=torch.long)
+        if documents.numel() == 0:
+            raise ValueError(
+                f"No text in {len(self.files)} file(s) ({self.files[0]}, ...): every document is empty. Check the"
+                f" files and text_field={self.text_field!r}."
+            )
+        val_count = max(1, round(documents.numel() * self.val_fraction)) if self.val_fraction else 0
+        if val_count >= documents.numel():
+            raise ValueError(
+                f"{documents.numel()} document(s) cannot be split into training and validation documents: add"
+                " documents (a .txt file is one document; split large texts into several files or use .jsonl lines),"
+                " or pass val_fraction=0 for no validation set."
+            )
+        order = documents[torch.randperm(documents.numel(), generator=torch.Generator().manual_seed(self.seed))]
+        self.val_documents = sorted(order[:val_count].tolist())
+        self.train_documents = sorted(order[val_count:].tolist())
+        self.train_dataset = self._samples(tokenized.select(self.train_documents), "training")
+        self.val_dataset = self._samples(tokenized.select(self.val_documents), "validation") if val_count else None
+
+    def _samples(self, documents: Any, split: str) -> Dataset:
+        if self.privacy_unit == "document":
+            return PaddedDocumentDataset(documents.with_format("numpy"), self.seq_len, self.pad_token_id)
+        import pyarrow.compute as pc
+
+        tokens = torch.tensor(pc.list_flatten(documents.with_format("arrow")[:].column("input_ids")).to_numpy())
+        if tokens.numel() < self.seq_len + 1:
+            raise ValueError(
+                f"The {split} documents hold {tokens.numel()} tokens, fewer than one window of seq_len + 1 ="
+                f" {self.seq_len + 1}: add text, lower seq_len"
+                + (", or raise val_fraction." if split == "validation" else ".")
+            )
+        return PackedTokenDataset(tokens, self.seq_len)
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise RuntimeError("Call setup() before asking for a DataLoader.")
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> Union[DataLoader, list]:
+        """The validation DataLoader; an empty list (no validation) with ``val_fraction=0``."""
+        if self.train_dataset is None:
+            raise RuntimeError("Call setup() before asking for a DataLoader.")
+        return [] if self.val_dataset is None else DataLoader(self.val_dataset, batch_size=self.val_batch_size)

@@ -1,0 +1,109 @@
+"""LoRA adapters (PEFT) on `Llama`: only the adapters train, so only they take per-sample gradients and noise.
+
+PEFT wraps each targeted ``nn.Linear`` as ``lora.Linear`` with a frozen ``base_layer`` and two small trainable
+``nn.Linear`` adapters, ``lora_A`` (in -> r) and ``lora_B`` (r -> out), adding ``scaling * B(A(dropout(x)))`` to the
+base output. The adapters are plain linear layers, so the per-sample capture, the CP exchanges and FSDP2 treat them
+like any other; frozen base weights take no per-sample memory, no clipped-sum buffer and no optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_longshield.hf import require_hf
+from simulate.specs import LORA_TARGETS
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """LoRA hyper-parameters: adapter ``rank``, ``alpha`` (the update is scaled by ``alpha / rank``), ``dropout`` on
+    the adapter input, and the linear layers to adapt, by name (default: every projection of every block)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Sequence[str] = LORA_TARGETS
+
+    def __post_init__(self) -> None:
+        if int(self.rank) != self.rank or self.rank < 1:
+            raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}.")
+        if self.alpha <= 0:
+            raise ValueError(f"LoRA alpha must be positive, got {self.alpha!r}.")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}.")
+        if isinstance(self.target_modules, str) or not self.target_modules:
+            raise ValueError(
+                f"target_modules must be a non-empty list of layer names, e.g. {list(LORA_TARGETS)}; got"
+                f" {self.target_modules!r}."
+            )
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+    def peft_config(self, init_lora_weights: bool = True) -> Any:
+        """The equivalent ``peft.LoraConfig`` (``init_lora_weights=False`` draws B at random too, for tests)."""
+        peft = require_hf("peft")
+        return peft.LoraConfig(
+            r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=list(self.target_modules),
+            bias="none", init_lora_weights=init_lora_weights,
+        )
+
+
+def apply_lora(model: nn.Module, options: LoraOptions, init_lora_weights: bool = True) -> nn.Module:
+    """Inject LoRA adapters into ``model`` in place and freeze every other parameter; returns ``model``.
+
+    Raises a `ValueError` listing the model's linear layer names when ``options.target_modules`` matches none.
+    """
+    peft = require_hf("peft")
+    try:
+        peft.inject_adapter_in_model(options.peft_config(init_lora_weights), model)
+    except ValueError as error:  # PEFT's "Target modules ... not found in the base model"
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if type(m) is nn.Linear})
+        raise ValueError(
+            f"LoRA target_modules {list(options.target_modules)} match no layer of {type(model).__name__}; its linear"
+            f" layers are named {names}."
+        ) from error
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_A." in name or ".lora_B." in name)
+    return model
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a PEFT LoRA wrapper (a frozen ``base_layer`` plus adapters)."""
+    return hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+
+
+def reset_adapters(model: nn.Module) -> None:
+    """Initialise every LoRA adapter as PEFT does (A random, B zero): after a meta-device model is materialised."""
+    for module in model.modules():
+        if is_lora_layer(module):
+            for adapter in list(module.lora_A):
+                module.reset_lora_parameters(adapter, True)
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) state on the CPU with every LoRA adapter merged into its base weight, under the
+    base model's parameter names: ``W + scaling * B @ A``. FSDP2 shards are gathered one tensor at a time (a
+    collective: call on every rank)."""
+    state = {name: _whole(value).detach().to("cpu") for name, value in model.state_dict().items()}
+    lora_prefixes = [name for name, module in model.named_modules() if is_lora_layer(module)]
+    for prefix in lora_prefixes:
+        module = model.get_submodule(prefix)
+        weight = state.pop(f"{prefix}.base_layer.weight")
+        for adapter in list(module.lora_A):
+            a = state.pop(f"{prefix}.lora_A.{adapter}.weight")
+            b = state.pop(f"{prefix}.lora_B.{adapter}.weight")
+            weight = weight + (module.scaling[adapter] * (b.float() @ a.float())).to(weight.dtype)
+        state[f"{prefix}.weight"] = weight
+    leftover = [name for name in state if ".lora_" in name or ".base_layer." in name]
+    if leftover:
+        raise ValueError(f"Cannot merge these LoRA tensors into a base weight: {leftover}.")
+    return state
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
