@@ -93,13 +93,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     (metrics,) = trainer.validate(module, dataloaders=data.val_dataloader(), verbose=False)
 
-    plan = strategy.privacy_plan
-    assert plan is not None
-    print(
-        f"Privacy guarantee: (epsilon={strategy.get_epsilon():.3f}, delta={plan.delta:.3g})-DP after"
-        f" {trainer.global_step} steps (noise_multiplier={plan.noise_multiplier:.3f}, sampling rate"
-        f" q={plan.sample_rate:.3g} = {plan.expected_batch_size}/{plan.dataset_size} windows of {args.seq_len} bytes)"
-    )
+    print(strategy.privacy.describe_guarantee(data.describe_privacy_unit()))
     print(
         f"Released: the noisy parameters after each of the {trainer.global_step} steps, epsilon, and validation"
         " metrics on held-out windows. Not released: training losses, per-sample gradients or norms, the noise and"

@@ -43,23 +43,23 @@ class LoraOptions:
             )
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
 
-    def peft_config(self, init_lora_weights: bool = True) -> Any:
-        """The equivalent ``peft.LoraConfig`` (``init_lora_weights=False`` draws B at random too, for tests)."""
+    def peft_config(self) -> Any:
+        """The equivalent ``peft.LoraConfig``."""
         peft = require_hf("peft")
         return peft.LoraConfig(
             r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=list(self.target_modules),
-            bias="none", init_lora_weights=init_lora_weights,
+            bias="none",
         )
 
 
-def apply_lora(model: nn.Module, options: LoraOptions, init_lora_weights: bool = True) -> nn.Module:
+def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
     """Inject LoRA adapters into ``model`` in place and freeze every other parameter; returns ``model``.
 
     Raises a `ValueError` listing the model's linear layer names when ``options.target_modules`` matches none.
     """
     peft = require_hf("peft")
     try:
-        peft.inject_adapter_in_model(options.peft_config(init_lora_weights), model)
+        peft.inject_adapter_in_model(options.peft_config(), model)
     except ValueError as error:  # PEFT's "Target modules ... not found in the base model"
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if type(m) is nn.Linear})
         raise ValueError(
@@ -67,8 +67,13 @@ def apply_lora(model: nn.Module, options: LoraOptions, init_lora_weights: bool =
             f" layers are named {names}."
         ) from error
     for name, param in model.named_parameters():
-        param.requires_grad_(".lora_A." in name or ".lora_B." in name)
+        param.requires_grad_(is_adapter_parameter(name))
     return model
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Whether the parameter (or state) called ``name`` belongs to a LoRA adapter."""
+    return ".lora_" in name
 
 
 def is_lora_layer(module: nn.Module) -> bool:
@@ -99,7 +104,7 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             b = state.pop(f"{prefix}.lora_B.{adapter}.weight")
             weight = weight + (module.scaling[adapter] * (b.float() @ a.float())).to(weight.dtype)
         state[f"{prefix}.weight"] = weight
-    leftover = [name for name in state if ".lora_" in name or ".base_layer." in name]
+    leftover = [name for name in state if is_adapter_parameter(name) or ".base_layer." in name]
     if leftover:
         raise ValueError(f"Cannot merge these LoRA tensors into a base weight: {leftover}.")
     return state

@@ -103,10 +103,12 @@ class CausalLMModule(L.LightningModule):
         self.pretrained_directory = config if isinstance(config, str) and os.path.isdir(config) else None
         if self.pretrained_directory is not None:
             self.config = Llama.read_pretrained_config(self.pretrained_directory)
+        elif isinstance(config, str):
+            self.config = LlamaConfig.from_name(config)
+        elif isinstance(config, Mapping):  # as saved in a checkpoint's hyper-parameters
+            self.config = LlamaConfig(**config)
         else:
-            self.config = LlamaConfig.from_name(config) if isinstance(config, str) else config
-            if isinstance(config, Mapping):  # as saved in a checkpoint's hyper-parameters
-                self.config = LlamaConfig(**config)
+            self.config = config
         self.optimizer_name = optimizer
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay

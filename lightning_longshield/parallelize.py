@@ -65,10 +65,9 @@ def parallelize(
 
     The same steps at every group size (a one-rank group at CP 1, as TorchTitan applies FSDP at degree 1):
     activation checkpointing (DP-safe, LongShield-V3); attention that all-gathers K/V over the group (the model's own
-    attention on one rank); FSDP2 sharding
-    (`shard_with_fsdp`, with the precision's `gather_policy`); the materialisation of a meta-device model shard by
-    shard on ``device``; and the exchange that completes per-sample gradients over the group (V1 / V2, or local
-    when the group is one rank).
+    attention on one rank); FSDP2 sharding (`shard_with_fsdp`, with the precision's `gather_policy`); the
+    materialisation of a meta-device model shard by shard on ``device``; and the exchange that completes per-sample
+    gradients over the group (V1 / V2, or local when the group is one rank).
     """
     if parallelism.activation_checkpointing is not False:
         apply_activation_checkpointing(module, parallelism.activation_checkpointing)

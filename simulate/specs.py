@@ -31,6 +31,10 @@ class Linear:
     def numel(self) -> int:
         return self.in_features * self.out_features
 
+    def lora_numel(self, rank: int) -> int:
+        """Parameters of a LoRA adapter of ``rank`` on this matrix (``A``: in x r, ``B``: r x out)."""
+        return rank * (self.in_features + self.out_features)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -107,10 +111,10 @@ LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
 
 def lora_numel(spec: ModelSpec, rank: int, target_modules: tuple[str, ...] | list[str] = LORA_TARGETS) -> int:
-    """Parameters of LoRA adapters of ``rank`` on the named linear layers (``A``: in x r, ``B``: r x out)."""
+    """Parameters of LoRA adapters of ``rank`` on the named linear layers of every block and the head."""
     targets = set(target_modules)
-    per_block = sum(rank * (lin.in_features + lin.out_features) for lin in spec.block_linears() if lin.name in targets)
-    head = sum(rank * (lin.in_features + lin.out_features) for lin in spec.head_linears() if lin.name in targets)
+    per_block = sum(lin.lora_numel(rank) for lin in spec.block_linears() if lin.name in targets)
+    head = sum(lin.lora_numel(rank) for lin in spec.head_linears() if lin.name in targets)
     return spec.n_layers * per_block + head
 
 
@@ -132,7 +136,7 @@ def trainable_params(spec: ModelSpec, lora_rank: int = 0) -> TrainableParams:
                                max(lin.numel for lin in spec.block_linears()), spec.num_parameters)
     adapters = [lin for lin in spec.block_linears() if lin.name in LORA_TARGETS]
     return TrainableParams(
-        block=sum(lora_rank * (lin.in_features + lin.out_features) for lin in adapters),
+        block=sum(lin.lora_numel(lora_rank) for lin in adapters),
         embedding=0,
         largest_in_block=max(lora_rank * max(lin.in_features, lin.out_features) for lin in adapters),
         total=lora_numel(spec, lora_rank),

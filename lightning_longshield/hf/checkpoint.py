@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_longshield.hf import require_hf
+from lightning_longshield.lora import is_adapter_parameter, merged_state_dict
 from lightning_longshield.models.config import LlamaConfig
 from simulate.specs import RopeScaling
 
@@ -155,10 +156,6 @@ def _is_rotary(hf: str) -> bool:
     return hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
 
 
-def _is_adapter(name: str) -> bool:
-    return ".lora_" in name
-
-
 def to_interleaved(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Permute the rows of whole heads from Hugging Face's rotate-half order to interleaved pairs."""
     return weight.unflatten(0, (weight.shape[0] // head_dim, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
@@ -197,7 +194,7 @@ def load_pretrained_weights(model: nn.Module, directory: PathLike) -> None:
     """
     safe_open = require_hf("safetensors").safe_open
     files = weight_map(directory)
-    params = {hf_name(name): param for name, param in model.named_parameters() if not _is_adapter(name)}
+    params = {hf_name(name): param for name, param in model.named_parameters() if not is_adapter_parameter(name)}
     sources = {name: name for name in params}
     if "lm_head.weight" in params and "lm_head.weight" not in files and model.config.tie_embeddings:
         sources["lm_head.weight"] = "model.embed_tokens.weight"  # a tied model whose parameters were untied
@@ -282,8 +279,6 @@ def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch
     Sharded parameters are gathered one at a time to the CPU, a collective: with more than one process every rank
     calls this, rank 0 writes and all return once the files are complete.
     """
-    from lightning_longshield.lora import merged_state_dict
-
     state = merged_state_dict(model)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not distributed or dist.get_rank() == 0:

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_longshield.hf import require_hf
 
 PAD, EOS = "<pad>", "<eos>"
@@ -33,7 +35,7 @@ def write_demo_llama(
 ) -> Path:
     """A randomly initialised ``LlamaForCausalLM`` (default: 2 layers of width 64, GQA, Llama-3 RoPE scaling) with
     a tokenizer trained on ``texts``, saved in ``directory`` (safetensors); ``sizes`` override config fields."""
-    torch, transformers = require_hf("torch"), require_hf("transformers")
+    transformers = require_hf("transformers")
     tokenizer = train_bpe_tokenizer(texts, directory, vocab_size)
     config = transformers.LlamaConfig(**{
         "vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -223,16 +222,16 @@ def _all_to_all_features(x: torch.Tensor, shard: ParamShard, group: dist.Process
 
 
 def build_exchange(
-    group: Optional[dist.ProcessGroup],
-    shards: Optional[dict[str, ParamShard]],
+    group: dist.ProcessGroup,
+    shards: dict[str, ParamShard],
     shard_per_sample_grads: bool = True,
     output_stationary: bool = False,
     overlap: bool = True,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> LocalExchange:
-    """The exchange for a layout: local without a group or on a one-rank group (CP 1: every shard is the whole
-    parameter), else V1 (all-reduce) or V2 (input- or output-stationary) over the context-parallel ``group``."""
-    if shards is None or group is None or dist.get_world_size(group) == 1:
+    """The exchange for a layout: local on a one-rank group (CP 1: every shard is the whole parameter), else V1
+    (all-reduce) or V2 (input- or output-stationary) over the context-parallel ``group``."""
+    if dist.get_world_size(group) == 1:
         return LocalExchange()
     if not shard_per_sample_grads:
         return AllReduceExchange(group, shards)
