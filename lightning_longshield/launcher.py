@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from typing_extensions import override
 
 
 class GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
-    """After training in spawned workers, hand the main process the full state dict, not rank 0's shards."""
+    """After training in spawned workers, hand the main process the full state dict, not rank 0's shards, and close
+    the workers' process group."""
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Optional[_WorkerOutput]:
@@ -18,4 +20,8 @@ class GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
         output = super()._collect_rank_zero_results(trainer, results)
         if output is not None and output.weights_path is not None:
             self._strategy.checkpoint_io.save_checkpoint(full_state, output.weights_path)
+        # Close the process group in the worker, once every rank is done with it, instead of leaving it to
+        # interpreter exit (a worker once aborted there: "terminate called without an active exception").
+        self._strategy.barrier()
+        _destroy_dist_connection()
         return output
