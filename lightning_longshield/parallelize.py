@@ -19,6 +19,7 @@ from lightning_longshield.activation_checkpointing import (
 )
 from lightning_longshield.context_parallel import apply_context_parallel_attention
 from lightning_longshield.lora import reset_adapters
+from lightning_longshield.privacy.grad_sample.bookkeeping import PER_SAMPLE_METHODS, PerSampleMethod
 from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES, LocalExchange, build_exchange
 from lightning_longshield.privacy.randomness import derive_seed
 from lightning_longshield.privacy.shards import ParamShard
@@ -29,7 +30,8 @@ GRAD_SAMPLE_PATTERNS = ("input_stationary", "output_stationary")
 @dataclass(frozen=True)
 class DPParallelism:
     """How a DP step is parallelised: CP size, the per-sample exchange (V1 / V2 and its pattern), communication
-    overlap and bucketing, and activation checkpointing (V3). The strategy's arguments of the same names."""
+    overlap and bucketing, activation checkpointing (V3) and how linear and embedding weights get per-sample norms
+    (materialised, ghost or mixed, with book-keeping). The strategy's arguments of the same names."""
 
     context_parallel_size: Optional[int] = None
     shard_per_sample_grads: bool = True
@@ -37,8 +39,11 @@ class DPParallelism:
     overlap_communication: bool = True
     communication_bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20
     activation_checkpointing: CheckpointPolicy = False
+    per_sample: PerSampleMethod = "materialize"
 
     def __post_init__(self) -> None:
+        if self.per_sample not in PER_SAMPLE_METHODS:
+            raise ValueError(f"per_sample={self.per_sample!r}; choose one of {PER_SAMPLE_METHODS}.")
         if self.context_parallel_size is not None and self.context_parallel_size < 1:
             raise ValueError(f"context_parallel_size must be >= 1 or None, got {self.context_parallel_size}.")
         if self.grad_sample_pattern not in GRAD_SAMPLE_PATTERNS:

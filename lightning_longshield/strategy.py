@@ -81,6 +81,12 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             parameters travel together); ``0`` sends one collective per parameter. Exact either way.
         activation_checkpointing: DP-safe block-level activation checkpointing (LongShield-V3): ``True`` for every
             block, an int ``k`` for every k-th block, or a callable ``(index, block) -> bool``.
+        per_sample: how linear and embedding weights get per-sample norms and clipped sums. ``"materialize"``
+            (default): per-sample gradients ``(MBS, *shape)``, the right choice for long sequences. ``"ghost"``: norms
+            from two ``T x T`` Gram matrices per sample (an embedding's from its token ids) and book-keeping: the
+            clipped sum is one matmul per layer over the kept (output gradient, input), in the same backward.
+            ``"mixed"``: per layer the cheaper of the two norms (ghost when ``2 T^2 < in x out``), book-keeping for
+            both. Norm layers and biases always materialise (vectors). The same DP-SGD step either way.
         accountant: ``"prv"`` (default; Opacus's PRV accountant with a bounded grid, tighter) or ``"rdp"``.
         secure_mode: for a real deployment: Poisson masks from SHAKE-256 keyed by 256 bits of OS entropy, and each
             noise tensor from fresh OS entropy with Opacus's hardened Gaussian sampler (sum of four draws).
@@ -109,6 +115,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         overlap_communication: bool = True,
         communication_bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
         activation_checkpointing: CheckpointPolicy = False,
+        per_sample: Literal["materialize", "ghost", "mixed"] = "materialize",
         accountant: Literal["prv", "rdp"] = "prv",
         secure_mode: bool = False,
         seed: Optional[int] = None,
@@ -130,7 +137,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         self.checkpoint_io, self.precision_plugin = checkpoint_io, precision_plugin  # type: ignore[assignment]
         self.parallelism = DPParallelism(
             context_parallel_size, shard_per_sample_grads, grad_sample_pattern, overlap_communication,
-            communication_bucket_mb, activation_checkpointing,
+            communication_bucket_mb, activation_checkpointing, per_sample,
         )
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
@@ -208,7 +215,8 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         exchange = parallelize(module, self.parallelism, self.context_parallel_mesh, self.root_device, precision)
         dp_group = self.device_mesh[DATA_PARALLEL].get_group() if self.data_parallel_size > 1 else None
         assert self.privacy.noise is not None
-        return DPSGDEngine(module, self.max_grad_norm, self.privacy.noise, self.accountant, exchange, dp_group)
+        return DPSGDEngine(module, self.max_grad_norm, self.privacy.noise, self.accountant, exchange, dp_group,
+                           per_sample=self.parallelism.per_sample)
 
     @override
     def model_to_device(self) -> None:

@@ -1,5 +1,6 @@
-"""Context-parallel DP-SGD (V1, V2 input- and output-stationary, each also with activation checkpointing) on a data x
-context mesh equals CP size 1 and the independent per-sample-loop reference (noise 0, SGD lr 1, clipping active)."""
+"""Context-parallel DP-SGD (V1, V2 input- and output-stationary, each also with activation checkpointing; mixed and
+ghost norms with book-keeping) on a data x context mesh equals CP size 1 and the independent per-sample-loop
+reference (noise 0, SGD lr 1, clipping active)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,19 @@ def configurations(context_parallel_size: int) -> dict[str, dict]:
         )
         for exchange, kwargs in EXCHANGES.items()
         for mbs in (1, 2)
+    } | {  # norms without per-sample gradients: mixed (ghost for wq and the MLP, materialised for wk/wv at T=16)
+        # and ghost, book-kept clipped sums reduce-scattered over the group
+        "v2_mixed_mbs2_tied": dict(
+            strategy_kwargs=dict(context_parallel_size=context_parallel_size, micro_batch_size=2, per_sample="mixed"),
+            tie_embeddings=True,
+            max_grad_norm=CLIP,
+        ),
+        "v1_ghost_checkpointed_mbs2": dict(
+            strategy_kwargs=dict(context_parallel_size=context_parallel_size, micro_batch_size=2, per_sample="ghost",
+                                 shard_per_sample_grads=False, activation_checkpointing=True),
+            tie_embeddings=False,
+            max_grad_norm=CLIP,
+        ),
     }
 
 

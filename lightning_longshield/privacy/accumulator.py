@@ -73,6 +73,15 @@ class ClippedGradientSum:
             del rows, scaled  # hold no scaled copy into the next sample's work
 
     @torch.no_grad()
+    def add_sums(self, clipped_sums: dict[str, torch.Tensor]) -> None:
+        """Add already clipped fp32 sums over a micro-batch's samples (book-keeping), this rank's part of each."""
+        for name, total in clipped_sums.items():
+            if name in self.sums:
+                self.sums[name] += total
+            else:
+                self.sums[name] = total
+
+    @torch.no_grad()
     def release(self, noise: GaussianNoise, noise_std: float, expected_batch_size: float) -> None:
         """Privatise the sums into ``param.grad`` and start a new logical batch."""
         replicas = 1 if self.data_parallel_group is None else dist.get_world_size(self.data_parallel_group)

@@ -31,8 +31,8 @@ def per_sample_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: i
     return norms.view(len(tensors), batch_size).double().square().sum(0)
 
 
-def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
-    """fp32 ``min(1, C' / ||g_i||)`` per sample with ``C' = C (1 - CLIP_MARGIN)``: clipped norms are at most ``C``."""
+def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float, margin: float = CLIP_MARGIN) -> torch.Tensor:
+    """fp32 ``min(1, C' / ||g_i||)`` per sample with ``C' = C (1 - margin)``: clipped norms are at most ``C``."""
     norms = squared_norms.double().sqrt()
-    bound = max_grad_norm * (1 - CLIP_MARGIN)
+    bound = max_grad_norm * (1 - margin)
     return torch.where(norms > bound, bound / norms, torch.ones_like(norms)).float()

@@ -10,8 +10,9 @@ from torch import nn
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
-from lightning_longshield.privacy.clipping import clip_factors, per_sample_squared_norms
+from lightning_longshield.privacy.clipping import CLIP_MARGIN, clip_factors, per_sample_squared_norms
 from lightning_longshield.privacy.grad_sample import PerSampleGradCapture
+from lightning_longshield.privacy.grad_sample.bookkeeping import PerSampleMethod
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.observer import DPStepObserver
@@ -27,6 +28,8 @@ class DPSGDEngine:
     ``param.grad`` and records the step with the accountant.
 
     The ``exchange`` (default: no context parallelism) decides everything that depends on the parallel layout.
+    ``per_sample`` (``"materialize"``, ``"ghost"``, ``"mixed"``) says how linear and embedding weights get their
+    per-sample norms and clipped sums (see `lightning_longshield.privacy.grad_sample.bookkeeping`).
     """
 
     def __init__(
@@ -37,8 +40,9 @@ class DPSGDEngine:
         accountant: PrivacyAccountant,
         exchange: Optional[LocalExchange] = None,
         data_parallel_group: Optional[dist.ProcessGroup] = None,
+        per_sample: PerSampleMethod = "materialize",
     ):
-        self.capture = PerSampleGradCapture(model, exchange)
+        self.capture = PerSampleGradCapture(model, exchange, per_sample)
         self.exchange = self.capture.exchange
         self.accumulator = ClippedGradientSum(self.capture.parameters, data_parallel_group)
         self.max_grad_norm = max_grad_norm
@@ -46,6 +50,7 @@ class DPSGDEngine:
         self.accountant = accountant
         self.last_per_sample_norms: Optional[torch.Tensor] = None
         self.last_held_bytes = 0
+        self.last_bookkept_bytes = 0
         self.observer = DPStepObserver()
 
     def observe(self, observer: DPStepObserver) -> None:
@@ -65,15 +70,33 @@ class DPSGDEngine:
 
     def accumulate_microbatch(self, batch_size: int) -> None:
         """Clip the per-sample gradients of the last backward and add them to the logical batch's sum."""
+        bookkeeper = self.capture.bookkeeper if self.capture.enabled else None
         grad_samples = self.capture.collect()
         self.observer.microbatch_gradients(grad_samples.values())
         self.last_held_bytes = sum(g.numel() * g.element_size() for g in grad_samples.values())
-        local_norms = per_sample_squared_norms(grad_samples.values(), batch_size)
+        device = next(iter(self.capture.parameters.values())).device
+        if grad_samples:
+            local_norms = per_sample_squared_norms(grad_samples.values(), batch_size)
+        else:
+            local_norms = torch.zeros(batch_size, dtype=torch.float64, device=device)
         squared_norms = self.exchange.complete_squared_norms(local_norms)
-        factors = clip_factors(squared_norms, self.max_grad_norm)
+        margin = CLIP_MARGIN
+        if bookkeeper is not None:
+            self.last_bookkept_bytes = bookkeeper.held_bytes()
+            squared_norms = squared_norms + bookkeeper.squared_norms(batch_size, device)
+            margin = bookkeeper.clip_margin
+        factors = clip_factors(squared_norms, self.max_grad_norm, margin)
         self.accumulator.add(self.exchange.local_part(grad_samples), factors)
+        if bookkeeper is not None:
+            self.accumulator.add_sums(bookkeeper.clipped_sums(factors))
         self.observer.clipped_sums(self.accumulator.sums.values())
         self.last_per_sample_norms = squared_norms.sqrt()
+
+    def per_sample_methods(self) -> dict[str, str]:
+        """How each trainable parameter got its per-sample norm in the last captured micro-batch: ``"ghost"`` (Gram
+        matrices or token ids, book-kept clipped sum) or ``"materialize"`` (a per-sample gradient)."""
+        chosen = self.capture.bookkeeper.choices if self.capture.bookkeeper is not None else {}
+        return {name: chosen.get(name, "materialize") for name in self.capture.parameters}
 
     def release(self, noise_multiplier: float, sample_rate: float, expected_batch_size: float) -> None:
         """Write the private gradient of the logical batch to ``param.grad`` and account for the step."""

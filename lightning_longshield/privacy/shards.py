@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -53,3 +54,14 @@ class ParamShard:
         """This rank's chunk of `padded_chunks_first` with the padding trimmed and the shard dim back in place."""
         start, stop = self.bounds
         return chunk.narrow(-1, 0, stop - start).movedim(-1, self.dim + offset)
+
+
+@torch.no_grad()
+def reduce_scatter_to_shard(
+    tensor: torch.Tensor, shard: ParamShard, group: dist.ProcessGroup, offset: int = 0
+) -> torch.Tensor:
+    """Sum a whole-parameter tensor (``offset`` leading dims, e.g. samples) over ``group``; this rank's shard of it."""
+    chunks = shard.padded_chunks_first(tensor, offset=offset)
+    output = torch.empty_like(chunks[:1])  # gloo wants the output's leading dim times the group size
+    dist.reduce_scatter_tensor(output, chunks, group=group)
+    return shard.from_chunk(output[0], offset=offset)

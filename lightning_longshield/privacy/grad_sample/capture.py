@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_longshield.privacy.grad_sample.bookkeeping import PER_SAMPLE_METHODS, BookKeeper, PerSampleMethod
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.grad_sample.layers import check_supported_layers, trainable_layers
 from lightning_longshield.privacy.grad_sample.tap import PerSampleGradTap
@@ -22,12 +23,23 @@ class PerSampleGradCapture:
     and autograd never builds the summed ``.grad``. A parameter shared by several layers (tied embeddings) receives
     the sum of its uses, under its first name.
 
+    With ``per_sample="ghost"`` or ``"mixed"`` the weights of linear and embedding layers are not materialised: a
+    `BookKeeper` takes their per-sample norms from Gram matrices (or a transient per-sample gradient) and keeps
+    (output gradient, input) to form their clipped sums once the clipping factors are known.
+
     When a micro-batch holds a single sample, the summed gradient *is* its per-sample gradient, so the exchange
     keeps the capture disabled and plain autograd (with FSDP2's reduce-scatter, if the model is sharded) fills
     ``.grad``, which the exchange reads back.
     """
 
-    def __init__(self, model: nn.Module, exchange: Optional[LocalExchange] = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        exchange: Optional[LocalExchange] = None,
+        per_sample: PerSampleMethod = "materialize",
+    ) -> None:
+        if per_sample not in PER_SAMPLE_METHODS:
+            raise ValueError(f"per_sample={per_sample!r}; choose one of {PER_SAMPLE_METHODS}.")
         check_supported_layers(model)
         self.exchange = exchange or LocalExchange()
         self.parameters: dict[str, nn.Parameter] = {
@@ -44,6 +56,11 @@ class PerSampleGradCapture:
             }
             self._handles.append(layer.register_forward_pre_hook(self._detach_parameters))
             self._handles.append(layer.register_forward_hook(self._attach_tap, always_call=True))
+        self.bookkeeper: Optional[BookKeeper] = None
+        if per_sample != "materialize":
+            owners = [name for names in self._layer_names.values() for name in names.values()]
+            shared = {name for name in owners if owners.count(name) > 1}
+            self.bookkeeper = BookKeeper(per_sample, shared, self.exchange.group, self.exchange.shards)
 
     def remove(self) -> None:
         """Remove all hooks; the model behaves as before."""
@@ -69,7 +86,12 @@ class PerSampleGradCapture:
         return PerSampleGradTap.apply(self._receive, layer, output, args[0], *originals.values())
 
     def _receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
-        self.exchange.receive(layer, activation, grad_output, self._name_of)
+        if self.bookkeeper is None or not self.bookkeeper.handles(layer, self._layer_names[id(layer)]):
+            self.exchange.receive(layer, activation, grad_output, self._name_of)
+            return
+        bias_grad_sample = self.bookkeeper.receive(layer, activation, grad_output, self._name_of)
+        if bias_grad_sample is not None:
+            self.exchange.store(self._name_of(layer, layer.bias), bias_grad_sample)
 
     def _name_of(self, layer: nn.Module, param: nn.Parameter) -> str:
         for attr, name in self._layer_names[id(layer)].items():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,8 @@ class LocalExchange:
     """
 
     def __init__(self) -> None:
+        self.group: Optional[dist.ProcessGroup] = None
+        self.shards: dict[str, ParamShard] = {}
         self.grad_samples: dict[str, torch.Tensor] = {}
         self.held_bytes = 0
         self.observer = DPStepObserver()
@@ -60,8 +63,12 @@ class LocalExchange:
 
     def receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor, name_of: ParamNamer):
         for param, grad_sample in grad_sampler_for(layer)(layer, [activation], grad_output).items():
-            self.observer.per_sample_gradient(grad_sample)
-            self._store(name_of(layer, param), grad_sample)
+            self.store(name_of(layer, param), grad_sample)
+
+    def store(self, name: str, grad_sample: torch.Tensor) -> None:
+        """Take one parameter's (partial) per-sample gradient ``(B, *shape)``, computed from this rank's tokens."""
+        self.observer.per_sample_gradient(grad_sample)
+        self._store(name, grad_sample)
 
     def _store(self, name: str, grad_sample: torch.Tensor) -> None:
         previous = self.grad_samples.get(name)

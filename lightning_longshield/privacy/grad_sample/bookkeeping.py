@@ -1,0 +1,298 @@
+"""Per-sample norms without per-sample gradients (ghost clipping) and the clipped sum by book-keeping (BK).
+
+A linear layer's per-sample weight gradient is ``G_i^T A_i`` (``G``: output gradients ``(T, p)``, ``A``: inputs
+``(T, d)``); its squared norm is ``<G_i G_i^T, A_i A_i^T>``, two ``T x T`` Gram matrices instead of a ``p x d``
+gradient (ghost clipping). ``"mixed"`` takes, layer by layer, the cheaper: the Gram matrices when ``2 T^2 < p d``,
+else the per-sample gradient, formed only for its norm and freed at once. An embedding's per-sample gradient
+scatters ``G_i`` into the rows of its tokens: its squared norm adds, per distinct token of the sample, the squared
+norm of that token's summed output gradients, with no ``vocab x dim`` tensor. Book-keeping keeps ``(G, A)`` until
+the clipping factors ``c`` are known, then forms each layer's clipped sum ``sum_i c_i G_i^T A_i`` as one matmul: one
+backward suffices.
+
+A tied parameter (embedding and output head) has the sum of its uses as per-sample gradient, so its squared norm
+adds the cross terms ``<G_a^T A_a, G_b^T A_b> = <G_a G_b^T, A_a A_b^T>`` of every pair of uses (for an embedding
+use, ``G`` is the one-hot matrix of its tokens): exact, not the sum of the two norms.
+
+Under context parallelism each rank holds a shard of every sequence. A Gram-matrix norm is computed per rank as one
+row block (its tokens against the group's gathered tokens); the blocks of all ranks sum to the whole. A materialised
+norm reduce-scatters the rank's partial per-sample gradient and takes the norm of its shard. Either way the ranks'
+contributions are summed over the group, and each rank's clipped sum over its own tokens is reduce-scattered to the
+owners of the parameter's shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_longshield.privacy.clipping import CLIP_MARGIN
+from lightning_longshield.privacy.shards import ParamShard, reduce_scatter_to_shard
+
+PerSampleMethod = Literal["materialize", "ghost", "mixed"]
+PER_SAMPLE_METHODS: tuple[str, ...] = ("materialize", "ghost", "mixed")
+NormMethod = Literal["ghost", "materialize"]
+
+#: Elements of one block of a Gram matrix product: longer sequences are processed in row blocks of this size.
+GRAM_BLOCK_ELEMENTS = 2**24
+
+
+def ghost_norm_is_cheaper(tokens: int, in_features: int, out_features: int) -> bool:
+    """The mixed rule: two ``T x T`` Gram matrices per sample cost less than one ``p x d`` per-sample gradient."""
+    return 2 * tokens * tokens < in_features * out_features
+
+
+@dataclass
+class Use:
+    """One use of a parameter in a micro-batch: the per-sample gradient is ``left_i^T right_i``.
+
+    ``left`` is ``(B, T, p)`` output gradients of a linear layer, or ``(B, T)`` token ids of an embedding (the
+    one-hot rows of a ``rows x d`` table); ``right`` is ``(B, T, d)``: the linear layer's inputs or the embedding's
+    output gradients.
+    """
+
+    left: torch.Tensor
+    right: torch.Tensor
+    rows: int
+
+    @property
+    def is_lookup(self) -> bool:
+        return not self.left.is_floating_point()
+
+    @property
+    def tokens(self) -> int:
+        return self.left.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.left, self.right))
+
+    def gathered(self, group: Optional[dist.ProcessGroup]) -> Use:
+        """This use with the tokens of every rank of ``group`` (itself without a group)."""
+        if group is None:
+            return self
+        return Use(gather_tokens(self.left, group), gather_tokens(self.right, group), self.rows)
+
+    def per_sample_gradient(self) -> torch.Tensor:
+        """``(B, rows, d)`` fp32 per-sample gradients (for a materialised norm)."""
+        right = self.right.float()
+        if not self.is_lookup:
+            return torch.bmm(self.left.float().transpose(1, 2), right)
+        batch = right.shape[0]
+        out = torch.zeros(batch * self.rows, right.shape[-1], dtype=torch.float32, device=right.device)
+        offsets = torch.arange(batch, device=right.device)[:, None] * self.rows
+        return out.index_add_(0, (self.left + offsets).flatten(), right.flatten(0, 1)).view(batch, self.rows, -1)
+
+    def clipped_sum(self, factors: torch.Tensor) -> torch.Tensor:
+        """``sum_i factors[i] * left_i^T right_i`` as one fp32 matmul (or one scatter for an embedding)."""
+        right = self.right.float()
+        if self.is_lookup:
+            scaled = (right * factors[:, None, None]).flatten(0, 1)
+            out = torch.zeros(self.rows, right.shape[-1], dtype=torch.float32, device=right.device)
+            return out.index_add_(0, self.left.flatten(), scaled)
+        scaled = (self.left.float() * factors[:, None, None]).flatten(0, 1)
+        with exact_fp32_matmul():
+            return scaled.transpose(0, 1) @ right.flatten(0, 1)
+
+
+@torch.no_grad()
+def gather_tokens(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``(B, T_local, ...)`` -> ``(B, world * T_local, ...)``: the group's tokens, rank by rank."""
+    world = dist.get_world_size(group)
+    gathered = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(gathered, x.unsqueeze(0).contiguous(), group=group)
+    return gathered.movedim(0, 1).flatten(1, 2)
+
+
+@contextmanager
+def exact_fp32_matmul() -> Iterator[None]:
+    """fp32 matmuls without TF32 on CUDA: a clipped contribution must not be rounded above its bound."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(B, Ta, Tb)`` fp32 inner products of rows of ``a`` and ``b``; token ids stand for one-hot rows."""
+    a_ids, b_ids = not a.is_floating_point(), not b.is_floating_point()
+    if a_ids and b_ids:
+        return (a[:, :, None] == b[:, None, :]).float()
+    if a_ids:  # <onehot(a_t), b_s> = b_s[a_t]
+        index = a[:, None, :].expand(b.shape[0], b.shape[1], a.shape[1])
+        return b.float().gather(2, index).transpose(1, 2)
+    if b_ids:
+        return _gram(b, a).transpose(1, 2)
+    with exact_fp32_matmul():
+        return torch.bmm(a.float(), b.float().transpose(1, 2))
+
+
+def cross_squared_norm(a: Use, b: Use) -> torch.Tensor:
+    """``<left_a^T right_a, left_b^T right_b>`` per sample (fp64) from Gram blocks, ``a``'s rows in blocks."""
+    batch, tokens_b = b.left.shape[0], b.tokens
+    total = torch.zeros(batch, dtype=torch.float64, device=a.right.device)
+    step = max(1, GRAM_BLOCK_ELEMENTS // max(1, batch * tokens_b))
+    for start in range(0, a.tokens, step):
+        rows = slice(start, start + step)
+        product = _gram(a.left[:, rows], b.left) * _gram(a.right[:, rows], b.right)
+        total += product.sum((1, 2), dtype=torch.float64)
+    return total
+
+
+def lookup_squared_norm(use: Use, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """Squared norm per sample (fp64) of an embedding's per-sample gradient from its token ids: the output gradients
+    of equal tokens are summed (one row each), then squared. ``rows``: only table rows in ``[start, stop)``."""
+    ids, grads = use.left, use.right.float()
+    batch = ids.shape[0]
+    keys = ids + torch.arange(batch, device=ids.device)[:, None] * use.rows
+    if rows is not None:
+        keep = (ids >= rows[0]) & (ids < rows[1])
+        grads = grads * keep[..., None]
+    unique, inverse = torch.unique(keys.flatten(), return_inverse=True)
+    summed = torch.zeros(unique.numel(), grads.shape[-1], dtype=torch.float32, device=grads.device)
+    summed.index_add_(0, inverse, grads.flatten(0, 1))
+    squares = summed.double().square().sum(1)
+    return torch.zeros(batch, dtype=torch.float64, device=ids.device).index_add_(0, unique // use.rows, squares)
+
+
+class BookKeeper:
+    """Per-sample norms by ghost clipping (or a transient per-sample gradient) and clipped sums by book-keeping, for
+    the linear and embedding weights of a model; other parameters keep materialised per-sample gradients.
+
+    ``method``: ``"ghost"`` takes every linear norm from Gram matrices, ``"mixed"`` the cheaper per layer
+    (`ghost_norm_is_cheaper`, for the whole sequence); embeddings always use their token ids. ``shared`` names the
+    parameters used by several layers (tied weights), whose norms are formed once all their uses are known.
+    ``group`` / ``shards``: the context-parallel group and the shard of every parameter on this rank (``None`` / empty
+    without context parallelism).
+    """
+
+    def __init__(
+        self,
+        method: PerSampleMethod,
+        shared: set[str],
+        group: Optional[dist.ProcessGroup] = None,
+        shards: Optional[dict[str, ParamShard]] = None,
+    ) -> None:
+        if method not in ("ghost", "mixed"):
+            raise ValueError(f"BookKeeper computes 'ghost' or 'mixed' norms, got {method!r}.")
+        self.method = method
+        self.shared = shared
+        self.group = group if group is not None and dist.get_world_size(group) > 1 else None
+        self.shards = shards or {}
+        self.uses: dict[str, list[Use]] = {}
+        self.choices: dict[str, NormMethod] = {}
+        self._squared_norms: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def handles(layer: nn.Module, trainable: dict[str, str]) -> bool:
+        """Whether a layer's weight is book-kept (a trainable linear or embedding weight)."""
+        return type(layer) in (nn.Linear, nn.Embedding) and "weight" in trainable
+
+    @property
+    def world(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
+                name_of: Callable[[nn.Module, nn.Parameter], str]) -> Optional[torch.Tensor]:
+        """Book-keep the weight's use in this backward; returns the bias's per-sample gradient ``(B, p)`` when the
+        layer has a trainable bias (its caller treats it as any other materialised per-sample gradient)."""
+        name = name_of(layer, layer.weight)
+        batch = grad_output.shape[0]
+        if isinstance(layer, nn.Embedding):
+            if layer.scale_grad_by_freq or layer.sparse:
+                raise TypeError(f"{name}: ghost clipping supports embeddings without scale_grad_by_freq and sparse.")
+            grads = grad_output.reshape(batch, -1, grad_output.shape[-1])
+            ids = activation.reshape(batch, -1)
+            if layer.padding_idx is not None:
+                grads = grads * (ids != layer.padding_idx)[..., None]
+            use = Use(ids, grads, layer.num_embeddings)
+        else:
+            grads = grad_output.reshape(batch, -1, grad_output.shape[-1])
+            use = Use(grads, activation.reshape(batch, -1, activation.shape[-1]), layer.out_features)
+        self.uses.setdefault(name, []).append(use)
+        if name not in self.shared:
+            self._add(self._squared_norm(name, [use], self._choose(layer, use)))
+        bias = getattr(layer, "bias", None)
+        if bias is not None and bias.requires_grad:
+            return grads.sum(1)
+        return None
+
+    def _choose(self, layer: nn.Module, use: Use) -> NormMethod:
+        if use.is_lookup or self.method == "ghost":
+            return "ghost"
+        tokens = use.tokens * self.world
+        return "ghost" if ghost_norm_is_cheaper(tokens, layer.in_features, layer.out_features) else "materialize"
+
+    def _add(self, squared_norms: torch.Tensor) -> None:
+        self._squared_norms = squared_norms if self._squared_norms is None else self._squared_norms + squared_norms
+
+    def _squared_norm(self, name: str, uses: list[Use], choice: NormMethod) -> torch.Tensor:
+        """This rank's contribution to the squared norms of ``name``'s per-sample gradients (fp64, ``(B,)``)."""
+        self.choices[name] = choice
+        if choice == "materialize":
+            gradient = sum(use.per_sample_gradient() for use in uses)
+            if self.group is not None:
+                gradient = reduce_scatter_to_shard(gradient, self.shards[name], self.group, offset=1)
+            return gradient.flatten(1).double().square().sum(1)
+        if len(uses) == 1 and uses[0].is_lookup:
+            use = uses[0]
+            if self.group is None:
+                return lookup_squared_norm(use)
+            return lookup_squared_norm(use.gathered(self.group), self.shards[name].bounds)
+        gathered = [use.gathered(self.group) for use in uses]
+        return sum(cross_squared_norm(a, b) for a in uses for b in gathered)
+
+    def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        """Complete per-sample squared norms (fp64) of every book-kept parameter, summed over the group."""
+        for name in self.shared:
+            if name in self.uses:
+                self._add(self._squared_norm(name, self.uses[name], "ghost"))
+        total = self._squared_norms
+        self._squared_norms = None
+        if total is None:
+            total = torch.zeros(batch_size, dtype=torch.float64, device=device)
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        return total
+
+    @property
+    def clip_margin(self) -> float:
+        """Relative margin below ``C`` that covers the rounding between a book-kept norm and its summed gradient.
+
+        The norm and the clipped sum are two fp32 reductions over the ``T`` tokens of a sample (with ``T`` the whole
+        sequence); each is off by at most ``T * 2^-24`` relative, so clipping to ``C (1 - 2 T 2^-24)`` keeps every
+        contribution, as computed, within ``C``.
+        """
+        tokens = max((use.tokens for uses in self.uses.values() for use in uses), default=0) * self.world
+        return max(CLIP_MARGIN, 2 * tokens * 2.0**-24)
+
+    def held_bytes(self) -> int:
+        """Bytes of the book-kept tensors (each storage once: layers sharing an input share it)."""
+        storages = {}
+        for uses in self.uses.values():
+            for use in uses:
+                for tensor in (use.left, use.right):
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def clipped_sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This rank's part of every book-kept parameter's clipped sum (fp32); forgets the book-kept tensors."""
+        factors = factors.float()
+        sums = {}
+        while self.uses:
+            name, uses = self.uses.popitem()
+            total = uses[0].clipped_sum(factors)
+            for use in uses[1:]:
+                total += use.clipped_sum(factors)
+            del uses
+            if self.group is not None:
+                total = reduce_scatter_to_shard(total, self.shards[name], self.group)
+            sums[name] = total
+        return sums
