@@ -8,7 +8,7 @@ from typing import Literal, Optional
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
@@ -25,6 +25,7 @@ from lightning_longshield.privacy.randomness import derive_seed
 from lightning_longshield.privacy.shards import ParamShard
 
 GRAD_SAMPLE_PATTERNS = ("input_stationary", "output_stationary")
+SHARD_OVER = ("context_parallel", "all")
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,14 @@ class DPParallelism:
     communication_bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20
     activation_checkpointing: CheckpointPolicy = False
     per_sample: PerSampleMethod = "materialize"
+    shard_over: Literal["context_parallel", "all"] = "context_parallel"
 
     def __post_init__(self) -> None:
+        if self.shard_over not in SHARD_OVER:
+            raise ValueError(f"shard_over={self.shard_over!r}; choose one of {SHARD_OVER}.")
+        if self.shard_over == "all" and self.output_stationary:
+            raise ValueError("grad_sample_pattern='output_stationary' needs shard_over='context_parallel' (it shards"
+                             " linear inputs over the context-parallel group); use 'input_stationary' with 'all'.")
         if self.per_sample not in PER_SAMPLE_METHODS:
             raise ValueError(f"per_sample={self.per_sample!r}; choose one of {PER_SAMPLE_METHODS}.")
         if self.context_parallel_size is not None and self.context_parallel_size < 1:
@@ -65,24 +72,32 @@ def parallelize(
     context_parallel_mesh: DeviceMesh,
     device: torch.device,
     precision: object = "32-true",
+    data_parallel_size: int = 1,
 ) -> LocalExchange:
     """Prepare ``module`` for DP training on its context-parallel group; returns the exchange for its layout.
 
     The same steps at every group size (a one-rank group at CP 1, as TorchTitan applies FSDP at degree 1):
     activation checkpointing (DP-safe, LongShield-V3); attention that all-gathers K/V over the group (the model's own
-    attention on one rank); FSDP2 sharding (`shard_with_fsdp`, with the precision's `gather_policy`); the
-    materialisation of a meta-device model shard by shard on ``device``; and the exchange that completes per-sample
-    gradients over the group (V1 / V2, or local when the group is one rank).
+    attention on one rank); FSDP2 sharding (`shard_with_fsdp`, with the precision's `gather_policy`) over the group,
+    or with ``shard_over="all"`` over every rank (the ``data_parallel_size`` groups' ranks, in rank order, as
+    TorchTitan's ``dp_shard_cp``); the materialisation of a meta-device model shard by shard on ``device``; and the
+    exchange that completes per-sample gradients over the group (V1 / V2, or local when the group is one rank).
     """
     if parallelism.activation_checkpointing is not False:
         apply_activation_checkpointing(module, parallelism.activation_checkpointing)
     group = context_parallel_mesh.get_group()
     if context_parallel_mesh.size() > 1:
         apply_context_parallel_attention(module, group)
-    shards = shard_with_fsdp(
-        module, context_parallel_mesh, parallelism.output_stationary, mp_policy=gather_policy(precision)
-    )
-    materialize_meta_parameters(module, device, context_parallel_mesh.get_local_rank())
+    replicas = data_parallel_size if parallelism.shard_over == "all" else 1
+    fsdp_mesh = context_parallel_mesh
+    if replicas > 1:
+        fsdp_mesh = init_device_mesh(device.type, (replicas * context_parallel_mesh.size(),),
+                                     mesh_dim_names=("data_context_parallel",))
+    fsdp_shards = shard_with_fsdp(module, fsdp_mesh, parallelism.output_stationary, mp_policy=gather_policy(precision))
+    materialize_meta_parameters(module, device, fsdp_mesh.get_local_rank())
+    cp_rank, cp_size = context_parallel_mesh.get_local_rank(), context_parallel_mesh.size()
+    shards = {name: ParamShard(shard.dim, cp_rank, cp_size, shard.size, replicas)
+              for name, shard in fsdp_shards.items()}
     return build_exchange(
         group,
         shards,

@@ -87,6 +87,12 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             clipped sum is one matmul per layer over the kept (output gradient, input), in the same backward.
             ``"mixed"``: per layer the cheaper of the two norms (ghost when ``2 T^2 < in x out``), book-keeping for
             both. Norm layers and biases always materialise (vectors). The same DP-SGD step either way.
+        shard_over: ``"context_parallel"`` (default): FSDP2 shards model states over each CP group and data-parallel
+            groups hold replicas. ``"all"``: over every rank (data-parallel x context-parallel, TorchTitan's
+            ``dp_shard_cp``): parameters, AdamW moments and the released gradient are ``1/world`` per rank; clipped
+            sums are reduce-scattered over the data-parallel group once per step and each rank adds the noise of
+            its own chunk. Every micro-batch then takes the per-sample path (FSDP2's one-sample ``.grad`` would
+            mix replicas' samples). With CP 1 and ``per_sample="mixed"`` this is the paper's ZeRO-DP+ baseline.
         accountant: ``"prv"`` (default; Opacus's PRV accountant with a bounded grid, tighter) or ``"rdp"``.
         secure_mode: for a real deployment: Poisson masks from SHAKE-256 keyed by 256 bits of OS entropy, and each
             noise tensor from fresh OS entropy with Opacus's hardened Gaussian sampler (sum of four draws).
@@ -116,6 +122,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         communication_bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
         activation_checkpointing: CheckpointPolicy = False,
         per_sample: Literal["materialize", "ghost", "mixed"] = "materialize",
+        shard_over: Literal["context_parallel", "all"] = "context_parallel",
         accountant: Literal["prv", "rdp"] = "prv",
         secure_mode: bool = False,
         seed: Optional[int] = None,
@@ -137,7 +144,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         self.checkpoint_io, self.precision_plugin = checkpoint_io, precision_plugin  # type: ignore[assignment]
         self.parallelism = DPParallelism(
             context_parallel_size, shard_per_sample_grads, grad_sample_pattern, overlap_communication,
-            communication_bucket_mb, activation_checkpointing, per_sample,
+            communication_bucket_mb, activation_checkpointing, per_sample, shard_over,
         )
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
@@ -212,7 +219,8 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
     def _build_engine(self) -> DPSGDEngine:
         """Parallelise the model and wire the exchange of its layout into a fresh DP engine."""
         module, precision = self.lightning_module, self.precision_plugin.precision
-        exchange = parallelize(module, self.parallelism, self.context_parallel_mesh, self.root_device, precision)
+        exchange = parallelize(module, self.parallelism, self.context_parallel_mesh, self.root_device, precision,
+                               self.data_parallel_size)
         dp_group = self.device_mesh[DATA_PARALLEL].get_group() if self.data_parallel_size > 1 else None
         assert self.privacy.noise is not None
         return DPSGDEngine(module, self.max_grad_norm, self.privacy.noise, self.accountant, exchange, dp_group,
@@ -233,7 +241,8 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         """Under context parallelism the model that ``configure_model`` builds goes to the meta device, so no rank
         ever holds the whole model: FSDP2 shards it and each rank allocates and initialises only its own shards."""
         if empty_init is None:
-            empty_init = self._device_mesh is not None and self.is_context_parallel
+            sharded_over_all = self.parallelism.shard_over == "all" and self.world_size > 1
+            empty_init = self._device_mesh is not None and (self.is_context_parallel or sharded_over_all)
         parent = ModelParallelStrategy if empty_init else ParallelStrategy
         with parent.tensor_init_context(self, empty_init):
             yield

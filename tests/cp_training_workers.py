@@ -219,3 +219,39 @@ def meta_initialisation(rank: int, world_size: int, out_dir: str) -> None:
         )
         results[run] = {"local": recorder.local, "full": recorder.full}
     torch.save(results, Path(out_dir) / f"meta{rank}.pt")
+
+
+SHARDED_OVER_ALL = {  # FSDP2 over every rank of a 4-process mesh; name -> (fit kwargs, logical batch)
+    "all_dp2xcp2_v2_mbs1_untied": dict(strategy_kwargs=dict(context_parallel_size=2, micro_batch_size=1,
+                                                            shard_over="all"), tie_embeddings=False),
+    "all_dp2xcp2_v2_mixed_mbs2_tied": dict(strategy_kwargs=dict(context_parallel_size=2, micro_batch_size=2,
+                                                                shard_over="all", per_sample="mixed"),
+                                           tie_embeddings=True),
+    "all_dp2xcp2_v1_checkpointed_mbs2_untied": dict(
+        strategy_kwargs=dict(context_parallel_size=2, micro_batch_size=2, shard_over="all",
+                             shard_per_sample_grads=False, activation_checkpointing=True), tie_embeddings=False),
+    # the paper's ZeRO-DP+: data parallelism only, FSDP2 over all ranks, mixed ghost norms with book-keeping
+    "zero_dp_plus_dp4_mbs2_untied": dict(strategy_kwargs=dict(context_parallel_size=1, micro_batch_size=2,
+                                                              shard_over="all", per_sample="mixed"),
+                                         tie_embeddings=False, logical_batch=2 * LOGICAL_BATCH),
+}
+
+
+def sharded_over_all(rank: int, world_size: int, out_dir: str, max_grad_norm: float) -> None:
+    """Every `SHARDED_OVER_ALL` run (states after each step, local shard sizes), then one pure-noise step of data 2
+    x CP 2 sharded over all ranks (sigma C >> the clipped sum): its update is the noise."""
+    results: dict[str, Any] = {}
+    for name, config in SHARDED_OVER_ALL.items():
+        strategy, states = fit(world_size, max_grad_norm=max_grad_norm, **config)
+        local = sum(p.to_local().numel() for p in strategy.lightning_module.model.parameters())
+        results[name] = {"states": states, "local_numel": local, "config": config}
+    strategy = LongShieldStrategy(context_parallel_size=2, noise_multiplier=1000.0, max_grad_norm=1e-3,
+                                  micro_batch_size=2, poisson_sampling=False, seed=11, shard_over="all")
+    module = make_module(small_config())
+    initial = {name: value.detach().float().clone() for name, value in module.model.state_dict().items()}
+    make_trainer(strategy, max_steps=1, devices=world_size).fit(module, loader(RandomTokens(**DATASET),
+                                                                               LOGICAL_BATCH // 2))
+    final = {k.removeprefix("model."): v for k, v in strategy.lightning_module_state_dict().items()}
+    if rank == 0:  # the full state is gathered on rank 0
+        results["noise_updates"] = {name: final[name].float() - value for name, value in initial.items()}
+        torch.save(results, Path(out_dir) / "sharded_over_all.pt")

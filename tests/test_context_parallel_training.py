@@ -14,6 +14,7 @@ from opacus.accountants import create_accountant
 from cp_training_workers import (
     DATASET,
     LOGICAL_BATCH,
+    SHARDED_OVER_ALL,
     STEPS,
     UNEVEN_BATCH,
     context_parallel_errors,
@@ -22,6 +23,7 @@ from cp_training_workers import (
     meta_initialisation,
     noise_and_epsilon,
     save_checkpoint_under_cp,
+    sharded_over_all,
     train_configurations,
     uneven_micro_batches,
 )
@@ -254,3 +256,29 @@ def test_meta_device_set_up_needs_well_under_the_whole_model_per_rank(tmp_path):
         growth[mode] = [json.loads((out / f"rank{rank}.json").read_text())["peak_growth"] for rank in range(2)]
     assert min(growth["prebuilt"]) > 1.3 * 2**30, growth  # the whole fp32 model was there
     assert max(growth["meta"]) < 0.65 * min(growth["prebuilt"]), growth
+
+
+@pytest.mark.slow
+def test_sharding_over_all_ranks_matches_reference_and_adds_noise_once(tmp_path):
+    """FSDP2 over data 2 x CP 2 (V1, V2, mixed ghost norms, one-sample micro-batches) and ZeRO-DP+ (data 4, CP 1,
+    mixed + book-keeping) equal the per-sample-loop reference; model states are a quarter per rank; a pure-noise
+    step has the noise std sigma C / B: each coordinate's noise is drawn once, by the rank that owns it."""
+    run_processes(4, tmp_path, sharded_over_all, str(tmp_path), CLIP)
+    results = torch.load(tmp_path / "sharded_over_all.pt", weights_only=False)
+    references = {}
+    total = sum(p.numel() for p in make_module(small_config()).model.parameters())
+    for name, config in SHARDED_OVER_ALL.items():
+        result = results[name]
+        key = (config["tie_embeddings"], config.get("logical_batch", LOGICAL_BATCH))
+        if key not in references:
+            references[key] = reference_states(*key)
+        for step, (state, reference) in enumerate(zip(result["states"], references[key], strict=True)):
+            for param, value in reference.items():
+                torch.testing.assert_close(state[param], value, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m, n=name, p=param, s=step: f"{n} step {s + 1} {p}: {m}")
+        tied = config["tie_embeddings"]
+        whole = total - (small_config().vocab_size * small_config().dim if tied else 0)
+        assert result["local_numel"] <= whole / 4 + 64, f"{name}: model states are not sharded over all 4 ranks"
+    noise = torch.cat([update.flatten() for update in results["noise_updates"].values()])
+    expected_std = 1000.0 * 1e-3 / LOGICAL_BATCH
+    assert abs(noise.std().item() / expected_std - 1) < 0.03, "noise added once per coordinate"

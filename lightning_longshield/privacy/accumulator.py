@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_longshield.privacy.noise import GaussianNoise
-from lightning_longshield.privacy.shards import local_tensor
+from lightning_longshield.privacy.shards import ParamShard, local_tensor
 
 
 class ClippedGradientSum:
@@ -22,15 +22,23 @@ class ClippedGradientSum:
     before the all-reduce, so the sum carries exactly ``N(0, (sigma C)^2)`` per coordinate, every replica holds the
     identical result, and no process ever needs another's noise seed. It then divides by the expected logical batch
     size, writes ``param.grad`` (a DTensor shard for FSDP2 parameters) and resets the sums.
+
+    With ``replica_shards`` (FSDP2 over data-parallel x context-parallel ranks, ``shard_over="all"``) each sum is this
+    rank's padded part over the replicas of its data-parallel group (`ParamShard.replicas`): `release`
+    reduce-scatters it over the data-parallel group, leaving every rank the sum of its own FSDP2 chunk, and adds
+    ``N(0, (sigma C)^2)`` there. The chunks of all ranks are disjoint and cover the parameter: the noise enters once
+    per coordinate.
     """
 
     def __init__(
         self,
         parameters: dict[str, nn.Parameter],
         data_parallel_group: Optional[dist.ProcessGroup] = None,
+        replica_shards: Optional[dict[str, ParamShard]] = None,
     ) -> None:
         self.parameters = parameters
         self.data_parallel_group = data_parallel_group
+        self.replica_shards = replica_shards or {}
         self.sums: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
@@ -88,6 +96,10 @@ class ClippedGradientSum:
         for name, param in self.parameters.items():
             local = local_tensor(param)
             total = self.sums.get(name)
+            if name in self.replica_shards:
+                param.grad = _like_parameter(param, self._release_chunk(name, total, local, noise, noise_std)
+                                             .div_(expected_batch_size).to(param.dtype))
+                continue
             if total is None:
                 total = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
             if noise_std > 0:
@@ -97,6 +109,23 @@ class ClippedGradientSum:
                 dist.all_reduce(total, group=self.data_parallel_group)
             param.grad = _like_parameter(param, (total / expected_batch_size).to(param.dtype))
         self.sums.clear()
+
+    def _release_chunk(
+        self, name: str, total: Optional[torch.Tensor], local: torch.Tensor, noise: GaussianNoise, noise_std: float
+    ) -> torch.Tensor:
+        """The noisy sum of this rank's FSDP2 chunk: its replicas' parts reduce-scattered, noise added once."""
+        shard = self.replica_shards[name]
+        if total is None:
+            shape = list(local.shape)
+            shape[shard.dim] = shard.replicas * shard.chunk_size
+            total = torch.zeros(shape, dtype=torch.float32, device=local.device)
+        chunks = shard.data_parallel_chunks_first(total)
+        chunk = torch.empty_like(chunks[:1])
+        dist.reduce_scatter_tensor(chunk, chunks, group=self.data_parallel_group)
+        mine = chunk[0].narrow(shard.dim, 0, local.shape[shard.dim]).contiguous()
+        if noise_std > 0:
+            mine += noise.sample(mine.shape, noise_std, mine.device)
+        return mine
 
 
 def _like_parameter(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:

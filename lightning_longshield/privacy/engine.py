@@ -44,7 +44,8 @@ class DPSGDEngine:
     ):
         self.capture = PerSampleGradCapture(model, exchange, per_sample)
         self.exchange = self.capture.exchange
-        self.accumulator = ClippedGradientSum(self.capture.parameters, data_parallel_group)
+        replica_shards = {name: shard for name, shard in self.exchange.shards.items() if shard.replicas > 1}
+        self.accumulator = ClippedGradientSum(self.capture.parameters, data_parallel_group, replica_shards)
         self.max_grad_norm = max_grad_norm
         self.noise = noise
         self.accountant = accountant

@@ -145,15 +145,14 @@ def cross_squared_norm(a: Use, b: Use) -> torch.Tensor:
     return total
 
 
-def lookup_squared_norm(use: Use, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+def lookup_squared_norm(use: Use, shard: Optional[ParamShard] = None) -> torch.Tensor:
     """Squared norm per sample (fp64) of an embedding's per-sample gradient from its token ids: the output gradients
-    of equal tokens are summed (one row each), then squared. ``rows``: only table rows in ``[start, stop)``."""
+    of equal tokens are summed (one row each), then squared. With ``shard``: only the table rows it owns."""
     ids, grads = use.left, use.right.float()
     batch = ids.shape[0]
     keys = ids + torch.arange(batch, device=ids.device)[:, None] * use.rows
-    if rows is not None:
-        keep = (ids >= rows[0]) & (ids < rows[1])
-        grads = grads * keep[..., None]
+    if shard is not None:
+        grads = grads * shard.owns(ids)[..., None]
     unique, inverse = torch.unique(keys.flatten(), return_inverse=True)
     summed = torch.zeros(unique.numel(), grads.shape[-1], dtype=torch.float32, device=grads.device)
     summed.index_add_(0, inverse, grads.flatten(0, 1))
@@ -244,7 +243,7 @@ class BookKeeper:
             use = uses[0]
             if self.group is None:
                 return lookup_squared_norm(use)
-            return lookup_squared_norm(use.gathered(self.group), self.shards[name].bounds)
+            return lookup_squared_norm(use.gathered(self.group), self.shards[name])
         gathered = [use.gathered(self.group) for use in uses]
         return sum(cross_squared_norm(a, b) for a in uses for b in gathered)
 
@@ -294,5 +293,7 @@ class BookKeeper:
             del uses
             if self.group is not None:
                 total = reduce_scatter_to_shard(total, self.shards[name], self.group)
+            elif name in self.shards:  # one rank: the whole sum (padded when sharded over replicas)
+                total = self.shards[name].take(total)
             sums[name] = total
         return sums

@@ -46,19 +46,30 @@ class LocalExchange:
     capture feeds `receive` and takes `finish`; with one sample `summed_gradients` reads ``.grad`` instead (the
     summed gradient is that sample's); `complete_squared_norms` sums norms of shards over the group and
     `local_part` keeps the slice this rank's clipped sum accumulates.
+
+    ``shards`` (with ``group=None``: only for parameters sharded over data-parallel replicas, ``shard_over="all"``)
+    makes `local_part` lay each whole gradient out as this rank's padded part. ``always_capture``: capture even one
+    sample, when FSDP2's summed ``.grad`` would mix the samples of several data-parallel replicas.
     """
 
-    def __init__(self) -> None:
-        self.group: Optional[dist.ProcessGroup] = None
-        self.shards: dict[str, ParamShard] = {}
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        shards: Optional[dict[str, ParamShard]] = None,
+        always_capture: bool = False,
+    ) -> None:
+        self.group = group
+        self.shards: dict[str, ParamShard] = shards or {}
+        self.always_capture = always_capture
         self.grad_samples: dict[str, torch.Tensor] = {}
         self.held_bytes = 0
         self.observer = DPStepObserver()
         self.capturing = False
 
     def start_microbatch(self, batch_size: int) -> bool:
-        """Whether the next backward needs per-sample capture: with one sample ``.grad`` already is its gradient."""
-        self.capturing = batch_size > 1
+        """Whether the next backward needs per-sample capture: with one sample ``.grad`` already is its gradient
+        (unless ``always_capture``)."""
+        self.capturing = batch_size > 1 or self.always_capture
         return self.capturing
 
     def receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor, name_of: ParamNamer):
@@ -97,7 +108,9 @@ class LocalExchange:
 
     def local_part(self, grad_samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The part of each per-sample gradient this rank's clipped sum keeps (its parameter shard)."""
-        return grad_samples
+        if self.group is not None or not self.shards:
+            return grad_samples
+        return {name: self.shards[name].take(grad, offset=1) for name, grad in grad_samples.items()}
 
 
 class AllReduceExchange(LocalExchange):
@@ -108,10 +121,8 @@ class AllReduceExchange(LocalExchange):
     reduce-scatter instead, whose shards' squared norms are summed over the group.
     """
 
-    def __init__(self, group: dist.ProcessGroup, shards: dict[str, ParamShard]) -> None:
-        super().__init__()
-        self.group = group
-        self.shards = shards
+    def __init__(self, group: dist.ProcessGroup, shards: dict[str, ParamShard], always_capture: bool = False) -> None:
+        super().__init__(group, shards, always_capture)
 
     def _store(self, name: str, grad_sample: torch.Tensor) -> None:
         dist.all_reduce(grad_sample, group=self.group)
@@ -142,10 +153,9 @@ class ReduceScatterExchange(LocalExchange):
         shards: dict[str, ParamShard],
         overlap: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        always_capture: bool = False,
     ) -> None:
-        super().__init__()
-        self.group = group
-        self.shards = shards
+        super().__init__(group, shards, always_capture)
         self.overlap = overlap
         self.bucket_bytes = bucket_bytes
         self._bucket: list[tuple[str, torch.Tensor]] = []
@@ -237,11 +247,18 @@ def build_exchange(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> LocalExchange:
     """The exchange for a layout: local on a one-rank group (CP 1: every shard is the whole parameter), else V1
-    (all-reduce) or V2 (input- or output-stationary) over the context-parallel ``group``."""
+    (all-reduce) or V2 (input- or output-stationary) over the context-parallel ``group``.
+
+    ``shards`` over data-parallel replicas (``ParamShard.replicas > 1``, FSDP2 over the whole mesh) make every
+    micro-batch take the per-sample path: FSDP2's ``.grad`` of one sample would be summed over the replicas."""
+    replicated = any(shard.replicas > 1 for shard in shards.values())
     if dist.get_world_size(group) == 1:
-        return LocalExchange()
+        return LocalExchange(None, shards if replicated else None, always_capture=replicated)
     if not shard_per_sample_grads:
-        return AllReduceExchange(group, shards)
+        return AllReduceExchange(group, shards, replicated)
     if output_stationary:
+        if replicated:
+            raise ValueError("grad_sample_pattern='output_stationary' shards over the context-parallel group only;"
+                             " use 'input_stationary' with shard_over='all'.")
         return OutputStationaryExchange(group, shards, overlap, bucket_bytes)
-    return ReduceScatterExchange(group, shards, overlap, bucket_bytes)
+    return ReduceScatterExchange(group, shards, overlap, bucket_bytes, replicated)
