@@ -10,6 +10,9 @@ Four loops train the same model on the same micro-batches, ``--accumulation`` mi
 - ``opacus``: a plain PyTorch loop with Opacus ``make_private(grad_sample_mode="hooks")`` and its
   ``BatchMemoryManager`` splitting logical batches into micro-batches.
 - ``nondp_torch``: the same plain loop without Opacus, accumulating gradients over the micro-batches.
+- ``zero_dp_plus``: the ``longshield`` loop with ``per_sample="mixed"`` and ``shard_over="all"`` (on one process:
+  mixed ghost norms with book-keeping; the paper's ZeRO-DP+ baseline).
+- ``opacus_ghost``: the Opacus loop with ``grad_sample_mode="ghost"`` (ghost norms, a second backward pass).
 
 Every (loop, micro-batch size) runs in a fresh subprocess, so peak memory is measured in isolation: on CPU the
 growth of peak RSS (``ru_maxrss``) from just before training to the end, on CUDA ``max_memory_allocated`` above
@@ -44,7 +47,8 @@ from lightning_longshield.loss import causal_lm_loss
 from lightning_longshield.models import Llama, LlamaConfig
 from lightning_longshield.text_data import python_stdlib_corpus
 
-METHODS = ("nondp_lightning", "longshield", "longshield_v3", "nondp_torch", "opacus")
+METHODS = ("nondp_lightning", "longshield", "longshield_v3", "zero_dp_plus", "nondp_torch", "opacus", "opacus_ghost")
+LIGHTNING_DP = ("longshield", "longshield_v3", "zero_dp_plus")
 PRECISIONS = ("32-true", "bf16-mixed")
 NOTES = (
     "Ratios compare each DP loop with its own non-DP loop: longshield with nondp_lightning (same Lightning loop,"
@@ -122,7 +126,9 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _lightning_step_ends(args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int) -> list[float]:
+def _lightning_step_ends(
+    args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int, held: dict[str, float]
+) -> list[float]:
     ends: list[float] = []
 
     class StepEnds(Callback):
@@ -136,6 +142,7 @@ def _lightning_step_ends(args: argparse.Namespace, dataset: Dataset, dp: bool, t
         strategy: Any = LongShieldStrategy(
             noise_multiplier=1.0, max_grad_norm=1.0, micro_batch_size=micro, poisson_sampling=False, seed=0,
             activation_checkpointing=args.worker == "longshield_v3",
+            **(dict(per_sample="mixed", shard_over="all") if args.worker == "zero_dp_plus" else {}),
         )
         loader, accumulation = DataLoader(dataset, batch_size=logical), 1
     else:
@@ -156,26 +163,41 @@ def _lightning_step_ends(args: argparse.Namespace, dataset: Dataset, dp: bool, t
         num_sanity_val_steps=0,
     )
     trainer.fit(CausalLMModule(_config(args), optimizer="adamw", learning_rate=1e-4), loader)
+    if dp:  # what the DP engine held for the last micro-batch
+        held["per_sample_grad_bytes"] = strategy.dp_engine.last_held_bytes
+        held["bookkept_bytes"] = strategy.dp_engine.last_bookkept_bytes
     return ends
 
 
-def _torch_step_ends(args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int) -> list[float]:
+def _torch_step_ends(
+    args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int, held: dict[str, float]
+) -> list[float]:
     torch.manual_seed(0)
     model = Llama(_config(args)).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     micro, logical = args.micro_batch_size, args.micro_batch_size * args.accumulation
     loader = DataLoader(dataset, batch_size=micro)
     scale = 1.0 / args.accumulation
+    criterion: Any = causal_lm_loss
     if dp:
-        model, optimizer, logical_loader = PrivacyEngine().make_private(
+        ghost = args.worker == "opacus_ghost"
+        private = PrivacyEngine().make_private(
             module=model,
             optimizer=optimizer,
             data_loader=DataLoader(dataset, batch_size=logical),
             noise_multiplier=1.0,
             max_grad_norm=1.0,
             poisson_sampling=False,
-            grad_sample_mode="hooks",
+            grad_sample_mode="ghost" if ghost else "hooks",
+            **(dict(criterion=torch.nn.CrossEntropyLoss(ignore_index=-100)) if ghost else {}),
         )
+        if ghost:  # per-sample mean token losses through Opacus's criterion; its backward runs two passes
+            model, optimizer, ghost_criterion, logical_loader = private
+
+            def criterion(logits: torch.Tensor, labels: torch.Tensor) -> Any:
+                return ghost_criterion(logits.flatten(0, 1).float(), labels.flatten(), shape=logits.shape)
+        else:
+            model, optimizer, logical_loader = private
         # What BatchMemoryManager does: the DP optimizer clips and sums micro-batches until a logical batch ends,
         # then divides by the logical batch size, so the loss is not scaled by the accumulation.
         loader = wrap_data_loader(data_loader=logical_loader, max_batch_size=micro, optimizer=optimizer)
@@ -185,7 +207,7 @@ def _torch_step_ends(args: argparse.Namespace, dataset: Dataset, dp: bool, total
     for index, batch in enumerate(loader):
         input_ids, labels = batch["input_ids"].to(args.device), batch["labels"].to(args.device)
         with autocast:
-            loss = causal_lm_loss(model(input_ids), labels)
+            loss = criterion(model(input_ids), labels)
         (loss * scale).backward()
         if dp:
             optimizer.step()  # a no-op (clip and accumulate only) until the logical batch's last micro-batch
@@ -218,11 +240,13 @@ def run_worker(args: argparse.Namespace) -> dict[str, float]:
         baseline = torch.cuda.memory_allocated()
     else:
         baseline = _peak_memory_bytes("cpu")
-    dp = args.worker in ("longshield", "longshield_v3", "opacus")
-    run = _torch_step_ends if args.worker in ("nondp_torch", "opacus") else _lightning_step_ends
-    ends = run(args, dataset, dp, total_steps)
+    dp = args.worker in (*LIGHTNING_DP, "opacus", "opacus_ghost")
+    run = _torch_step_ends if args.worker in ("nondp_torch", "opacus", "opacus_ghost") else _lightning_step_ends
+    held: dict[str, float] = {}
+    ends = run(args, dataset, dp, total_steps, held)
     durations = [b - a for a, b in zip(ends, ends[1:])][args.warmup :]
-    result = {"step_s": statistics.median(durations), "peak_mem_bytes": _peak_memory_bytes(args.device) - baseline}
+    result = {"step_s": statistics.median(durations), "peak_mem_bytes": _peak_memory_bytes(args.device) - baseline,
+              **held}
     if args.device == "cuda":
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     return result
@@ -270,8 +294,13 @@ def _row(micro_batch_size: int, accumulation: int, measured: dict[str, dict[str,
         if method in measured:
             row[f"{method}_step_s"] = round(get(method, "step_s"), 4)  # type: ignore[arg-type]
             row[f"{method}_peak_mem_mib"] = round(get(method, "peak_mem_bytes") / 2**20, 1)  # type: ignore[operator]
+    for method in LIGHTNING_DP:
+        if method in measured and "per_sample_grad_bytes" in measured[method]:
+            row[f"{method}_per_sample_grad_mib"] = round(get(method, "per_sample_grad_bytes") / 2**20, 2)
+            row[f"{method}_bookkept_mib"] = round(get(method, "bookkept_bytes") / 2**20, 2)
     for dp, nondp in (("longshield", "nondp_lightning"), ("longshield_v3", "nondp_lightning"),
-                      ("opacus", "nondp_torch")):
+                      ("zero_dp_plus", "nondp_lightning"), ("opacus", "nondp_torch"),
+                      ("opacus_ghost", "nondp_torch")):
         if dp not in measured or nondp not in measured:
             continue
         row[f"{dp}_over_nondp"] = ratio(get(dp, "step_s"), get(nondp, "step_s"))

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_longshield.activation_checkpointing import CheckpointPolicy
 from lightning_longshield.parallelize import DPParallelism
 from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory
-from simulate.config import longshield_config
+from simulate.config import METHODS, longshield_config, make_config
 from simulate.throughput import estimate_step_time
 
 GIB = 2**30
@@ -113,9 +113,19 @@ class PreflightResult:
 
 
 def simulate_method(
-    shard_per_sample_grads: bool, activation_checkpointing: CheckpointPolicy
+    shard_per_sample_grads: bool,
+    activation_checkpointing: CheckpointPolicy,
+    per_sample: str = "materialize",
+    shard_over: str = "context_parallel",
+    context_parallel_size: int = 1,
 ) -> tuple[str, tuple[str, ...]]:
     """The planner's method for the strategy's settings, with notes on where the estimate is approximate."""
+    if per_sample != "materialize":
+        notes = []
+        if context_parallel_size > 1 or shard_over != "all" or activation_checkpointing is not False:
+            notes.append("Note: estimated as ZeRO-DP+ (book-keeping, FSDP over all ranks, CP 1, no checkpointing);"
+                         " this run's layout differs, so the estimate is approximate.")
+        return "zero-dp", tuple(notes)
     if activation_checkpointing is False:
         return ("v2" if shard_per_sample_grads else "v1"), ()
     notes = []
@@ -189,12 +199,18 @@ def predict(
 ) -> PreflightResult:
     """The planner's peak memory per GPU for a run of ``gpus`` processes in context-parallel groups of ``cp``.
 
-    ``seq_len`` is rounded up to a multiple of ``2 x cp`` (the planner's load-balanced sharding needs it).
+    ``seq_len`` is rounded up to a multiple of ``2 x cp`` (the planner's load-balanced sharding needs it). ZeRO-DP+
+    (``"zero-dp"``) is planned as the paper's: data parallelism over all ``gpus``, model states sharded over them.
     """
     if cp < 1 or gpus % cp:
         raise ValueError(f"cp={cp} must be a positive divisor of gpus={gpus}.")
+    gpu = gpu_spec_for(gpu_name, capacity_bytes)
+    if method == "zero-dp":
+        config = make_config(model=model, gpus=gpus, method=method, mbs=mbs, seq_len=seq_len, cp=1, gpu=gpu,
+                             precision=precision)
+        return PreflightResult(config, estimate_memory(config), gpus, notes)
     padded = -(-seq_len // (2 * cp)) * (2 * cp)
-    config = longshield_config(model, method, cp, mbs, padded, precision, gpu_spec_for(gpu_name, capacity_bytes))
+    config = longshield_config(model, method, cp, mbs, padded, precision, gpu)
     return PreflightResult(config, estimate_memory(config), gpus, notes)
 
 
@@ -223,8 +239,11 @@ def _fastest_fit(config: RunConfig, cp_sizes: list[int], world_size: int) -> Opt
         if config.seq_len % (2 * cp):
             continue
         for method in _stronger_methods(config.method.name):
+            if not METHODS[method].context_parallel and cp > 1:
+                continue
             for mbs in _smaller_micro_batches(config.micro_batch_size):
-                candidate = config.replace(method=method, mbs=mbs, cp=cp, gpus=cp)
+                gpus = config.num_gpus if not METHODS[method].context_parallel else cp
+                candidate = config.replace(method=method, mbs=mbs, cp=cp, gpus=gpus)
                 if candidate == config:
                     continue
                 memory = estimate_memory(candidate)
@@ -292,7 +311,8 @@ def run_preflight(
         rank_zero_info(f"LongShield pre-flight memory check skipped: {reason}.")
         return None
     assert model is not None and seq_len is not None and planner_precision is not None
-    method, notes = simulate_method(parallelism.shard_per_sample_grads, parallelism.activation_checkpointing)
+    method, notes = simulate_method(parallelism.shard_per_sample_grads, parallelism.activation_checkpointing,
+                                    parallelism.per_sample, parallelism.shard_over, cp)
     run = (model, method, world_size, cp, mbs, seq_len, planner_precision)
     if not is_cuda(device):
         result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, notes=notes)

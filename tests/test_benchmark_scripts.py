@@ -49,3 +49,18 @@ def test_lora_vs_full_benchmark_reports_side_by_side_ratios():
     assert 0 < ratios["trainable_parameters"] < 0.1 and ratios["step_s"] > 0
     # per-sample gradients exist only for the adapters: the byte ratio is the parameter ratio
     assert ratios["per_sample_grad_bytes"] == ratios["trainable_parameters"]
+
+
+def test_zero_dp_vs_longshield_benchmark_reports_every_method_against_its_non_dp_loop():
+    command = [sys.executable, str(BENCHMARKS / "zero_dp_vs_longshield.py"), "--seq-len", "32",
+               "--micro-batch-sizes", "2", "--accumulation", "2", "--steps", "1", "--markdown"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    (row,) = report["results"]
+    for method, baseline in (("zero_dp_plus", "nondp_lightning"), ("longshield", "nondp_lightning"),
+                             ("longshield_v3", "nondp_lightning"), ("opacus_ghost", "nondp_torch")):
+        expected = row[f"{method}_step_s"] / row[f"{baseline}_step_s"]  # of the rounded step times
+        assert abs(row[f"{method}_over_nondp"] / expected - 1) < 0.01
+    assert row["zero_dp_plus_bookkept_mib"] > 0 and row["longshield_bookkept_mib"] == 0
+    assert "| 2 | " in result.stdout and "ZeRO-DP+ step / non-DP" in result.stdout

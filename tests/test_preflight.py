@@ -64,6 +64,16 @@ def test_policy_and_v1_checkpointing_are_estimated_as_v3_with_a_note():
     assert method == "v3" and "every block is checkpointed" in notes[0] and "shard_per_sample_grads" in notes[1]
 
 
+def test_book_keeping_is_planned_as_zero_dp_plus_over_all_gpus():
+    assert preflight.simulate_method(True, False, "mixed", "all", 1) == ("zero-dp", ())
+    method, notes = preflight.simulate_method(True, False, "ghost", "context_parallel", 2)
+    assert method == "zero-dp" and "approximate" in notes[0]
+    result = preflight.predict(get_model_spec("llama3.2-1b"), "zero-dp", 4, 1, 2, 4096, "bf16-mixed", 80 * GIB)
+    assert result.config.method.name == "zero-dp" and result.config.num_gpus == 4 and result.config.cp_size == 1
+    alone = preflight.predict(get_model_spec("llama3.2-1b"), "zero-dp", 1, 1, 2, 4096, "bf16-mixed", 80 * GIB)
+    assert result.memory.model_states < alone.memory.model_states / 3  # model states sharded over the 4 GPUs
+
+
 @pytest.mark.parametrize("precision, name", [("bf16-mixed", "bf16-mixed"), ("bf16-true", "bf16-mixed"),
                                              ("32-true", "fp32"), ("64-true", None)])
 def test_precision_mapping(precision, name):

@@ -3,7 +3,8 @@
 A linear layer's per-sample weight gradient is ``G_i^T A_i`` (``G``: output gradients ``(T, p)``, ``A``: inputs
 ``(T, d)``); its squared norm is ``<G_i G_i^T, A_i A_i^T>``, two ``T x T`` Gram matrices instead of a ``p x d``
 gradient (ghost clipping). ``"mixed"`` takes, layer by layer, the cheaper: the Gram matrices when ``2 T^2 < p d``,
-else the per-sample gradient, formed only for its norm and freed at once. An embedding's per-sample gradient
+else the per-sample gradient, which then also gives the layer's clipped sum (as without ghost clipping). An
+embedding's per-sample gradient
 scatters ``G_i`` into the rows of its tokens: its squared norm adds, per distinct token of the sample, the squared
 norm of that token's summed output gradients, with no ``vocab x dim`` tensor. Book-keeping keeps ``(G, A)`` until
 the clipping factors ``c`` are known, then forms each layer's clipped sum ``sum_i c_i G_i^T A_i`` as one matmul: one
@@ -14,10 +15,9 @@ adds the cross terms ``<G_a^T A_a, G_b^T A_b> = <G_a G_b^T, A_a A_b^T>`` of ever
 use, ``G`` is the one-hot matrix of its tokens): exact, not the sum of the two norms.
 
 Under context parallelism each rank holds a shard of every sequence. A Gram-matrix norm is computed per rank as one
-row block (its tokens against the group's gathered tokens); the blocks of all ranks sum to the whole. A materialised
-norm reduce-scatters the rank's partial per-sample gradient and takes the norm of its shard. Either way the ranks'
+row block (its tokens against the group's gathered tokens); the blocks of all ranks sum to the whole, so the ranks'
 contributions are summed over the group, and each rank's clipped sum over its own tokens is reduce-scattered to the
-owners of the parameter's shards.
+owners of the parameter's shards. Materialised per-sample gradients take the exchange's path (V1 / V2).
 """
 
 from __future__ import annotations
@@ -78,14 +78,8 @@ class Use:
         return Use(gather_tokens(self.left, group), gather_tokens(self.right, group), self.rows)
 
     def per_sample_gradient(self) -> torch.Tensor:
-        """``(B, rows, d)`` fp32 per-sample gradients (for a materialised norm)."""
-        right = self.right.float()
-        if not self.is_lookup:
-            return torch.bmm(self.left.float().transpose(1, 2), right)
-        batch = right.shape[0]
-        out = torch.zeros(batch * self.rows, right.shape[-1], dtype=torch.float32, device=right.device)
-        offsets = torch.arange(batch, device=right.device)[:, None] * self.rows
-        return out.index_add_(0, (self.left + offsets).flatten(), right.flatten(0, 1)).view(batch, self.rows, -1)
+        """``(B, p, d)`` per-sample gradients of a linear use, in its dtype (as Opacus's sampler forms them)."""
+        return torch.einsum("btp,btd->bpd", self.left, self.right.to(self.left.dtype))
 
     def clipped_sum(self, factors: torch.Tensor) -> torch.Tensor:
         """``sum_i factors[i] * left_i^T right_i`` as one fp32 matmul (or one scatter for an embedding)."""
@@ -161,8 +155,8 @@ def lookup_squared_norm(use: Use, shard: Optional[ParamShard] = None) -> torch.T
 
 
 class BookKeeper:
-    """Per-sample norms by ghost clipping (or a transient per-sample gradient) and clipped sums by book-keeping, for
-    the linear and embedding weights of a model; other parameters keep materialised per-sample gradients.
+    """Per-sample norms by ghost clipping and clipped sums by book-keeping for the linear and embedding weights of a
+    model (with ``"mixed"``, those where it is cheaper); other parameters keep materialised per-sample gradients.
 
     ``method``: ``"ghost"`` takes every linear norm from Gram matrices, ``"mixed"`` the cheaper per layer
     (`ghost_norm_is_cheaper`, for the whole sequence); embeddings always use their token ids. ``shared`` names the
@@ -198,9 +192,13 @@ class BookKeeper:
         return 1 if self.group is None else dist.get_world_size(self.group)
 
     def receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
-                name_of: Callable[[nn.Module, nn.Parameter], str]) -> Optional[torch.Tensor]:
-        """Book-keep the weight's use in this backward; returns the bias's per-sample gradient ``(B, p)`` when the
-        layer has a trainable bias (its caller treats it as any other materialised per-sample gradient)."""
+                name_of: Callable[[nn.Module, nn.Parameter], str]) -> dict[str, torch.Tensor]:
+        """Book-keep the weight's use in this backward, or (mixed, where cheaper) form its per-sample gradient.
+
+        Returns the per-sample gradients ``(B, *shape)`` the caller must treat as materialised, by parameter name: a
+        trainable bias, and the weight when the mixed rule materialises it (its clipped sum then comes from the
+        per-sample gradient: no (output gradient, input) is kept, and no second matmul is needed).
+        """
         name = name_of(layer, layer.weight)
         batch = grad_output.shape[0]
         if isinstance(layer, nn.Embedding):
@@ -214,13 +212,21 @@ class BookKeeper:
         else:
             grads = grad_output.reshape(batch, -1, grad_output.shape[-1])
             use = Use(grads, activation.reshape(batch, -1, activation.shape[-1]), layer.out_features)
-        self.uses.setdefault(name, []).append(use)
-        if name not in self.shared:
-            self._add(self._squared_norm(name, [use], self._choose(layer, use)))
+        materialized = {}
         bias = getattr(layer, "bias", None)
         if bias is not None and bias.requires_grad:
-            return grads.sum(1)
-        return None
+            materialized[name_of(layer, bias)] = grads.sum(1)
+        if name in self.shared:
+            self.choices[name] = "ghost"
+            self.uses.setdefault(name, []).append(use)
+        elif self._choose(layer, use) == "materialize":
+            self.choices[name] = "materialize"
+            materialized[name] = use.per_sample_gradient()
+        else:
+            self.choices[name] = "ghost"
+            self.uses[name] = [use]
+            self._add(self._squared_norm(name, [use]))
+        return materialized
 
     def _choose(self, layer: nn.Module, use: Use) -> NormMethod:
         if use.is_lookup or self.method == "ghost":
@@ -231,14 +237,8 @@ class BookKeeper:
     def _add(self, squared_norms: torch.Tensor) -> None:
         self._squared_norms = squared_norms if self._squared_norms is None else self._squared_norms + squared_norms
 
-    def _squared_norm(self, name: str, uses: list[Use], choice: NormMethod) -> torch.Tensor:
+    def _squared_norm(self, name: str, uses: list[Use]) -> torch.Tensor:
         """This rank's contribution to the squared norms of ``name``'s per-sample gradients (fp64, ``(B,)``)."""
-        self.choices[name] = choice
-        if choice == "materialize":
-            gradient = sum(use.per_sample_gradient() for use in uses)
-            if self.group is not None:
-                gradient = reduce_scatter_to_shard(gradient, self.shards[name], self.group, offset=1)
-            return gradient.flatten(1).double().square().sum(1)
         if len(uses) == 1 and uses[0].is_lookup:
             use = uses[0]
             if self.group is None:
@@ -251,7 +251,7 @@ class BookKeeper:
         """Complete per-sample squared norms (fp64) of every book-kept parameter, summed over the group."""
         for name in self.shared:
             if name in self.uses:
-                self._add(self._squared_norm(name, self.uses[name], "ghost"))
+                self._add(self._squared_norm(name, self.uses[name]))
         total = self._squared_norms
         self._squared_norms = None
         if total is None:

@@ -89,9 +89,8 @@ class PerSampleGradCapture:
         if self.bookkeeper is None or not self.bookkeeper.handles(layer, self._layer_names[id(layer)]):
             self.exchange.receive(layer, activation, grad_output, self._name_of)
             return
-        bias_grad_sample = self.bookkeeper.receive(layer, activation, grad_output, self._name_of)
-        if bias_grad_sample is not None:
-            self.exchange.store(self._name_of(layer, layer.bias), bias_grad_sample)
+        for name, grad_sample in self.bookkeeper.receive(layer, activation, grad_output, self._name_of).items():
+            self.exchange.store(name, grad_sample)
 
     def _name_of(self, layer: nn.Module, param: nn.Parameter) -> str:
         for attr, name in self._layer_names[id(layer)].items():
