@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_longshield.privacy.grad_sample.bookkeeping import gather_tokens
 from lightning_longshield.privacy.grad_sample.layers import grad_sampler_for
 from lightning_longshield.privacy.observer import DPStepObserver
 from lightning_longshield.privacy.shards import ParamShard, local_tensor
@@ -214,19 +215,12 @@ class OutputStationaryExchange(ReduceScatterExchange):
         activation = activation.to(grad_output.dtype)
         if shard.dim == 0:  # output features sharded: all-to-all the output gradient, all-gather the input
             grad_output = _all_to_all_features(grad_output, shard, self.group)
-            activation = _all_gather_tokens(activation, shard.world, self.group)
+            activation = gather_tokens(activation, self.group)
         else:  # input features sharded: all-to-all the input, all-gather the output gradient
             activation = _all_to_all_features(activation, shard, self.group)
-            grad_output = _all_gather_tokens(grad_output, shard.world, self.group)
+            grad_output = gather_tokens(grad_output, self.group)
         weight = torch.einsum("b...o,b...i->boi", grad_output, activation)
         LocalExchange._store(self, name, shard.from_chunk(weight.movedim(shard.dim + 1, -1), offset=1))
-
-
-def _all_gather_tokens(x: torch.Tensor, world: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """(B, T_local, F) -> (B, world * T_local, F), the ranks' tokens in rank order."""
-    gathered = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(gathered, x.unsqueeze(0).contiguous(), group=group)
-    return gathered.movedim(0, 1).flatten(1, 2)
 
 
 def _all_to_all_features(x: torch.Tensor, shard: ParamShard, group: dist.ProcessGroup) -> torch.Tensor:
