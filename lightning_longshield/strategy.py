@@ -85,8 +85,9 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             (default): per-sample gradients ``(MBS, *shape)``, the right choice for long sequences. ``"ghost"``: norms
             from two ``T x T`` Gram matrices per sample (an embedding's from its token ids) and book-keeping: the
             clipped sum is one matmul per layer over the kept (output gradient, input), in the same backward.
-            ``"mixed"``: per layer the cheaper of the two norms (ghost when ``2 T^2 < in x out``), book-keeping for
-            both. Norm layers and biases always materialise (vectors). The same DP-SGD step either way.
+            ``"mixed"``: per layer the cheaper of the two (ghost and book-keeping when ``2 T^2 < in x out``, else
+            the per-sample gradient). Norm layers and biases always materialise (vectors). The same DP-SGD step
+            either way.
         shard_over: ``"context_parallel"`` (default): FSDP2 shards model states over each CP group and data-parallel
             groups hold replicas. ``"all"``: over every rank (data-parallel x context-parallel, TorchTitan's
             ``dp_shard_cp``): parameters, AdamW moments and the released gradient are ``1/world`` per rank; clipped

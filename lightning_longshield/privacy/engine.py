@@ -78,7 +78,7 @@ class DPSGDEngine:
         device = next(iter(self.capture.parameters.values())).device
         if grad_samples:
             local_norms = per_sample_squared_norms(grad_samples.values(), batch_size)
-        else:
+        else:  # every trainable weight was book-kept
             local_norms = torch.zeros(batch_size, dtype=torch.float64, device=device)
         squared_norms = self.exchange.complete_squared_norms(local_norms)
         margin = CLIP_MARGIN

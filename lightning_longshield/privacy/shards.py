@@ -86,11 +86,9 @@ class ParamShard:
 
 
 @torch.no_grad()
-def reduce_scatter_to_shard(
-    tensor: torch.Tensor, shard: ParamShard, group: dist.ProcessGroup, offset: int = 0
-) -> torch.Tensor:
-    """Sum a whole-parameter tensor (``offset`` leading dims, e.g. samples) over ``group``; this rank's shard of it."""
-    chunks = shard.padded_chunks_first(tensor, offset=offset)
+def reduce_scatter_to_shard(tensor: torch.Tensor, shard: ParamShard, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum a whole-parameter tensor over ``group``; this rank's shard of the sum."""
+    chunks = shard.padded_chunks_first(tensor)
     output = torch.empty_like(chunks[:1])  # gloo wants the output's leading dim times the group size
     dist.reduce_scatter_tensor(output, chunks, group=group)
-    return shard.from_chunk(output[0], offset=offset)
+    return shard.from_chunk(output[0])

@@ -68,9 +68,6 @@ class Use:
     def tokens(self) -> int:
         return self.left.shape[1]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.left, self.right))
-
     def gathered(self, group: Optional[dist.ProcessGroup]) -> Use:
         """This use with the tokens of every rank of ``group`` (itself without a group)."""
         if group is None:

@@ -23,9 +23,10 @@ class PerSampleGradCapture:
     and autograd never builds the summed ``.grad``. A parameter shared by several layers (tied embeddings) receives
     the sum of its uses, under its first name.
 
-    With ``per_sample="ghost"`` or ``"mixed"`` the weights of linear and embedding layers are not materialised: a
-    `BookKeeper` takes their per-sample norms from Gram matrices (or a transient per-sample gradient) and keeps
-    (output gradient, input) to form their clipped sums once the clipping factors are known.
+    With ``per_sample="ghost"`` or ``"mixed"`` linear and embedding weights go to a `BookKeeper`: it takes their
+    per-sample norms from Gram matrices (or token ids) and keeps (output gradient, input) to form their clipped sums
+    once the clipping factors are known; under ``"mixed"`` a layer where that costs more hands the exchange its
+    per-sample gradient instead.
 
     When a micro-batch holds a single sample, the summed gradient *is* its per-sample gradient, so the exchange
     keeps the capture disabled and plain autograd (with FSDP2's reduce-scatter, if the model is sharded) fills
