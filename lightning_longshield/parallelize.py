@@ -8,7 +8,7 @@ from typing import Literal, Optional
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
@@ -72,15 +72,15 @@ def parallelize(
     context_parallel_mesh: DeviceMesh,
     device: torch.device,
     precision: object = "32-true",
-    data_parallel_size: int = 1,
+    sharding_mesh: Optional[DeviceMesh] = None,
 ) -> LocalExchange:
     """Prepare ``module`` for DP training on its context-parallel group; returns the exchange for its layout.
 
     The same steps at every group size (a one-rank group at CP 1, as TorchTitan applies FSDP at degree 1):
     activation checkpointing (DP-safe, LongShield-V3); attention that all-gathers K/V over the group (the model's own
     attention on one rank); FSDP2 sharding (`shard_with_fsdp`, with the precision's `gather_policy`) over the group,
-    or with ``shard_over="all"`` over every rank (the ``data_parallel_size`` groups' ranks, in rank order, as
-    TorchTitan's ``dp_shard_cp``); the materialisation of a meta-device model shard by shard on ``device``; and the
+    or over ``sharding_mesh`` (``shard_over="all"``: every rank, in rank order, as TorchTitan's ``dp_shard_cp``;
+    `build_all_ranks_mesh`); the materialisation of a meta-device model shard by shard on ``device``; and the
     exchange that completes per-sample gradients over the group (V1 / V2, or local when the group is one rank).
     """
     if parallelism.activation_checkpointing is not False:
@@ -88,11 +88,8 @@ def parallelize(
     group = context_parallel_mesh.get_group()
     if context_parallel_mesh.size() > 1:
         apply_context_parallel_attention(module, group)
-    replicas = data_parallel_size if parallelism.shard_over == "all" else 1
-    fsdp_mesh = context_parallel_mesh
-    if replicas > 1:
-        fsdp_mesh = init_device_mesh(device.type, (replicas * context_parallel_mesh.size(),),
-                                     mesh_dim_names=("data_context_parallel",))
+    fsdp_mesh = sharding_mesh if sharding_mesh is not None else context_parallel_mesh
+    replicas = fsdp_mesh.size() // context_parallel_mesh.size()
     fsdp_shards = shard_with_fsdp(module, fsdp_mesh, parallelism.output_stationary, mp_policy=gather_policy(precision))
     materialize_meta_parameters(module, device, fsdp_mesh.get_local_rank())
     cp_rank, cp_size = context_parallel_mesh.get_local_rank(), context_parallel_mesh.size()

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_longshield.activation_checkpointing import CheckpointPolicy
 from lightning_longshield.parallelize import DPParallelism
 from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory
-from simulate.config import METHODS, longshield_config, make_config
+from simulate.config import METHODS, longshield_config
 from simulate.throughput import estimate_step_time
 
 GIB = 2**30
@@ -200,14 +200,14 @@ def predict(
     """The planner's peak memory per GPU for a run of ``gpus`` processes in context-parallel groups of ``cp``.
 
     ``seq_len`` is rounded up to a multiple of ``2 x cp`` (the planner's load-balanced sharding needs it). ZeRO-DP+
-    (``"zero-dp"``) is planned as the paper's: data parallelism over all ``gpus``, model states sharded over them.
+    (``"zero-dp"``) is planned as the strategy runs it (`longshield_config`): data parallelism over all ``gpus``,
+    model states sharded over them, one backward with book-keeping.
     """
     if cp < 1 or gpus % cp:
         raise ValueError(f"cp={cp} must be a positive divisor of gpus={gpus}.")
     gpu = gpu_spec_for(gpu_name, capacity_bytes)
     if method == "zero-dp":
-        config = make_config(model=model, gpus=gpus, method=method, mbs=mbs, seq_len=seq_len, cp=1, gpu=gpu,
-                             precision=precision)
+        config = longshield_config(model, method, 1, mbs, seq_len, precision, gpu, data_parallel=gpus)
         return PreflightResult(config, estimate_memory(config), gpus, notes)
     padded = -(-seq_len // (2 * cp)) * (2 * cp)
     config = longshield_config(model, method, cp, mbs, padded, precision, gpu)

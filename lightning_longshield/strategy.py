@@ -30,6 +30,7 @@ from lightning_longshield.callbacks import PrivacyMonitor
 from lightning_longshield.context_parallel import (
     CONTEXT_PARALLEL,
     DATA_PARALLEL,
+    build_all_ranks_mesh,
     build_device_mesh,
     resolve_parallel_sizes,
     shard_batch,
@@ -85,9 +86,9 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             (default): per-sample gradients ``(MBS, *shape)``, the right choice for long sequences. ``"ghost"``: norms
             from two ``T x T`` Gram matrices per sample (an embedding's from its token ids) and book-keeping: the
             clipped sum is one matmul per layer over the kept (output gradient, input), in the same backward.
-            ``"mixed"``: per layer the cheaper of the two (ghost and book-keeping when ``2 T^2 < in x out``, else
-            the per-sample gradient). Norm layers and biases always materialise (vectors). The same DP-SGD step
-            either way.
+            ``"mixed"``: per weight the cheaper of the two (ghost and book-keeping when ``T (in + out) < in x out``:
+            (G, A) are smaller than the gradient; else the per-sample gradient). Norm layers and biases always
+            materialise (vectors). The same DP-SGD step either way.
         shard_over: ``"context_parallel"`` (default): FSDP2 shards model states over each CP group and data-parallel
             groups hold replicas. ``"all"``: over every rank (data-parallel x context-parallel, TorchTitan's
             ``dp_shard_cp``): parameters, AdamW moments and the released gradient are ``1/world`` per rank; clipped
@@ -156,6 +157,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         self.preflight = preflight
         self._start_method = start_method
         self._engine: Optional[DPSGDEngine] = None
+        self._all_ranks_mesh: Optional[DeviceMesh] = None  # FSDP2's mesh with shard_over="all" and data parallelism
         self._metric_guard = SampledBatchMetricGuard()
 
     # ------------------------------------------------------------------ topology and launch
@@ -193,6 +195,9 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             seed_everything(self.seed, verbose=False)
         sizes = resolve_parallel_sizes(self.world_size, self.parallelism.context_parallel_size)
         self._device_mesh = build_device_mesh(self.root_device.type, *sizes)
+        self._all_ranks_mesh = None
+        if self.parallelism.shard_over == "all" and sizes[0] > 1:
+            self._all_ranks_mesh = build_all_ranks_mesh(self.root_device.type, self.world_size)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -221,7 +226,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         """Parallelise the model and wire the exchange of its layout into a fresh DP engine."""
         module, precision = self.lightning_module, self.precision_plugin.precision
         exchange = parallelize(module, self.parallelism, self.context_parallel_mesh, self.root_device, precision,
-                               self.data_parallel_size)
+                               self._all_ranks_mesh)
         dp_group = self.device_mesh[DATA_PARALLEL].get_group() if self.data_parallel_size > 1 else None
         assert self.privacy.noise is not None
         return DPSGDEngine(module, self.max_grad_norm, self.privacy.noise, self.accountant, exchange, dp_group,

@@ -9,8 +9,9 @@ exchange (V1 all-reduce, V2 reduce-scatter), flat clipping, the clipped-sum accu
 reported by category.
 
 The non-private methods (``nondp-cp``, ``nondp-cp-ac``) run the same model with the same CP attention, FSDP2
-sharding and checkpointing, but plain autograd and AdamW instead of the DP engine. ``nondp-fsdp`` and
-``zero-dp`` are not LongShield's code paths and are not traced.
+sharding and checkpointing, but plain autograd and AdamW instead of the DP engine. ``zero-dp`` is the strategy's
+ZeRO-DP+ (CP 1, ``shard_over="all"`` over the ``data_parallel`` fake ranks, ``per_sample="mixed"``).
+``nondp-fsdp`` is not LongShield's code path and is not traced.
 
 The DP engine's tensors are labelled through its public observer interface (`DPStepObserver`). The analytic
 planner (``simulate``, torch-free) never imports this module; ``longshield-plan trace`` finds it as a plug-in.
@@ -142,9 +143,10 @@ def trace_step(
 ) -> TraceResult:
     """Trace one DP step (a logical batch of two micro-batches) of rank 0 and return its peak memory by category.
 
-    ``method`` is one of `TRACEABLE_METHODS` (``v3`` / ``nondp-cp-ac`` checkpoint every block); the world is
-    ``data_parallel x cp`` fake ranks. Takes seconds to a minute for full-size presets and allocates no tensor of
-    the model's size. Must not run inside an initialised (real) process group.
+    ``method`` is one of `TRACEABLE_METHODS` (``v3`` / ``nondp-cp-ac`` checkpoint every block; ``zero-dp`` runs
+    at CP 1 with model states sharded over all ranks); the world is ``data_parallel x cp`` fake ranks. Takes seconds
+    to a minute for full-size presets and allocates no tensor of the model's size. Must not run inside an
+    initialised (real) process group.
     """
     _validate(model, method, cp, data_parallel, mbs, seq_len, precision)
     if dist.is_initialized():
@@ -189,10 +191,12 @@ def _traced_peak(model: str, method: MethodSpec, cp: int, mbs: int, seq_len: int
     from lightning_longshield.privacy.plan import PrivacyPlan
 
     world = dist.get_world_size()
+    zero_dp_plus = method.per_sample_grads == "ghost"  # CP 1, FSDP2 over every rank, mixed ghost + book-keeping
     strategy = LongShieldStrategy(
         context_parallel_size=cp, noise_multiplier=1.0, micro_batch_size=mbs, poisson_sampling=False, seed=0,
         shard_per_sample_grads=method.per_sample_grads != "full",
         activation_checkpointing=method.activation_checkpointing, cluster_environment=_FakeRankZero(world),
+        per_sample="mixed" if zero_dp_plus else "materialize", shard_over="all" if zero_dp_plus else "context_parallel",
     )
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=precision, logger=False,
                          enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
@@ -388,7 +392,7 @@ def _trace_command(args: argparse.Namespace, console: Console) -> dict[str, obje
     result = trace_step(model=args.model, method=args.method, cp=args.cp, data_parallel=args.data_parallel,
                         mbs=args.mbs, seq_len=args.seq_len, precision=args.precision)
     analytic = estimate_memory(longshield_config(args.model, args.method, args.cp, args.mbs, args.seq_len,
-                                                 args.precision))
+                                                 args.precision, data_parallel=args.data_parallel))
     out = result.to_dict()
     out["analytic_allocated_gib"] = round(analytic.allocated / 2**30, 3)
     out["analytic_vs_traced"] = round(analytic.allocated / result.total - 1, 4)

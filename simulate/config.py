@@ -26,7 +26,10 @@ class MethodSpec:
     the paper's ZeRO-DP+), ``"full"`` (LongShield-V1: every CP rank all-reduces and keeps full per-sample
     gradients) or ``"sharded"`` (LongShield-V2/V3: reduce-scatter over CP, each rank keeps and accumulates 1/N of
     them). ``whole_clipped_sum``: every CP rank accumulates the whole clipped sum (the paper's V1 prototype);
-    LongShield's V1 keeps only its shard of each clipped gradient (`longshield_config`).
+    LongShield's V1 keeps only its shard of each clipped gradient (`longshield_config`). ``retained_norm_pass``: the
+    paper's ZeRO-DP+ prototype (Opacus FSDP ghost clipping): a norm pass with ``retain_graph=True`` that frees no
+    activation, every linear layer's output gradient book-kept; LongShield's ZeRO-DP+ runs one backward in which each
+    weight keeps either ``(G, A)`` or its per-sample gradient, whichever is smaller (`longshield_config`).
     """
 
     name: str
@@ -36,6 +39,7 @@ class MethodSpec:
     per_sample_grads: str
     overlap_grad_comm: bool = False
     whole_clipped_sum: bool = False
+    retained_norm_pass: bool = False
 
     @property
     def private(self) -> bool:
@@ -46,7 +50,8 @@ METHODS: dict[str, MethodSpec] = {
     m.name: m
     for m in (
         MethodSpec("nondp-fsdp", "non-private FSDP (TorchTitan baseline)", False, False, "none"),
-        MethodSpec("zero-dp", "FSDP + mixed ghost clipping + book-keeping (ZeRO-DP+)", False, False, "ghost"),
+        MethodSpec("zero-dp", "FSDP + mixed ghost clipping + book-keeping (ZeRO-DP+)", False, False, "ghost",
+                   retained_norm_pass=True),
         MethodSpec("nondp-cp", "non-private FSDP + context parallelism", True, False, "none"),
         MethodSpec("nondp-cp-ac", "non-private CP + block activation checkpointing", True, True, "none"),
         MethodSpec("v1", "LongShield-V1: CP + per-sample grads all-reduced over CP", True, False, "full",
@@ -105,8 +110,11 @@ class RunConfig:
     def replace(self, **changes: object) -> RunConfig:
         """A validated copy with some inputs changed (same names as :func:`make_config`)."""
         inputs = self.inputs()
-        inputs.update(model=self.model, gpu=self.gpu)  # the specs themselves, so custom ones carry over
+        # The specs themselves, so custom ones (and LongShield's variants of a method) carry over.
+        inputs.update(model=self.model, gpu=self.gpu, method=self.method)
         inputs.update(changes)
+        if inputs["method"] == self.method.name:
+            inputs["method"] = self.method
         return make_config(**inputs)  # type: ignore[arg-type]
 
     def inputs(self) -> dict[str, object]:
@@ -141,7 +149,7 @@ def parse_gpus(value: int | float | str) -> float:
 def make_config(
     model: str | ModelSpec = "llama3.1-8b",
     gpus: int | float | str = 4,
-    method: str = "v2",
+    method: str | MethodSpec = "v2",
     mbs: int = 1,
     seq_len: int = 4096,
     cp: int | None = None,
@@ -151,16 +159,20 @@ def make_config(
 ) -> RunConfig:
     """Validate raw inputs into a :class:`RunConfig`; every error says how to fix the input.
 
-    ``model`` and ``gpu`` are preset names or specs (a custom model, a GPU with its measured capacity).
+    ``model``, ``gpu`` and ``method`` are preset names or specs (a custom model, a GPU with its measured capacity,
+    LongShield's variant of a method from `longshield_config`).
     ``cp=None`` means: all GPUs form one CP group for CP methods, and 1 for FSDP methods.
     """
     spec = model if isinstance(model, ModelSpec) else get_model_spec(model)
     gpu_spec = gpu if isinstance(gpu, GPUSpec) else get_gpu_spec(gpu)
     model_name = model if isinstance(model, str) else _preset_name(spec, MODEL_PRESETS, "custom")
     gpu_name = gpu if isinstance(gpu, str) else _preset_name(gpu_spec, GPU_PRESETS, gpu_spec.name)
-    if method not in METHODS:
+    if isinstance(method, MethodSpec):
+        method_spec = method
+    elif method in METHODS:
+        method_spec = METHODS[method]
+    else:
         raise ValueError(f"Unknown method {method!r}; choose one of {list(METHODS)}.")
-    method_spec = METHODS[method]
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}; choose one of {list(PRECISIONS)}.")
     num_gpus = parse_gpus(gpus)
@@ -199,16 +211,22 @@ def longshield_config(
     precision: str = "bf16-mixed",
     gpu: str | GPUSpec = "h100",
     lora_rank: int = 0,
+    data_parallel: int = 1,
 ) -> RunConfig:
     """One context-parallel group of `LongShieldStrategy` as the planner sees it: ``cp`` GPUs (the strategy shards
     model states over the CP group only; data-parallel groups are replicas) and the method the strategy really runs
-    (`as_run_by_longshield`; its V1 keeps only its shard of each clipped gradient, not the whole clipped sum)."""
-    config = make_config(model=model, gpus=cp, method=as_run_by_longshield(method, mbs), mbs=mbs, seq_len=seq_len,
+    (`as_run_by_longshield`; its V1 keeps only its shard of each clipped gradient, not the whole clipped sum).
+
+    ``"zero-dp"`` is the strategy's ZeRO-DP+ (``context_parallel_size=1, shard_over="all", per_sample="mixed"``):
+    model states sharded over all ``data_parallel`` GPUs, one backward with book-keeping (no retained norm pass).
+    """
+    gpus = data_parallel if method == "zero-dp" else cp
+    config = make_config(model=model, gpus=gpus, method=as_run_by_longshield(method, mbs), mbs=mbs, seq_len=seq_len,
                          cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank)
-    return replace(config, method=replace(config.method, whole_clipped_sum=False))
+    return replace(config, method=replace(config.method, whole_clipped_sum=False, retained_norm_pass=False))
 
 
-TRACEABLE_METHODS = ("nondp-cp", "nondp-cp-ac", "v1", "v2", "v3")  # LongShield's code paths (traced memory)
+TRACEABLE_METHODS = ("zero-dp", "nondp-cp", "nondp-cp-ac", "v1", "v2", "v3")  # LongShield's code paths (traced memory)
 
 
 def _preset_name(spec: object, presets: Mapping[str, object], default: str) -> str:

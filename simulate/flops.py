@@ -7,7 +7,9 @@
   backward 2.5x forward (five GEMMs against two). Context parallelism splits it evenly (load-balanced chunks).
 * Activation checkpointing recomputes each block's forward once more.
 * ZeRO-DP+ (book-keeping): the weight gradient becomes the clipped-sum einsum over book-kept tensors (same cost);
-  grad-sample layers add their per-sample einsum; ghost layers add the two Gram matrices ``2 B T^2 (p + d)``.
+  ghost layers add the two Gram matrices ``2 B T^2 (p + d)``. In the paper's prototype (``retained_norm_pass``,
+  Bu et al.'s rule ``2 T^2 < p d``) grad-sample layers add their per-sample einsum (formed for the norm, then
+  book-kept); in LongShield's (rule ``T (p + d) < p d``) their per-sample gradient replaces the weight gradient.
   The embedding is a lookup and is left out.
 """
 
@@ -58,10 +60,11 @@ def microbatch_flops(cfg: RunConfig) -> Flops:
         attention += attn_forward
     ghost = 0.0
     if cfg.method.per_sample_grads == "ghost":
+        prototype = cfg.method.retained_norm_pass
         for numel, fan_sum in _ghost_layers(cfg):
-            if uses_ghost_norm(cfg.seq_len, numel):
+            if uses_ghost_norm(cfg.seq_len, numel) if prototype else cfg.seq_len * fan_sum < numel:
                 ghost += 2 * cfg.micro_batch_size * cfg.seq_len**2 * fan_sum
-            else:
+            elif prototype:
                 matmul += 2 * numel * t
     return Flops(matmul=matmul, attention=attention, ghost_norm=ghost)
 

@@ -18,10 +18,15 @@ each phase is summed by category; the peak is the largest phase. What is alive w
   micro-batch, V2/V3 keep no per-sample buffer: the sample's gradient is FSDP's fp32 gradient shard, reduce-scattered
   from the unsharded gradients of the block being differentiated, as without DP. (V1 is the paper's: full per-sample
   gradients on every CP rank at any micro-batch size; LongShield's strategy takes the V2 path at micro-batch 1.)
-* ZeRO-DP+ (Opacus FSDP ghost clipping): its norm pass retains the autograd graph (``retain_graph=True``), so
-  no activation is freed; book-keeping keeps every linear layer's output gradient until the clipping factors are
-  known, then forms one layer's clipped sum at a time; the norm of the layer being differentiated needs either
-  its per-sample gradient (grad sample) or the two ``(MBS, T, T)`` Gram matrices (ghost norm, when ``2 T^2 < p d``);
+* ZeRO-DP+ as the paper ran it (Opacus FSDP ghost clipping, ``retained_norm_pass``): its norm pass retains the
+  autograd graph (``retain_graph=True``), so no activation is freed; book-keeping keeps every linear layer's output
+  gradient until the clipping factors are known, then forms one layer's clipped sum at a time; the norm of the
+  layer being differentiated needs either its per-sample gradient (grad sample) or the two ``(MBS, T, T)`` Gram
+  matrices (ghost norm, when ``2 T^2 < p d``);
+* ZeRO-DP+ as LongShield runs it (one backward): each weight keeps, until the clipping factors are known, either
+  its book-kept output gradient and input (``(G, A)``, when ``T (p + d) < p d``; an input shared by several
+  projections once) or its per-sample gradient; a tied weight follows its output head; the clip forms one
+  book-kept layer's fp32 clipped sum at a time. The accumulator is the whole model (CP 1);
 * communication: the gathered dK/dV being reduce-scattered over CP (the gathered K/V themselves are saved
   activations);
 * context-parallel methods at CP size 1 take the same path on a one-rank group (FSDP2 over one rank, as the
@@ -112,13 +117,15 @@ def model_state_bytes(cfg: RunConfig) -> float:
 
     Parameters, moments and FSDP gradients are sharded over every GPU. LongShield's accumulator follows its
     per-sample gradients: each data-parallel group accumulates its own clipped sum (summed over groups once per
-    logical batch), sharded over the CP group, or whole on every CP rank in the paper's V1 (``whole_clipped_sum``).
+    logical batch), sharded over the CP group, or whole on every CP rank in the paper's V1 (``whole_clipped_sum``);
+    LongShield's ZeRO-DP+ (CP 1) keeps the whole clipped sum on every rank and reduce-scatters it once per step.
     """
     if math.isinf(cfg.num_gpus):
         return 0.0
     params, trainable, master = cfg.model.num_parameters, cfg.trainable.total, cfg.precision.master_bytes
     accumulator_shards = cfg.num_gpus
-    if cfg.method.per_sample_grads in ("full", "sharded"):
+    book_kept = cfg.method.per_sample_grads == "ghost" and not cfg.method.retained_norm_pass
+    if cfg.method.per_sample_grads in ("full", "sharded") or book_kept:
         accumulator_shards = 1 if cfg.method.whole_clipped_sum else cfg.cp_size
     return (params * master + trainable * 2 * FP32) / cfg.num_gpus + trainable * master / accumulator_shards
 
@@ -140,6 +147,8 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
     acts_all = m.n_layers * kept_block + head
     work_act, work_comm = _block_backward_working_set(cfg)
 
+    if method.per_sample_grads == "ghost" and not method.retained_norm_pass:
+        return _book_keeping_phases(cfg, states, fsdp_params, full_block, head, work_act, work_comm)
     psg = _PerSampleGrads(cfg)
     ghost = _GhostClipping(cfg)
     # Weight gradients autograd hands to FSDP during backward: without DP, and for V2/V3 at micro-batch 1 (the
@@ -189,6 +198,94 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
             ghost_norm=ghost.head_kept() + m.n_layers * ghost.block_kept(),
         )))
     return out
+
+
+def _book_keeping_phases(cfg: RunConfig, states: float, fsdp_params: float, full_block: float, head: float,
+                         work_act: float, work_comm: float) -> list[tuple[str, dict[str, float]]]:
+    """LongShield's ZeRO-DP+ (CP 1, one backward): activations are freed as usual except the kept inputs ``A``;
+    per-sample gradients (materialised weights) and book-kept ``(G, A)`` grow block by block until the clip."""
+    m, a, t = cfg.model, cfg.precision.activation_bytes, cfg.tokens_per_rank
+    kept = _BookKept(cfg)
+    acts_all = m.n_layers * full_block + head
+
+    def phase(**parts: float) -> dict[str, float]:
+        parts["model_states"] = states
+        parts["fsdp_buffers"] = fsdp_params + parts.get("fsdp_buffers", 0.0)
+        return parts
+
+    out = [
+        ("forward: loss", phase(activations=acts_all, logits_loss=t * layers.loss_forward_bytes_per_token(m, a))),
+        ("backward: loss", phase(activations=acts_all, logits_loss=t * layers.loss_backward_bytes_per_token(m, a))),
+        ("backward: output", phase(
+            activations=acts_all + t * m.dim * a,
+            logits_loss=t * layers.logits_grad_bytes_per_token(m, a),
+            per_sample_grads=kept.head_grad,
+            ghost_norm=kept.norm_transient(m.dim, m.vocab_size) if kept.head_ghost else 0.0,
+        )),
+    ]
+    head_kept = kept.head_kept  # the logits gradient, once the output projection's backward is done
+    for i in reversed(range(m.n_layers)):
+        done = m.n_layers - 1 - i
+        out.append((f"backward: block {i}", phase(
+            activations=(i + 1) * full_block + work_act,
+            per_sample_grads=kept.head_grad + done * kept.block_grads + kept.largest_block_grad,
+            ghost_norm=head_kept + done * kept.block_kept + kept.block_norm_transient,
+            communication=work_comm,
+        )))
+    everything = dict(per_sample_grads=kept.head_grad + m.n_layers * kept.block_grads,
+                      ghost_norm=head_kept + m.n_layers * kept.block_kept)
+    out.append(("backward: embedding", phase(
+        per_sample_grads=everything["per_sample_grads"] + kept.embedding_grads,
+        ghost_norm=everything["ghost_norm"] + kept.embedding_kept,
+    )))
+    out.append(("clip: book-kept sums", phase(
+        per_sample_grads=everything["per_sample_grads"] + kept.embedding_grads,
+        ghost_norm=everything["ghost_norm"] + kept.embedding_kept + kept.largest_clipped_sum_transient,
+    )))
+    return out
+
+
+class _BookKept:
+    """What LongShield's ZeRO-DP+ holds per weight until the clip (bytes on one rank, one micro-batch)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        m, a = cfg.model, cfg.precision.activation_bytes
+        self.b, self.seq, self.t, self.a = cfg.micro_batch_size, cfg.seq_len, cfg.tokens_per_rank, a
+        self.upcast = FP32 if a < FP32 else 0  # fp32 copies the norm and the clipped sum make of bf16 tensors
+        linears = m.block_linears()
+        ghost = {lin.name: self.ghost(lin.in_features, lin.out_features) for lin in linears}
+        self.block_grads = sum(self.b * lin.numel * a for lin in linears if not ghost[lin.name])
+        self.largest_block_grad = max((self.b * lin.numel * a for lin in linears if not ghost[lin.name]), default=0)
+        inputs = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "wo", "w1": "ffn", "w3": "ffn", "w2": "w2"}
+        kept_inputs = {inputs[lin.name]: lin.in_features for lin in linears if ghost[lin.name]}
+        self.block_kept = (sum(kept_inputs.values()) + sum(lin.out_features for lin in linears if ghost[lin.name]))
+        self.block_kept *= a * self.t
+        book_kept = [lin for lin in linears if ghost[lin.name]]
+        self.block_norm_transient = max((self.norm_transient(lin.in_features, lin.out_features)
+                                         for lin in book_kept), default=0.0)
+        vd = m.vocab_size * m.dim
+        self.head_ghost = self.ghost(m.dim, m.vocab_size)
+        self.head_grad = 0.0 if self.head_ghost else self.b * vd * a
+        # The logits gradient and the head's input, kept past the output projection's backward.
+        self.head_kept = (m.vocab_size + m.dim) * a * self.t if self.head_ghost else 0.0
+        embedding_ghost = self.head_ghost if m.tie_embeddings else self.seq * (m.dim + 1) < vd
+        self.embedding_kept = m.dim * a * self.t if embedding_ghost else 0.0
+        # Materialised: the embedding's per-sample gradient; tied, also the sum with the head's.
+        self.embedding_grads = 0.0 if embedding_ghost else self.b * vd * a * (2 if m.tie_embeddings else 1)
+        sums = [(lin.in_features, lin.out_features) for lin in book_kept]
+        if self.head_ghost:
+            sums.append((m.dim, m.vocab_size))
+        self.largest_clipped_sum_transient = max(
+            ((self.t * (d + p) * FP32 + d * p * FP32) for d, p in sums), default=0.0)
+
+    def ghost(self, in_features: int, out_features: int) -> bool:
+        """The strategy's mixed rule (`ghost_norm_is_cheaper`) for a linear weight over the whole sequence."""
+        return self.seq * (in_features + out_features) < in_features * out_features
+
+    def norm_transient(self, in_features: int, out_features: int) -> float:
+        """A ghost norm's working set: fp32 copies of bf16 ``(G, A)`` and three Gram blocks (at most 2^24 each)."""
+        grams = 3 * min(2**24, self.b * self.seq * self.seq) * FP32
+        return self.upcast * self.t * (in_features + out_features) + grams
 
 
 def _sum_saved(saved: list[layers.SavedTensor], local_tokens: float, cp_size: int) -> float:

@@ -135,6 +135,16 @@ def test_llama_matches_torch_func(per_sample, tie_embeddings, checkpointing):
         assert engine.per_sample_methods()["tok_embeddings.weight"] == "ghost"
 
 
+def test_tied_weight_takes_one_method_for_both_uses():
+    """At T=32 the tied 64 x 32 weight is materialised under "mixed" (the head's (G, A) would hold 32 x 96 > 2048
+    elements per sample), although its embedding use alone would be book-kept: both uses follow the first one."""
+    torch.manual_seed(0)
+    model = Llama(small_config(tie_embeddings=True))
+    ids, labels = token_batch(4, 64, seq=32)
+    engine = check(model, ids, labels, "mixed", micro_batch_size=2)
+    assert engine.per_sample_methods()["tok_embeddings.weight"] == "materialize"
+
+
 def test_frozen_layers_are_skipped():
     torch.manual_seed(0)
     model = Llama(small_config())
@@ -147,21 +157,23 @@ def test_frozen_layers_are_skipped():
 
 
 def test_mixed_rule_picks_ghost_for_short_sequences_and_materialises_for_long_ones():
-    """A 16 x 160 layer: ghost when 2 T^2 < 2560 (T=12), materialised when larger (T=48); the 16 x 4 and 4 x 40
-    layers are always materialised, the embedding always ghost; "ghost" takes Gram matrices everywhere."""
-    assert ghost_norm_is_cheaper(12, 16, 160) and not ghost_norm_is_cheaper(48, 16, 160)
+    """A 16 x 160 layer: ghost when T (16 + 160) < 2560 (T=12), materialised when larger (T=48); so is the 40 x 16
+    embedding (T (1 + 16) against 640); the 16 x 4 and 4 x 40 layers are always materialised; "ghost" takes Gram
+    matrices (token ids) everywhere."""
+    assert ghost_norm_is_cheaper(12, 16 + 160, 2560) and not ghost_norm_is_cheaper(48, 16 + 160, 2560)
     for seq, wide in ((12, "ghost"), (48, "materialize")):
         torch.manual_seed(0)
         model = MixedLayers()
         ids, labels = token_batch(2, 40, seq)
         chosen = check(model, ids, labels, "mixed", micro_batch_size=2).per_sample_methods()
         assert chosen["layers.0.1.weight"] == wide and chosen["layers.0.3.weight"] == wide
-        assert chosen["narrow.weight"] == "materialize" and chosen["embed.weight"] == "ghost"
-        assert chosen["head.weight"] == "materialize"  # 4 x 40: 2 T^2 = 288 > 160 already at T=12
+        assert chosen["narrow.weight"] == "materialize" and chosen["embed.weight"] == wide
+        assert chosen["head.weight"] == "materialize"  # 4 x 40: T (4 + 40) > 160 already at T=12
     model = MixedLayers()
     ids, labels = token_batch(2, 40, 48)
     chosen = check(model, ids, labels, "ghost", micro_batch_size=2).per_sample_methods()
     assert chosen["layers.0.1.weight"] == "ghost" and chosen["narrow.weight"] == "ghost"
+    assert chosen["embed.weight"] == "ghost"
 
 
 def test_each_sample_contributes_at_most_the_clipping_bound():

@@ -22,6 +22,7 @@ from lightning_longshield.context_parallel.mesh import (
     CONTEXT_PARALLEL,
     DATA_PARALLEL,
     MESH_DIM_NAMES,
+    build_all_ranks_mesh,
     build_device_mesh,
     resolve_parallel_sizes,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "all_gather_sequence",
     "all_gather_unsharded",
     "apply_context_parallel_attention",
+    "build_all_ranks_mesh",
     "build_device_mesh",
     "check_shardable",
     "context_parallel_per_sample_loss",

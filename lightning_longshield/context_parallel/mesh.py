@@ -22,6 +22,12 @@ def resolve_parallel_sizes(world_size: int, context_parallel_size: Optional[int]
     return world_size // cp, cp
 
 
+def build_all_ranks_mesh(device_type: str, world_size: int) -> DeviceMesh:
+    """A 1-D mesh of every rank in rank order (data-parallel major, TorchTitan's ``dp_shard_cp``): what FSDP2 shards
+    model states over with ``shard_over="all"``."""
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("data_context_parallel",))
+
+
 def build_device_mesh(device_type: str, data_parallel_size: int, context_parallel_size: int) -> DeviceMesh:
     """A 2-D mesh; ranks ``g * cp .. g * cp + cp - 1`` form context-parallel group ``g`` (peers share a batch)."""
     return init_device_mesh(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -81,9 +82,10 @@ class ClippedGradientSum:
             del rows, scaled  # hold no scaled copy into the next sample's work
 
     @torch.no_grad()
-    def add_sums(self, clipped_sums: dict[str, torch.Tensor]) -> None:
-        """Add already clipped fp32 sums over a micro-batch's samples (book-keeping), this rank's part of each."""
-        for name, total in clipped_sums.items():
+    def add_sums(self, clipped_sums: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Add already clipped fp32 sums over a micro-batch's samples (book-keeping), this rank's part of each, as
+        they are produced (one at a time: a producer that forms them lazily never holds them all)."""
+        for name, total in clipped_sums:
             if name in self.sums:
                 self.sums[name] += total
             else:

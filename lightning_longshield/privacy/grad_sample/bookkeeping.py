@@ -2,11 +2,11 @@
 
 A linear layer's per-sample weight gradient is ``G_i^T A_i`` (``G``: output gradients ``(T, p)``, ``A``: inputs
 ``(T, d)``); its squared norm is ``<G_i G_i^T, A_i A_i^T>``, two ``T x T`` Gram matrices instead of a ``p x d``
-gradient (ghost clipping). ``"mixed"`` takes, layer by layer, the cheaper: the Gram matrices when ``2 T^2 < p d``,
-else the per-sample gradient, which then also gives the layer's clipped sum (as without ghost clipping). An
-embedding's per-sample gradient
-scatters ``G_i`` into the rows of its tokens: its squared norm adds, per distinct token of the sample, the squared
-norm of that token's summed output gradients, with no ``vocab x dim`` tensor. Book-keeping keeps ``(G, A)`` until
+gradient (ghost clipping). ``"mixed"`` takes, parameter by parameter, the cheaper (`ghost_norm_is_cheaper`): the
+Gram matrices and book-kept ``(G, A)`` when ``T (p + d) < p d``, else the per-sample gradient, which then also
+gives the clipped sum (as without ghost clipping). An embedding's per-sample gradient scatters ``G_i`` into the rows
+of its tokens: its squared norm adds, per distinct token of the sample, the squared norm of that token's summed
+output gradients, with no ``vocab x dim`` tensor. Book-keeping keeps ``(G, A)`` until
 the clipping factors ``c`` are known, then forms each layer's clipped sum ``sum_i c_i G_i^T A_i`` as one matmul: one
 backward suffices.
 
@@ -42,9 +42,16 @@ NormMethod = Literal["ghost", "materialize"]
 GRAM_BLOCK_ELEMENTS = 2**24
 
 
-def ghost_norm_is_cheaper(tokens: int, in_features: int, out_features: int) -> bool:
-    """The mixed rule: two ``T x T`` Gram matrices per sample cost less than one ``p x d`` per-sample gradient."""
-    return 2 * tokens * tokens < in_features * out_features
+def ghost_norm_is_cheaper(tokens: int, kept_width: int, numel: int) -> bool:
+    """The mixed rule: ghost norm and book-keeping beat a materialised per-sample gradient, in memory and in FLOPs.
+
+    Per sample, book-keeping holds ``tokens x kept_width`` elements (a linear layer's ``(G, A)``: ``p + d`` wide; an
+    embedding's ``(ids, G)``: ``1 + d``) against the gradient's ``numel``. For a linear layer the Gram matrices also
+    cost ``T^2 (p + d)`` multiply-adds against the gradient's ``T p d``: both comparisons are ``T (p + d) < p d``,
+    which implies ``2 T^2 < p d`` (Bu et al.'s rule, which counts only the Gram matrices and so book-keeps layers
+    whose ``(G, A)`` outweigh their gradient).
+    """
+    return tokens * kept_width < numel
 
 
 @dataclass
@@ -68,6 +75,16 @@ class Use:
     def tokens(self) -> int:
         return self.left.shape[1]
 
+    @property
+    def weight_numel(self) -> int:
+        """Elements of the weight (``rows x d``): of one sample's gradient."""
+        return self.rows * self.right.shape[-1]
+
+    @property
+    def kept_width(self) -> int:
+        """Elements kept per token (token ids count one)."""
+        return (1 if self.is_lookup else self.left.shape[-1]) + self.right.shape[-1]
+
     def gathered(self, group: Optional[dist.ProcessGroup]) -> Use:
         """This use with the tokens of every rank of ``group`` (itself without a group)."""
         if group is None:
@@ -75,19 +92,28 @@ class Use:
         return Use(gather_tokens(self.left, group), gather_tokens(self.right, group), self.rows)
 
     def per_sample_gradient(self) -> torch.Tensor:
-        """``(B, p, d)`` per-sample gradients of a linear use, in its dtype (as Opacus's sampler forms them)."""
+        """``(B, p, d)`` per-sample gradients of a linear use, or ``(B, rows, d)`` of an embedding use, in the output
+        gradients' dtype (as Opacus's samplers form them)."""
+        if self.is_lookup:
+            batch, _, width = self.right.shape
+            out = torch.zeros(batch, self.rows, width, dtype=self.right.dtype, device=self.right.device)
+            return out.scatter_add_(1, self.left[..., None].expand(-1, -1, width), self.right)
         return torch.einsum("btp,btd->bpd", self.left, self.right.to(self.left.dtype))
 
-    def clipped_sum(self, factors: torch.Tensor) -> torch.Tensor:
-        """``sum_i factors[i] * left_i^T right_i`` as one fp32 matmul (or one scatter for an embedding)."""
+    def clipped_sum(self, factors: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``sum_i factors[i] * left_i^T right_i`` as one fp32 matmul (or one scatter for an embedding), added into
+        ``out`` (fp32, the weight's shape) when given."""
         right = self.right.float()
         if self.is_lookup:
             scaled = (right * factors[:, None, None]).flatten(0, 1)
-            out = torch.zeros(self.rows, right.shape[-1], dtype=torch.float32, device=right.device)
+            if out is None:
+                out = torch.zeros(self.rows, right.shape[-1], dtype=torch.float32, device=right.device)
             return out.index_add_(0, self.left.flatten(), scaled)
         scaled = (self.left.float() * factors[:, None, None]).flatten(0, 1)
         with exact_fp32_matmul():
-            return scaled.transpose(0, 1) @ right.flatten(0, 1)
+            if out is None:
+                return scaled.transpose(0, 1) @ right.flatten(0, 1)
+            return out.addmm_(scaled.transpose(0, 1), right.flatten(0, 1))
 
 
 @torch.no_grad()
@@ -138,26 +164,33 @@ def cross_squared_norm(a: Use, b: Use) -> torch.Tensor:
 
 def lookup_squared_norm(use: Use, shard: Optional[ParamShard] = None) -> torch.Tensor:
     """Squared norm per sample (fp64) of an embedding's per-sample gradient from its token ids: the output gradients
-    of equal tokens are summed (one row each), then squared. With ``shard``: only the table rows it owns."""
+    of equal tokens are summed (one row each), then squared. With ``shard``: only the table rows it owns.
+
+    Equal tokens are found by sorting each sample's ids: shapes never depend on the data (``B T`` rows, some left
+    empty), so the same code runs on fake tensors (traced memory).
+    """
     ids, grads = use.left, use.right.float()
-    batch = ids.shape[0]
-    keys = ids + torch.arange(batch, device=ids.device)[:, None] * use.rows
+    batch, tokens = ids.shape
     if shard is not None:
         grads = grads * shard.owns(ids)[..., None]
-    unique, inverse = torch.unique(keys.flatten(), return_inverse=True)
-    summed = torch.zeros(unique.numel(), grads.shape[-1], dtype=torch.float32, device=grads.device)
-    summed.index_add_(0, inverse, grads.flatten(0, 1))
-    squares = summed.double().square().sum(1)
-    return torch.zeros(batch, dtype=torch.float64, device=ids.device).index_add_(0, unique // use.rows, squares)
+    sorted_ids, order = ids.sort(dim=1)
+    new_token = torch.ones_like(sorted_ids, dtype=torch.long)
+    new_token[:, 1:] = (sorted_ids[:, 1:] != sorted_ids[:, :-1]).long()
+    rank_in_sample = new_token.cumsum(1) - 1 + torch.arange(batch, device=ids.device)[:, None] * tokens
+    row_of_token = torch.empty_like(rank_in_sample).scatter_(1, order, rank_in_sample)
+    summed = torch.zeros(batch * tokens, grads.shape[-1], dtype=torch.float32, device=grads.device)
+    summed.index_add_(0, row_of_token.flatten(), grads.flatten(0, 1))
+    return summed.view(batch, tokens, -1).double().square().sum((1, 2))
 
 
 class BookKeeper:
     """Per-sample norms by ghost clipping and clipped sums by book-keeping for the linear and embedding weights of a
     model (with ``"mixed"``, those where it is cheaper); other parameters keep materialised per-sample gradients.
 
-    ``method``: ``"ghost"`` takes every linear norm from Gram matrices, ``"mixed"`` the cheaper per layer
-    (`ghost_norm_is_cheaper`, for the whole sequence); embeddings always use their token ids. ``shared`` names the
-    parameters used by several layers (tied weights), whose norms are formed once all their uses are known.
+    ``method``: ``"ghost"`` takes every norm from Gram matrices (an embedding's from its token ids), ``"mixed"`` the
+    cheaper per parameter (`ghost_norm_is_cheaper`, for the whole sequence). ``shared`` names the parameters used by
+    several layers (tied weights): their method is chosen at their first use in a micro-batch and kept for the
+    others, and their Gram-form norms are formed once all their uses are known.
     ``group`` / ``shards``: the context-parallel group and the shard of every parameter on this rank (``None`` / empty
     without context parallelism).
     """
@@ -177,6 +210,7 @@ class BookKeeper:
         self.shards = shards or {}
         self.uses: dict[str, list[Use]] = {}
         self.choices: dict[str, NormMethod] = {}
+        self._shared_choices: dict[str, NormMethod] = {}  # this micro-batch's, for tied weights
         self._squared_norms: Optional[torch.Tensor] = None
 
     @staticmethod
@@ -198,6 +232,9 @@ class BookKeeper:
         """
         name = name_of(layer, layer.weight)
         batch = grad_output.shape[0]
+        # Detached: a kept input with its autograd history would keep the micro-batch's graph (every saved
+        # activation) alive through the norms and clipped sums computed from it.
+        activation, grad_output = activation.detach(), grad_output.detach()
         if isinstance(layer, nn.Embedding):
             if layer.scale_grad_by_freq or layer.sparse:
                 raise TypeError(f"{name}: ghost clipping supports embeddings without scale_grad_by_freq and sparse.")
@@ -214,22 +251,24 @@ class BookKeeper:
         if bias is not None and bias.requires_grad:
             materialized[name_of(layer, bias)] = grads.sum(1)
         if name in self.shared:
-            self.choices[name] = "ghost"
-            self.uses.setdefault(name, []).append(use)
-        elif self._choose(layer, use) == "materialize":
-            self.choices[name] = "materialize"
-            materialized[name] = use.per_sample_gradient()
+            choice = self._shared_choices.setdefault(name, self._choose(use))
         else:
-            self.choices[name] = "ghost"
+            choice = self._choose(use)
+        self.choices[name] = choice
+        if choice == "materialize":
+            materialized[name] = use.per_sample_gradient()
+        elif name in self.shared:
+            self.uses.setdefault(name, []).append(use)
+        else:
             self.uses[name] = [use]
             self._add(self._squared_norm(name, [use]))
         return materialized
 
-    def _choose(self, layer: nn.Module, use: Use) -> NormMethod:
-        if use.is_lookup or self.method == "ghost":
+    def _choose(self, use: Use) -> NormMethod:
+        if self.method == "ghost":
             return "ghost"
-        tokens = use.tokens * self.world
-        return "ghost" if ghost_norm_is_cheaper(tokens, layer.in_features, layer.out_features) else "materialize"
+        cheaper = ghost_norm_is_cheaper(use.tokens * self.world, use.kept_width, use.weight_numel)
+        return "ghost" if cheaper else "materialize"
 
     def _add(self, squared_norms: torch.Tensor) -> None:
         self._squared_norms = squared_norms if self._squared_norms is None else self._squared_norms + squared_norms
@@ -249,6 +288,7 @@ class BookKeeper:
         for name in self.shared:
             if name in self.uses:
                 self._add(self._squared_norm(name, self.uses[name]))
+        self._shared_choices.clear()
         total = self._squared_norms
         self._squared_norms = None
         if total is None:
@@ -278,19 +318,18 @@ class BookKeeper:
                     storages[storage.data_ptr()] = storage.nbytes()
         return sum(storages.values())
 
-    def clipped_sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
-        """This rank's part of every book-kept parameter's clipped sum (fp32); forgets the book-kept tensors."""
+    def clipped_sums(self, factors: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's part of every book-kept parameter's clipped sum (fp32), one parameter at a time; forgets each
+        parameter's book-kept tensors once its sum is formed."""
         factors = factors.float()
-        sums = {}
         while self.uses:
             name, uses = self.uses.popitem()
             total = uses[0].clipped_sum(factors)
             for use in uses[1:]:
-                total += use.clipped_sum(factors)
+                use.clipped_sum(factors, out=total)
             del uses
             if self.group is not None:
                 total = reduce_scatter_to_shard(total, self.shards[name], self.group)
             elif name in self.shards:  # one rank: the whole sum (padded when sharded over replicas)
                 total = self.shards[name].take(total)
-            sums[name] = total
-        return sums
+            yield name, total
