@@ -21,6 +21,7 @@ from lightning_longshield.context_parallel import apply_context_parallel_attenti
 from lightning_longshield.lora import reset_adapters
 from lightning_longshield.privacy.grad_sample.bookkeeping import PER_SAMPLE_METHODS, PerSampleMethod
 from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES, LocalExchange, build_exchange
+from lightning_longshield.privacy.per_layer import Clipping, ThresholdSpec, check_clipping
 from lightning_longshield.privacy.randomness import derive_seed
 from lightning_longshield.privacy.shards import ParamShard
 
@@ -31,8 +32,9 @@ SHARD_OVER = ("context_parallel", "all")
 @dataclass(frozen=True)
 class DPParallelism:
     """How a DP step is parallelised: CP size, the per-sample exchange (V1 / V2 and its pattern), communication
-    overlap and bucketing, activation checkpointing (V3) and how linear and embedding weights get per-sample norms
-    (materialised, ghost or mixed, with book-keeping). The strategy's arguments of the same names."""
+    overlap and bucketing, activation checkpointing (V3), how linear and embedding weights get per-sample norms
+    (materialised, ghost or mixed, with book-keeping) and whether each sample is clipped as a whole (flat) or layer by
+    layer as its gradients complete (per-layer). The strategy's arguments of the same names."""
 
     context_parallel_size: Optional[int] = None
     shard_per_sample_grads: bool = True
@@ -42,6 +44,8 @@ class DPParallelism:
     activation_checkpointing: CheckpointPolicy = False
     per_sample: PerSampleMethod = "materialize"
     shard_over: Literal["context_parallel", "all"] = "context_parallel"
+    clipping: Clipping = "flat"
+    per_layer_thresholds: Optional[ThresholdSpec] = None
 
     def __post_init__(self) -> None:
         if self.shard_over not in SHARD_OVER:
@@ -60,6 +64,7 @@ class DPParallelism:
         if self.communication_bucket_mb < 0:
             raise ValueError(f"communication_bucket_mb must be >= 0, got {self.communication_bucket_mb}.")
         select_blocks([], self.activation_checkpointing)  # validates the policy's type and value
+        check_clipping(self.clipping, self.per_layer_thresholds, self.per_sample)
 
     @property
     def output_stationary(self) -> bool:

@@ -1,4 +1,5 @@
-"""`LongShieldStrategy`: DP-SGD (flat clipping, noise, Poisson sampling, accounting) as a Lightning strategy."""
+"""`LongShieldStrategy`: DP-SGD (flat or per-layer clipping, noise, Poisson sampling, accounting) as a Lightning
+strategy."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from lightning_longshield.parallelize import DPParallelism, parallelize
 from lightning_longshield.privacy import DPSGDEngine, PrivacyAccountant
 from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES
 from lightning_longshield.privacy.metric_guard import SampledBatchMetricGuard
+from lightning_longshield.privacy.per_layer import Clipping, ThresholdSpec
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
 from lightning_longshield.privacy.session import PrivacySession
 from lightning_longshield.trainer_checks import check_trainer_for_dp_sgd
@@ -59,9 +61,10 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
 
     Every optimizer step is one DP step over one logical batch: the batch (Poisson-sampled by default) is split
     into micro-batches of ``micro_batch_size``; each sample's gradient over all trainable parameters is clipped to
-    norm ``max_grad_norm``; the clipped sum gets Gaussian noise ``N(0, (noise_multiplier * max_grad_norm)^2)`` once,
-    is divided by the expected logical batch size (the DataLoader's ``batch_size`` x data-parallel size), and the
-    wrapped optimizer steps. An Opacus accountant records every step; `get_epsilon` reports the privacy spent.
+    norm ``max_grad_norm`` (with ``clipping="per_layer"``: each parameter's part to its own share of it); the clipped
+    sum gets Gaussian noise ``N(0, (noise_multiplier * max_grad_norm)^2)`` once, is divided by the expected logical
+    batch size (the DataLoader's ``batch_size`` x data-parallel size), and the wrapped optimizer steps. An Opacus
+    accountant records every step; `get_epsilon` reports the privacy spent.
 
     Args:
         context_parallel_size: processes per context-parallel group (``None``: all of them).
@@ -69,7 +72,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             Neither: the noise is calibrated to ``target_epsilon=8``. ``0.0`` disables privacy (for tests).
         target_epsilon: privacy budget; training stops before a step would exceed it.
         target_delta: delta of the guarantee (default ``1 / (10 * dataset size)``).
-        max_grad_norm: flat clipping bound ``C`` over all trainable parameters.
+        max_grad_norm: the clipping bound ``C`` of a sample's gradient over all trainable parameters.
         micro_batch_size: samples per forward/backward (the memory knob; does not change the privacy).
         poisson_sampling: ``False`` uses the DataLoader's own batches as logical batches; the accountant still
             assumes Poisson sampling, so the reported epsilon is then not a formal guarantee.
@@ -95,6 +98,16 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             sums are reduce-scattered over the data-parallel group once per step and each rank adds the noise of
             its own chunk. Every micro-batch then takes the per-sample path (FSDP2's one-sample ``.grad`` would
             mix replicas' samples). With CP 1 and ``per_sample="mixed"`` this is the paper's ZeRO-DP+ baseline.
+        clipping: ``"flat"`` (default): each sample's whole gradient is clipped to ``max_grad_norm``. ``"per_layer"``:
+            each trainable parameter tensor (a layer, as in Opacus; a tied weight once) is clipped to its own bound
+            ``C_l`` as soon as its per-sample gradients are complete in backward, then added to the clipped sum and
+            freed, so about one layer's (or one reduce-scatter bucket's) per-sample gradients are held at a time. The
+            bounds satisfy ``sum C_l^2 <= max_grad_norm^2``: noise and accounting are unchanged. Needs
+            ``per_sample="materialize"``.
+        per_layer_thresholds: with ``clipping="per_layer"``: ``"equal"`` (default, ``C / sqrt(L)`` for ``L``
+            trainable parameters), ``"proportional"`` (``C sqrt(n_l / sum n)`` for parameter counts ``n_l``) or a
+            mapping ``{name: C_l}`` over every trainable parameter, named as in the LightningModule's
+            ``named_parameters()``, with ``sum C_l^2 <= max_grad_norm^2``.
         accountant: ``"prv"`` (default; Opacus's PRV accountant with a bounded grid, tighter) or ``"rdp"``.
         secure_mode: for a real deployment: Poisson masks from SHAKE-256 keyed by 256 bits of OS entropy, and each
             noise tensor from fresh OS entropy with Opacus's hardened Gaussian sampler (sum of four draws).
@@ -125,6 +138,8 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         activation_checkpointing: CheckpointPolicy = False,
         per_sample: Literal["materialize", "ghost", "mixed"] = "materialize",
         shard_over: Literal["context_parallel", "all"] = "context_parallel",
+        clipping: Clipping = "flat",
+        per_layer_thresholds: Optional[ThresholdSpec] = None,
         accountant: Literal["prv", "rdp"] = "prv",
         secure_mode: bool = False,
         seed: Optional[int] = None,
@@ -146,7 +161,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         self.checkpoint_io, self.precision_plugin = checkpoint_io, precision_plugin  # type: ignore[assignment]
         self.parallelism = DPParallelism(
             context_parallel_size, shard_per_sample_grads, grad_sample_pattern, overlap_communication,
-            communication_bucket_mb, activation_checkpointing, per_sample, shard_over,
+            communication_bucket_mb, activation_checkpointing, per_sample, shard_over, clipping, per_layer_thresholds,
         )
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
@@ -230,7 +245,8 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         dp_group = self.device_mesh[DATA_PARALLEL].get_group() if self.data_parallel_size > 1 else None
         assert self.privacy.noise is not None
         return DPSGDEngine(module, self.max_grad_norm, self.privacy.noise, self.accountant, exchange, dp_group,
-                           per_sample=self.parallelism.per_sample)
+                           per_sample=self.parallelism.per_sample, clipping=self.parallelism.clipping,
+                           thresholds=self.parallelism.per_layer_thresholds)
 
     @override
     def model_to_device(self) -> None:

@@ -57,19 +57,27 @@ def train_configurations(
 
 UNEVEN_BATCH = 3  # micro-batches of 2 and 1: the capture path and the summed-gradient path in one logical batch
 
+UNEVEN_RUNS = {  # name -> (strategy arguments, tied embeddings)
+    "v1": (dict(shard_per_sample_grads=False), False),
+    "v2_bucket_0": (dict(communication_bucket_mb=0), False),  # one reduce-scatter per parameter
+    "v2_bucket_all": (dict(communication_bucket_mb=1024), False),  # all of them in one bucket
+    # per-layer clipping, each layer clipped as its per-sample gradient completes (per parameter, or per bucket)
+    "v1_per_layer_checkpointed": (dict(shard_per_sample_grads=False, clipping="per_layer",
+                                       activation_checkpointing=True), False),
+    "v2_per_layer_bucket_0_tied": (dict(communication_bucket_mb=0, clipping="per_layer"), True),
+    "v2_per_layer_checkpointed": (dict(clipping="per_layer", activation_checkpointing=True), False),
+    "v2_output_stationary_per_layer_proportional": (dict(grad_sample_pattern="output_stationary",
+                                                         clipping="per_layer", per_layer_thresholds="proportional"),
+                                                    False),
+}
+
 
 def uneven_micro_batches(rank: int, world_size: int, out_dir: str) -> None:
-    """CP 2, logical batches of 3 at micro-batch size 2: V1, and V2 with every per-sample gradient in its own
-    reduce-scatter (``bucket_0``) or all of them in one bucket (``bucket_all``)."""
-    runs = {
-        "v1": dict(shard_per_sample_grads=False),
-        "v2_bucket_0": dict(communication_bucket_mb=0),
-        "v2_bucket_all": dict(communication_bucket_mb=1024),
-    }
+    """CP 2, logical batches of 3 at micro-batch size 2: every `UNEVEN_RUNS` run."""
     results = {}
-    for name, kwargs in runs.items():
+    for name, (kwargs, tied) in UNEVEN_RUNS.items():
         strategy_kwargs = dict(context_parallel_size=world_size, micro_batch_size=2, **kwargs)
-        _, results[name] = fit(world_size, strategy_kwargs, tie_embeddings=False, max_grad_norm=0.05,
+        _, results[name] = fit(world_size, strategy_kwargs, tie_embeddings=tied, max_grad_norm=0.05,
                                logical_batch=UNEVEN_BATCH)
     if rank == 0:
         torch.save(results, Path(out_dir) / "uneven.pt")

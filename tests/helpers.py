@@ -93,27 +93,46 @@ def reference_dp_sgd(
     expected_batch_size: int,
     learning_rate: float = 1.0,
     noise: Optional[list[dict[str, torch.Tensor]]] = None,
+    layer_thresholds: Optional[Mapping[str, float]] = None,
 ) -> torch.nn.Module:
-    """Plain DP-SGD on an unsharded copy: for each batch, a per-sample loop, flat clipping, sum, (noise), SGD."""
+    """Plain DP-SGD on an unsharded copy: for each batch, a per-sample loop, flat clipping (or, with
+    ``layer_thresholds`` {parameter name: C_l}, each parameter's gradient clipped to its own C_l), sum, (noise), SGD."""
     model = copy.deepcopy(model)
-    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    named = {name: p for name, p in model.named_parameters() if p.requires_grad}  # a tied weight once
+    params = list(named.values())
     for step, batch in enumerate(batches):
         total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
         for sample in batch:
             grads = torch.autograd.grad(
                 reference_sample_loss(model, sample["input_ids"], sample["labels"]), params, allow_unused=True
             )
-            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-            norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads))
-            factor = min(1.0, max_grad_norm / norm.item()) if norm > 0 else 1.0
-            for t, g in zip(total, grads):
-                t += factor * g.double()
+            grads = [torch.zeros_like(p).double() if g is None else g.double() for p, g in zip(params, grads)]
+            if layer_thresholds is None:
+                factors = [_clip_factor(torch.sqrt(sum(g.pow(2).sum() for g in grads)), max_grad_norm)] * len(grads)
+            else:
+                factors = [_clip_factor(g.norm(), layer_thresholds[name]) for name, g in zip(named, grads)]
+            for t, g, factor in zip(total, grads, factors):
+                t += factor * g
         with torch.no_grad():
             for i, (p, t) in enumerate(zip(params, total)):
                 if noise is not None:
                     t = t + noise[step][i]
                 p -= learning_rate * (t / expected_batch_size).to(p.dtype)
     return model
+
+
+def layer_bounds(model: torch.nn.Module, max_grad_norm: float, rule: str = "equal") -> dict[str, float]:
+    """Per-layer bounds for `reference_dp_sgd`, computed independently: over the L trainable parameter tensors (a tied
+    weight once) ``"equal"`` gives C / sqrt(L), ``"proportional"`` C sqrt(n_l / sum n)."""
+    counts = {name: p.numel() for name, p in model.named_parameters() if p.requires_grad}
+    if rule == "equal":
+        return {name: max_grad_norm / len(counts) ** 0.5 for name in counts}
+    assert rule == "proportional", rule
+    return {name: max_grad_norm * (n / sum(counts.values())) ** 0.5 for name, n in counts.items()}
+
+
+def _clip_factor(norm: torch.Tensor, bound: float) -> float:
+    return min(1.0, bound / norm.item()) if norm > 0 else 1.0
 
 
 def samples(dataset: Dataset, indices: range) -> list[dict[str, torch.Tensor]]:

@@ -1,11 +1,12 @@
 """Context-parallel DP-SGD (V1, V2 input- and output-stationary, each also with activation checkpointing; mixed and
-ghost norms with book-keeping) on a data x context mesh equals CP size 1 and the independent per-sample-loop
-reference (noise 0, SGD lr 1, clipping active)."""
+ghost norms with book-keeping; per-layer clipping) on a data x context mesh equals CP size 1 and the independent
+per-sample-loop reference (noise 0, SGD lr 1, clipping active)."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from typing import Optional
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from cp_training_workers import (
     SHARDED_OVER_ALL,
     STEPS,
     UNEVEN_BATCH,
+    UNEVEN_RUNS,
     context_parallel_errors,
     fit_bf16,
     leak_check,
@@ -27,7 +29,16 @@ from cp_training_workers import (
     train_configurations,
     uneven_micro_batches,
 )
-from helpers import RandomTokens, loader, make_module, make_trainer, reference_dp_sgd, samples, small_config
+from helpers import (
+    RandomTokens,
+    layer_bounds,
+    loader,
+    make_module,
+    make_trainer,
+    reference_dp_sgd,
+    samples,
+    small_config,
+)
 from lightning_longshield import LongShieldStrategy
 from process_runner import run_processes
 
@@ -74,11 +85,16 @@ def configurations(context_parallel_size: int) -> dict[str, dict]:
     }
 
 
-def reference_states(tie_embeddings: bool, logical_batch: int = LOGICAL_BATCH) -> list[dict[str, torch.Tensor]]:
+def reference_states(
+    tie_embeddings: bool, logical_batch: int = LOGICAL_BATCH, per_layer: Optional[str] = None
+) -> list[dict[str, torch.Tensor]]:
+    """The reference's state after each step: flat clipping, or per-layer with the ``per_layer`` rule's bounds."""
     dataset = RandomTokens(**DATASET)
     initial = make_module(small_config(tie_embeddings=tie_embeddings)).model
     batches = [samples(dataset, range(k * logical_batch, (k + 1) * logical_batch)) for k in range(STEPS)]
-    return [reference_dp_sgd(copy.deepcopy(initial), batches[: k + 1], CLIP, logical_batch).state_dict()
+    bounds = layer_bounds(initial, CLIP, per_layer) if per_layer is not None else None
+    return [reference_dp_sgd(copy.deepcopy(initial), batches[: k + 1], CLIP, logical_batch,
+                             layer_thresholds=bounds).state_dict()
             for k in range(STEPS)]
 
 
@@ -115,13 +131,21 @@ def test_context_parallel_updates_match_reference(tmp_path, world_size, context_
 
 
 @pytest.mark.slow
-def test_uneven_micro_batches_and_bucketed_reduce_scatters_match_reference(tmp_path):
+def test_uneven_micro_batches_bucketing_and_per_layer_clipping_match_reference(tmp_path):
     """Logical batches of 3 at micro-batch size 2 mix the per-sample capture (2 samples) with the summed-gradient
-    path (1 sample) under V1 and V2; bucketing V2's reduce-scatters changes nothing, bit for bit."""
+    path (1 sample) under V1 and V2; bucketing V2's reduce-scatters changes nothing, bit for bit. Per-layer clipping
+    (V1 and V2 with checkpointing, V2 with a reduce-scatter and a norm all-reduce per parameter and tied embeddings,
+    output-stationary V2 with proportional bounds of the sharded parameters) equals the per-layer reference."""
     run_processes(2, tmp_path, uneven_micro_batches, str(tmp_path))
     results = torch.load(tmp_path / "uneven.pt", weights_only=False)
-    for step, reference in enumerate(reference_states(tie_embeddings=False, logical_batch=UNEVEN_BATCH)):
-        for run, states in results.items():
+    assert set(results) == set(UNEVEN_RUNS)
+    references = {}
+    for run, states in results.items():
+        kwargs, tied = UNEVEN_RUNS[run]
+        per_layer = kwargs.get("per_layer_thresholds", "equal") if kwargs.get("clipping") == "per_layer" else None
+        if (tied, per_layer) not in references:
+            references[tied, per_layer] = reference_states(tied, UNEVEN_BATCH, per_layer)
+        for step, reference in enumerate(references[tied, per_layer]):
             for name, value in reference.items():
                 torch.testing.assert_close(states[step][name], value, rtol=1e-4, atol=1e-6,
                                            msg=lambda m, r=run, n=name, s=step: f"{r} step {s + 1} {n}: {m}")

@@ -1,4 +1,4 @@
-"""DP-SGD building blocks: per-sample gradients, flat clipping, noise, Poisson batches and accounting."""
+"""DP-SGD building blocks: per-sample gradients, flat or per-layer clipping, noise, Poisson batches and accounting."""
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.engine import DPSGDEngine

@@ -1,4 +1,4 @@
-"""Flat (all-parameter) per-sample clipping, with a bound that holds after floating-point rounding."""
+"""Per-sample squared norms and clipping factors, with a bound that holds after floating-point rounding."""
 
 from __future__ import annotations
 
@@ -16,9 +16,16 @@ CLIP_MARGIN = 2.0**-18
 def per_sample_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: int) -> torch.Tensor:
     """Squared L2 norm (fp64, shape (B,)) of each sample's gradient over all given per-sample tensors.
 
-    One batched pass: a single `torch._foreach_norm` over every (tensor, sample) slice (fp32 accumulation whatever
-    the dtype; one multi-tensor kernel per chunk of slices on CUDA), then the per-slice results are added in fp64.
     Returning squared norms lets shards of one gradient (other context-parallel ranks) be summed before the root.
+    """
+    return per_parameter_squared_norms(grad_samples, batch_size).sum(0)
+
+
+def per_parameter_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: int) -> torch.Tensor:
+    """Squared L2 norm (fp64, shape (P, B)) of each sample's gradient in each of the P given per-sample tensors.
+
+    One batched pass: a single `torch._foreach_norm` over every (tensor, sample) slice (fp32 accumulation whatever
+    the dtype; one multi-tensor kernel per chunk of slices on CUDA), then the per-slice results are squared in fp64.
     """
     tensors = list(grad_samples)
     if not tensors:
@@ -28,7 +35,7 @@ def per_sample_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: i
         raise RuntimeError(f"Per-sample gradients have batch sizes {sorted(sizes)}, expected {batch_size}.")
     slices = [t[i] for t in tensors for i in range(batch_size)]
     norms = torch.stack(torch._foreach_norm(slices, 2, dtype=torch.float32))
-    return norms.view(len(tensors), batch_size).double().square().sum(0)
+    return norms.view(len(tensors), batch_size).double().square()
 
 
 def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float, margin: float = CLIP_MARGIN) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""DP-SGD mechanics of one logical batch: per-sample gradients, flat clipping, clipped sum, noisy release."""
+"""DP-SGD mechanics of one logical batch: per-sample gradients, flat or per-layer clipping, clipped sum, noisy
+release."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from lightning_longshield.privacy.grad_sample.bookkeeping import PerSampleMethod
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.observer import DPStepObserver
+from lightning_longshield.privacy.per_layer import (
+    Clipping,
+    PerLayerClipper,
+    ThresholdSpec,
+    check_clipping,
+    per_layer_thresholds,
+)
 
 
 class DPSGDEngine:
@@ -30,6 +38,12 @@ class DPSGDEngine:
     The ``exchange`` (default: no context parallelism) decides everything that depends on the parallel layout.
     ``per_sample`` (``"materialize"``, ``"ghost"``, ``"mixed"``) says how linear and embedding weights get their
     per-sample norms and clipped sums (see `lightning_longshield.privacy.grad_sample.bookkeeping`).
+
+    With ``clipping="per_layer"`` every trainable parameter has its own bound (``per_layer_thresholds``, see
+    `lightning_longshield.privacy.per_layer`): the exchange hands each parameter's per-sample gradients to a
+    `PerLayerClipper` as soon as they are complete, during backward, and the clipped sum takes them there; a
+    one-sample micro-batch's ``.grad`` is clipped layer by layer after backward. ``last_per_sample_norms`` is then
+    each sample's unclipped norm over all layers, ``last_held_bytes`` the most per-sample gradient bytes held at once.
     """
 
     def __init__(
@@ -41,7 +55,10 @@ class DPSGDEngine:
         exchange: Optional[LocalExchange] = None,
         data_parallel_group: Optional[dist.ProcessGroup] = None,
         per_sample: PerSampleMethod = "materialize",
+        clipping: Clipping = "flat",
+        thresholds: Optional[ThresholdSpec] = None,
     ):
+        check_clipping(clipping, thresholds, per_sample)
         self.capture = PerSampleGradCapture(model, exchange, per_sample)
         self.exchange = self.capture.exchange
         replica_shards = {name: shard for name, shard in self.exchange.shards.items() if shard.replicas > 1}
@@ -53,6 +70,11 @@ class DPSGDEngine:
         self.last_held_bytes = 0
         self.last_bookkept_bytes = 0
         self.observer = DPStepObserver()
+        self.per_layer: Optional[PerLayerClipper] = None
+        if clipping == "per_layer":
+            bounds = per_layer_thresholds(self.capture.parameters, max_grad_norm, thresholds or "equal")
+            self.per_layer = PerLayerClipper(bounds, self.accumulator, self.exchange)
+            self.exchange.deliver_each_parameter(self._clip_layers, self.capture.uses)
 
     def observe(self, observer: DPStepObserver) -> None:
         """Announce this engine's step events to ``observer`` (replacing the previous one)."""
@@ -68,9 +90,15 @@ class DPSGDEngine:
         """Before a micro-batch's forward: the exchange decides whether its backward needs per-sample capture."""
         self.observer.microbatch_started()
         self.capture.start_microbatch(batch_size)
+        if self.per_layer is not None:
+            device = next(iter(self.capture.parameters.values())).device
+            self.per_layer.start_microbatch(batch_size, device)
 
     def accumulate_microbatch(self, batch_size: int) -> None:
         """Clip the per-sample gradients of the last backward and add them to the logical batch's sum."""
+        if self.per_layer is not None:
+            self._accumulate_per_layer()
+            return
         bookkeeper = self.capture.bookkeeper if self.capture.enabled else None
         grad_samples = self.capture.collect()
         self.observer.microbatch_gradients(grad_samples.values())
@@ -92,6 +120,24 @@ class DPSGDEngine:
             self.accumulator.add_sums(bookkeeper.clipped_sums(factors))
         self.observer.clipped_sums(self.accumulator.sums.values())
         self.last_per_sample_norms = squared_norms.sqrt()
+
+    def _accumulate_per_layer(self) -> None:
+        """Per-layer clipping: the captured layers were clipped during backward; a one-sample micro-batch's ``.grad``
+        (nothing captured) is clipped here, layer by layer."""
+        grad_samples = self.capture.collect()
+        if grad_samples:
+            self.last_held_bytes = sum(g.numel() * g.element_size() for g in grad_samples.values())
+            self._clip_layers(grad_samples)
+        else:
+            self.last_held_bytes = self.exchange.peak_held_bytes
+        assert self.per_layer is not None
+        self.last_per_sample_norms = self.per_layer.squared_norms.sqrt()
+
+    def _clip_layers(self, grad_samples: dict[str, torch.Tensor]) -> None:
+        assert self.per_layer is not None
+        self.observer.microbatch_gradients(grad_samples.values())
+        self.per_layer.clip(grad_samples)
+        self.observer.clipped_sums(self.accumulator.sums.values())
 
     def per_sample_methods(self) -> dict[str, str]:
         """How each trainable parameter got its per-sample norm in the last captured micro-batch: ``"ghost"`` (Gram

@@ -22,7 +22,8 @@ class DPStepObserver:
         (under context parallelism a partial, before the exchange completes it)."""
 
     def microbatch_gradients(self, grad_samples: Iterable[torch.Tensor]) -> None:
-        """The per-sample gradients of a whole micro-batch, about to be clipped (at micro-batch 1: the ``.grad``)."""
+        """The per-sample gradients of a whole micro-batch, about to be clipped (at micro-batch 1: the ``.grad``); with
+        per-layer clipping, those of the layers just completed during backward."""
 
     def clipped_sums(self, sums: Iterable[torch.Tensor]) -> None:
         """The logical batch's clipped-sum buffers after a micro-batch was added."""

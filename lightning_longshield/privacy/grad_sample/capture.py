@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Optional
 
 import torch
@@ -57,10 +58,11 @@ class PerSampleGradCapture:
             }
             self._handles.append(layer.register_forward_pre_hook(self._detach_parameters))
             self._handles.append(layer.register_forward_hook(self._attach_tap, always_call=True))
+        #: How many layers own each trainable parameter (2 for tied embeddings): its uses in one backward.
+        self.uses = Counter(name for names in self._layer_names.values() for name in names.values())
         self.bookkeeper: Optional[BookKeeper] = None
         if per_sample != "materialize":
-            owners = [name for names in self._layer_names.values() for name in names.values()]
-            shared = {name for name in owners if owners.count(name) > 1}
+            shared = {name for name, count in self.uses.items() if count > 1}
             self.bookkeeper = BookKeeper(per_sample, shared, self.exchange.group, self.exchange.shards)
 
     def remove(self) -> None:

@@ -14,12 +14,13 @@ can compute locally is a partial sum. The exchanges below complete it (names fol
 
 Every exchange keys its results by parameter name, sums the uses of a shared (tied) parameter, reports the bytes of
 per-sample gradients it holds, and decides for its own layout whether squared norms need a sum over the group and
-which slice the clipped sum keeps (`build_exchange` picks one from the strategy's settings).
+which slice the clipped sum keeps (`build_exchange` picks one from the strategy's settings). For per-layer clipping
+(`deliver_each_parameter`) it hands over each parameter's per-sample gradient as soon as it is complete.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Optional
 
@@ -33,6 +34,8 @@ from lightning_longshield.privacy.observer import DPStepObserver
 from lightning_longshield.privacy.shards import ParamShard, local_tensor
 
 ParamNamer = Callable[[nn.Module, nn.Parameter], str]
+# Receives complete per-sample gradients of some parameters, by name, and consumes them.
+GradSampleSink = Callable[[dict[str, torch.Tensor]], None]
 
 
 #: Default size of a reduce-scatter bucket: small per-sample gradients (norm weights, biases) travel together.
@@ -51,6 +54,9 @@ class LocalExchange:
     ``shards`` (with ``group=None``: only for parameters sharded over data-parallel replicas, ``shard_over="all"``)
     makes `local_part` lay each whole gradient out as this rank's padded part. ``always_capture``: capture even one
     sample, when FSDP2's summed ``.grad`` would mix the samples of several data-parallel replicas.
+
+    ``held_bytes`` is what the exchange holds of complete per-sample gradients now, ``peak_held_bytes`` its maximum
+    in the current micro-batch.
     """
 
     def __init__(
@@ -64,13 +70,30 @@ class LocalExchange:
         self.always_capture = always_capture
         self.grad_samples: dict[str, torch.Tensor] = {}
         self.held_bytes = 0
+        self.peak_held_bytes = 0
         self.observer = DPStepObserver()
         self.capturing = False
+        self._sink: Optional[GradSampleSink] = None
+        self._uses: Mapping[str, int] = {}
+        self._arrived: dict[str, int] = {}
+        self._complete: list[str] = []
+        self._delivered: set[str] = set()
+
+    def deliver_each_parameter(self, sink: GradSampleSink, uses: Mapping[str, int]) -> None:
+        """Hand each parameter's complete per-sample gradients to ``sink`` as soon as its ``uses[name]`` uses (layers
+        that own it) have arrived, during backward, and forget them; the parameters completed by one step of the
+        exchange (a reduce-scatter bucket) go together. Parameters some of whose owners did not run go at `finish`.
+        """
+        self._sink, self._uses = sink, uses
 
     def start_microbatch(self, batch_size: int) -> bool:
         """Whether the next backward needs per-sample capture: with one sample ``.grad`` already is its gradient
         (unless ``always_capture``)."""
         self.capturing = batch_size > 1 or self.always_capture
+        self.held_bytes = self.peak_held_bytes = 0
+        self._arrived.clear()
+        self._complete.clear()
+        self._delivered.clear()
         return self.capturing
 
     def receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor, name_of: ParamNamer):
@@ -81,16 +104,45 @@ class LocalExchange:
         """Take one parameter's (partial) per-sample gradient ``(B, *shape)``, computed from this rank's tokens."""
         self.observer.per_sample_gradient(grad_sample)
         self._store(name, grad_sample)
+        self._deliver()
 
     def _store(self, name: str, grad_sample: torch.Tensor) -> None:
+        """Add one use's complete per-sample gradient (this rank's part of it) to what the exchange holds."""
+        if name in self._delivered:
+            raise RuntimeError(
+                f"{name} received another per-sample gradient after its per-layer clipping: a module that owns it ran"
+                " more than once in the forward. Per-layer clipping needs each owning module called once per"
+                " forward; use clipping='flat'."
+            )
         previous = self.grad_samples.get(name)
         self.grad_samples[name] = grad_sample if previous is None else previous + grad_sample
         if previous is None:
-            self.held_bytes += grad_sample.numel() * grad_sample.element_size()
+            self.held_bytes += _nbytes(grad_sample)
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        if self._sink is not None:
+            self._arrived[name] = self._arrived.get(name, 0) + 1
+            if self._arrived[name] == self._uses.get(name, 1):
+                self._complete.append(name)
+
+    def _deliver(self) -> None:
+        """Hand the parameters completed since the last delivery to the sink (per-layer clipping only)."""
+        if not self._complete:
+            return
+        assert self._sink is not None
+        group = {name: self.grad_samples.pop(name) for name in self._complete}
+        self._delivered.update(self._complete)
+        self._complete = []
+        self.held_bytes -= sum(_nbytes(grad) for grad in group.values())
+        self._sink(group)
 
     def finish(self) -> dict[str, torch.Tensor]:
-        """The captured per-sample gradients of the last backward (the exchange forgets them)."""
+        """The captured per-sample gradients of the last backward (the exchange forgets them); those not yet
+        delivered go to the sink instead, if there is one."""
+        if self._sink is not None:
+            self._complete.extend(name for name in self.grad_samples if name not in self._complete)
+            self._deliver()
         grads, self.grad_samples = self.grad_samples, {}
+        self.held_bytes = 0
         return grads
 
     def summed_gradients(self, parameters: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
@@ -221,6 +273,11 @@ class OutputStationaryExchange(ReduceScatterExchange):
             grad_output = gather_tokens(grad_output, self.group)
         weight = torch.einsum("b...o,b...i->boi", grad_output, activation)
         LocalExchange._store(self, name, shard.from_chunk(weight.movedim(shard.dim + 1, -1), offset=1))
+        self._deliver()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _all_to_all_features(x: torch.Tensor, shard: ParamShard, group: dist.ProcessGroup) -> torch.Tensor:

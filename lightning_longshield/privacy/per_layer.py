@@ -1,0 +1,122 @@
+"""Per-layer clipping: each trainable parameter tensor (a layer, as in Opacus) has its own bound ``C_l``.
+
+The bounds satisfy ``sum_l C_l^2 <= C^2``, so a sample's clipped contribution over all layers still has norm at most
+``C``: the noise ``N(0, (sigma C)^2)`` and the accounting are those of flat clipping. A layer's per-sample gradients
+are clipped and added to the clipped sum as soon as they are complete, during backward, then freed, so at most about
+one layer's (or one reduce-scatter bucket's) per-sample gradients are held at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Literal, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_longshield.privacy.accumulator import ClippedGradientSum
+from lightning_longshield.privacy.clipping import clip_factors, per_parameter_squared_norms
+from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
+
+CLIPPING_MODES = ("flat", "per_layer")
+THRESHOLD_RULES = ("equal", "proportional")
+
+Clipping = Literal["flat", "per_layer"]
+#: ``"equal"``: ``C / sqrt(L)``; ``"proportional"``: ``C sqrt(n_l / sum n)``; or ``{parameter name: C_l}``.
+ThresholdSpec = Union[Literal["equal", "proportional"], Mapping[str, float]]
+
+# Explicit bounds may exceed C^2 in the sum of squares by this relative amount (decimal rounding of user values);
+# the clipping margin (2^-18) of every layer keeps the clipped contribution below C regardless.
+SUM_OF_SQUARES_TOLERANCE = 1e-9
+
+
+def check_clipping(clipping: str, thresholds: Optional[ThresholdSpec], per_sample: str = "materialize") -> None:
+    """Reject an unknown clipping mode or threshold rule, and combinations that cannot work, before any setup."""
+    if clipping not in CLIPPING_MODES:
+        raise ValueError(f"clipping={clipping!r}; choose one of {CLIPPING_MODES}.")
+    if clipping == "per_layer" and per_sample != "materialize":
+        raise ValueError(f"clipping='per_layer' needs per-sample gradients, but per_sample={per_sample!r} clips with"
+                         " one flat norm; set per_sample='materialize' (or clipping='flat').")
+    if thresholds is None:
+        return
+    if clipping == "flat":
+        raise ValueError("per_layer_thresholds applies to clipping='per_layer' only; set clipping='per_layer' or drop"
+                         " per_layer_thresholds.")
+    if isinstance(thresholds, str):
+        if thresholds not in THRESHOLD_RULES:
+            raise ValueError(f"per_layer_thresholds={thresholds!r}; choose one of {THRESHOLD_RULES} or pass a"
+                             " mapping {parameter name: threshold}.")
+    elif isinstance(thresholds, Mapping):
+        bad = {name: c for name, c in thresholds.items() if not (isinstance(c, (int, float)) and 0 < c < math.inf)}
+        if bad:
+            raise ValueError(f"Per-layer thresholds must be finite numbers > 0; got {bad}.")
+    else:
+        raise TypeError(f"per_layer_thresholds must be one of {THRESHOLD_RULES} or a mapping {{parameter name:"
+                        f" threshold}}, got {type(thresholds).__name__}.")
+
+
+def per_layer_thresholds(
+    parameters: Mapping[str, nn.Parameter], max_grad_norm: float, spec: ThresholdSpec = "equal"
+) -> dict[str, float]:
+    """The bound ``C_l`` of every trainable parameter (tied weights appear once, under their first name).
+
+    ``"equal"`` splits ``C`` evenly, ``C / sqrt(L)``; ``"proportional"`` by parameter counts, ``C sqrt(n_l / sum n)``
+    (full counts, also for sharded parameters); both give ``sum_l C_l^2 = C^2``. A mapping must name every
+    trainable parameter and no other, with ``sum_l C_l^2 <= C^2``.
+    """
+    check_clipping("per_layer", spec)
+    if not parameters:
+        raise ValueError("Per-layer clipping needs at least one trainable parameter.")
+    if spec == "equal":
+        return {name: max_grad_norm / math.sqrt(len(parameters)) for name in parameters}
+    if spec == "proportional":
+        total = sum(p.numel() for p in parameters.values())
+        return {name: max_grad_norm * math.sqrt(p.numel() / total) for name, p in parameters.items()}
+    assert isinstance(spec, Mapping)
+    missing = [name for name in parameters if name not in spec]
+    unknown = [name for name in spec if name not in parameters]
+    if missing or unknown:
+        raise ValueError(
+            "per_layer_thresholds must give a threshold for every trainable parameter, by its name in"
+            f" named_parameters() (a tied weight once, under its first name). Missing: {missing}; not trainable"
+            f" parameters: {unknown}."
+        )
+    squares = sum(float(spec[name]) ** 2 for name in parameters)
+    if squares > max_grad_norm**2 * (1 + SUM_OF_SQUARES_TOLERANCE):
+        raise ValueError(
+            f"The per-layer thresholds have sum of squares {squares:.6g} > max_grad_norm^2 = {max_grad_norm**2:.6g}:"
+            " a sample's clipped gradient could exceed max_grad_norm, which the noise is calibrated to. Scale the"
+            " thresholds down or raise max_grad_norm."
+        )
+    return {name: float(spec[name]) for name in parameters}
+
+
+class PerLayerClipper:
+    """Clips complete per-sample gradients, a group of parameters at a time, each to its own bound, and adds this
+    rank's part of them to the clipped sum.
+
+    The squared norms of a group ``(P, B)`` are completed by the exchange in one collective (summed over the
+    context-parallel group where the gradients are shards). ``squared_norms`` accumulates each sample's unclipped
+    squared norm over the micro-batch's layers (`start_microbatch` resets it).
+    """
+
+    def __init__(self, thresholds: dict[str, float], accumulator: ClippedGradientSum, exchange: LocalExchange):
+        self.thresholds = thresholds
+        self.accumulator = accumulator
+        self.exchange = exchange
+        self.squared_norms = torch.zeros(0, dtype=torch.float64)
+
+    def start_microbatch(self, batch_size: int, device: torch.device) -> None:
+        self.squared_norms = torch.zeros(batch_size, dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def clip(self, grad_samples: dict[str, torch.Tensor]) -> None:
+        """Clip and add the complete per-sample gradients ``(B, *shape)`` of some parameters; they are consumed."""
+        names = list(grad_samples)
+        local = per_parameter_squared_norms(grad_samples.values(), self.squared_norms.shape[0])
+        squared = self.exchange.complete_squared_norms(local)
+        self.squared_norms += squared.sum(0)
+        parts = self.exchange.local_part(grad_samples)
+        for name, layer_squared in zip(names, squared):
+            self.accumulator.add({name: parts.pop(name)}, clip_factors(layer_squared, self.thresholds[name]))
