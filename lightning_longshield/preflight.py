@@ -196,8 +196,10 @@ def predict(
     capacity_bytes: float,
     gpu_name: str = "",
     notes: tuple[str, ...] = (),
+    clipping: str = "flat",
 ) -> PreflightResult:
-    """The planner's peak memory per GPU for a run of ``gpus`` processes in context-parallel groups of ``cp``.
+    """The planner's peak memory per GPU for a run of ``gpus`` processes in context-parallel groups of ``cp``
+    (``clipping``: the planner's ``"flat"`` or ``"per-layer"``).
 
     ``seq_len`` is rounded up to a multiple of ``2 x cp`` (the planner's load-balanced sharding needs it). ZeRO-DP+
     (``"zero-dp"``) is planned as the strategy runs it (`longshield_config`): data parallelism over all ``gpus``,
@@ -210,7 +212,7 @@ def predict(
         config = longshield_config(model, method, 1, mbs, seq_len, precision, gpu, data_parallel=gpus)
         return PreflightResult(config, estimate_memory(config), gpus, notes)
     padded = -(-seq_len // (2 * cp)) * (2 * cp)
-    config = longshield_config(model, method, cp, mbs, padded, precision, gpu)
+    config = longshield_config(model, method, cp, mbs, padded, precision, gpu, clipping=clipping)
     return PreflightResult(config, estimate_memory(config), gpus, notes)
 
 
@@ -314,15 +316,16 @@ def run_preflight(
     method, notes = simulate_method(parallelism.shard_per_sample_grads, parallelism.activation_checkpointing,
                                     parallelism.per_sample, parallelism.shard_over, cp)
     run = (model, method, world_size, cp, mbs, seq_len, planner_precision)
+    clipping = parallelism.clipping.replace("_", "-")  # the strategy's "per_layer" is the planner's "per-layer"
     if not is_cuda(device):
-        result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, notes=notes)
+        result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, notes=notes, clipping=clipping)
         rank_zero_info(
             f"LongShield pre-flight ({device.type}: logged, not checked): on CUDA, {result.peak()} for"
             f" {result.describe_run()}. {result.breakdown()}"
         )
         return result
     name, capacity = device_properties(device)
-    result = predict(*run, capacity, gpu_name=name, notes=notes).check()
+    result = predict(*run, capacity, gpu_name=name, notes=notes, clipping=clipping).check()
     rank_zero_info(
         f"LongShield pre-flight: fits, {result.peak()} of {capacity / GIB:.1f} GiB ({name}) for"
         f" {result.describe_run()}. {result.breakdown()}"

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from simulate import planner
-from simulate.config import METHODS, PRECISIONS, RunConfig, parse_gpus
+from simulate.config import CLIPPINGS, METHODS, PRECISIONS, RunConfig, parse_gpus
 from simulate.memory import estimate_memory
 from simulate.specs import GPU_PRESETS, MODEL_PRESETS
 
@@ -62,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
     p = planner.plan(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, seq_len=args.seq_len,
-                     cp=args.cp, gpu=args.gpu, precision=args.precision, lora_rank=args.lora_rank)
+                     cp=args.cp, gpu=args.gpu, precision=args.precision, lora_rank=args.lora_rank,
+                     clipping=args.clipping)
     if not args.json:
         _print_plan(console, p)
     return p.to_dict()
@@ -70,7 +71,7 @@ def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
 
 def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:
     inputs = dict(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, cp=args.cp, gpu=args.gpu,
-                  precision=args.precision, lora_rank=args.lora_rank)
+                  precision=args.precision, lora_rank=args.lora_rank, clipping=args.clipping)
     best = planner.max_seq_len(**inputs)
     probe = planner.probe_config(**inputs)
     out = {k: v for k, v in probe.inputs().items() if k != "seq_len"}
@@ -276,6 +277,8 @@ def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
     p.add_argument("--cp", type=positive_int, default=None, help="CP size (default: all GPUs for CP methods)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA rank on every block projection (only the adapters train); 0: full fine-tuning")
+    p.add_argument("--clipping", choices=list(CLIPPINGS), default="flat",
+                   help="flat (one norm per sample) or per-layer (each layer clipped and freed as it completes)")
     if seq_len:
         p.add_argument("--seq-len", type=power_of_two, required=True,
                        help="sequence length, a power of two (16k and 1M ok)")
@@ -345,6 +348,8 @@ def _title(inputs: dict[str, object], with_seq: bool) -> str:
              f"MBS {inputs['mbs']}", f"CP {inputs['cp']}"]
     if inputs.get("lora_rank"):
         parts.append(f"LoRA rank {inputs['lora_rank']}")
+    if inputs.get("clipping", "flat") != "flat":
+        parts.append(f"{inputs['clipping']} clipping")
     if with_seq:
         parts.append(f"T {inputs['seq_len']:,}")
     return " | ".join(parts)

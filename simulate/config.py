@@ -64,6 +64,10 @@ METHODS: dict[str, MethodSpec] = {
 }
 
 
+#: Flat clipping (per-sample gradients of the whole model until the norm is known) or per-layer clipping.
+CLIPPINGS = ("flat", "per-layer")
+
+
 @dataclass(frozen=True)
 class Precision:
     """Bytes per element of each tensor family under a training precision."""
@@ -96,6 +100,7 @@ class RunConfig:
     cp_size: int
     precision: Precision
     lora_rank: int = 0  # > 0: only LoRA adapters of this rank on every block projection train
+    clipping: str = "flat"  # "per-layer": each layer's per-sample gradients clipped and freed as they complete
 
     @property
     def trainable(self) -> TrainableParams:
@@ -129,6 +134,7 @@ class RunConfig:
             "gpu": self.gpu_name,
             "precision": self.precision.name,
             "lora_rank": self.lora_rank,
+            "clipping": self.clipping,
         }
 
 
@@ -156,6 +162,7 @@ def make_config(
     gpu: str | GPUSpec = "h100",
     precision: str = "bf16-mixed",
     lora_rank: int = 0,
+    clipping: str = "flat",
 ) -> RunConfig:
     """Validate raw inputs into a :class:`RunConfig`; every error says how to fix the input.
 
@@ -185,6 +192,11 @@ def make_config(
     if lora_rank and method_spec.per_sample_grads == "ghost":
         raise ValueError("LoRA is modelled for LongShield's methods and the non-DP baselines, not zero-dp; drop"
                          " --lora-rank or pick another method.")
+    if clipping not in CLIPPINGS:
+        raise ValueError(f"Unknown clipping {clipping!r}; choose one of {list(CLIPPINGS)}.")
+    if clipping == "per-layer" and method_spec.per_sample_grads not in ("full", "sharded"):
+        raise ValueError(f"Per-layer clipping is modelled for LongShield's per-sample-gradient methods (v1, v2, v3),"
+                         f" not {method_spec.name}; drop --clipping per-layer or pick one of them.")
     cp_size = _resolve_cp(method_spec, num_gpus, cp)
     if method_spec.context_parallel and seq_len % (2 * cp_size):
         raise ValueError(
@@ -192,7 +204,7 @@ def make_config(
             "(load-balanced sharding cuts it into 2N chunks); pick a multiple of it."
         )
     return RunConfig(model_name, spec, gpu_name, gpu_spec, num_gpus, method_spec, int(mbs), int(seq_len), cp_size,
-                     PRECISIONS[precision], int(lora_rank))
+                     PRECISIONS[precision], int(lora_rank), clipping)
 
 
 def as_run_by_longshield(method: str, mbs: int) -> str:
@@ -212,6 +224,7 @@ def longshield_config(
     gpu: str | GPUSpec = "h100",
     lora_rank: int = 0,
     data_parallel: int = 1,
+    clipping: str = "flat",
 ) -> RunConfig:
     """One context-parallel group of `LongShieldStrategy` as the planner sees it: ``cp`` GPUs (the strategy shards
     model states over the CP group only; data-parallel groups are replicas) and the method the strategy really runs
@@ -222,7 +235,7 @@ def longshield_config(
     """
     gpus = data_parallel if method == "zero-dp" else cp
     config = make_config(model=model, gpus=gpus, method=as_run_by_longshield(method, mbs), mbs=mbs, seq_len=seq_len,
-                         cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank)
+                         cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank, clipping=clipping)
     return replace(config, method=replace(config.method, whole_clipped_sum=False, retained_norm_pass=False))
 
 

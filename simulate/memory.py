@@ -311,7 +311,9 @@ class _PerSampleGrads:
     """Per-sample gradient buffers of LongShield (V1: full on each CP rank; V2/V3: 1/N plus in-flight).
 
     A tied head/embedding weight can only be reduce-scattered once the embedding has added its part, so under
-    V2/V3 its unreduced partial stays whole from the head's backward to the end.
+    V2/V3 its unreduced partial stays whole from the head's backward to the end. Under per-layer clipping a layer's
+    (complete, this rank's part of) per-sample gradients are clipped and freed as soon as they are formed: only the
+    layer being clipped is held (a tied weight still waits for its second use).
     """
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -331,22 +333,30 @@ class _PerSampleGrads:
         self.largest = trainable.largest_in_block
         self.vd = trainable.embedding
         self.tied = cfg.model.tie_embeddings
+        self.per_layer = cfg.clipping == "per-layer"
 
     def block_kept(self) -> float:
-        return self.unit * self.block_numel * self.share if self.active else 0.0
+        return self.unit * self.block_numel * self.share if self.active and not self.per_layer else 0.0
 
     def block_in_flight(self) -> float:
-        """Two unreduced layer partials: one being reduce-scattered while the next is computed."""
-        return 2 * self.unit * self.largest if self.active and self.reduced else 0.0
+        """Two unreduced layer partials: one being reduce-scattered while the next is computed; under per-layer
+        clipping also the (reduced) layer being clipped."""
+        if not self.active:
+            return 0.0
+        clipped = self.unit * self.largest * self.share if self.per_layer else 0.0
+        return clipped + (2 * self.unit * self.largest if self.reduced else 0.0)
 
     def head_kept(self) -> float:
-        if not self.active:
+        if not self.active or (self.per_layer and not self.tied):
             return 0.0
         whole = self.tied and self.reduced
         return self.unit * self.vd * (1.0 if whole else self.share)
 
     def head_in_flight(self) -> float:
-        return self.unit * self.vd if self.active and self.reduced and not self.tied else 0.0
+        if not self.active or self.tied:
+            return 0.0
+        clipped = self.unit * self.vd * self.share if self.per_layer else 0.0
+        return clipped + (self.unit * self.vd if self.reduced else 0.0)
 
     def embedding(self) -> float:
         """The embedding's buffer (untied: its own, plus its unreduced partial; tied: the head's reduced shard)."""
@@ -354,7 +364,7 @@ class _PerSampleGrads:
             return 0.0
         if self.tied:
             return self.unit * self.vd * self.share if self.reduced else 0.0
-        return self.unit * self.vd * self.share + self.head_in_flight()
+        return self.unit * self.vd * (self.share + (1.0 if self.reduced else 0.0))
 
 
 class _GhostClipping:

@@ -71,7 +71,7 @@ def evaluate(cfg: RunConfig) -> Plan:
     baseline = BASELINES.get(cfg.method.name)
     baseline_tps = None
     if baseline is not None:
-        step = estimate_step_time(cfg.replace(method=baseline, cp=cfg.cp_size))
+        step = estimate_step_time(cfg.replace(method=baseline, cp=cfg.cp_size, clipping="flat"))
         baseline_tps = step.tokens_per_second_per_gpu if step else None
     return Plan(cfg, estimate_memory(cfg), estimate_step_time(cfg), baseline_tps)
 

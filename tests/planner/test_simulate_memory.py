@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from simulate import calibration, layers, make_config
+from simulate import calibration, layers, make_config, memory
 from simulate.memory import GIB, estimate_memory, model_state_bytes
 from simulate.specs import get_model_spec, lora_numel
 
@@ -125,3 +125,27 @@ def test_lora_keeps_states_and_per_sample_gradients_of_the_adapters_only() -> No
     assert 0 < lora_peak.per_sample_grads <= share * full_peak.per_sample_grads * 1.01
     with pytest.raises(ValueError, match="not zero-dp"):
         make_config(model="llama3.2-1b", gpus=4, method="zero-dp", lora_rank=8)
+
+
+@pytest.mark.parametrize("method, cp", [("v1", 2), ("v2", 1), ("v2", 4), ("v3", 4)])
+def test_per_layer_clipping_holds_about_one_layer_of_per_sample_gradients(method, cp) -> None:
+    """Flat clipping holds every layer's per-sample gradients until the norm is known; per-layer clipping holds the
+    layer being clipped (its share under V2/V3) plus the same in-flight partials."""
+    flat = make_config(model="tiny", gpus=cp, method=method, cp=cp, mbs=8, seq_len=256)
+    per_layer = flat.replace(clipping="per-layer")
+    most = {cfg.clipping: max(p.get("per_sample_grads", 0.0) for _, p in memory._phases(cfg))
+            for cfg in (flat, per_layer)}
+    unit = 8 * flat.precision.activation_bytes
+    share = 1 / cp if method != "v1" else 1.0
+    largest = max(flat.trainable.largest_in_block, flat.model.embedding_numel)
+    in_flight = 2 * unit * largest if method != "v1" and cp > 1 else 0.0
+    assert most["per-layer"] <= unit * largest * share + in_flight + 1
+    assert most["flat"] > 2 * most["per-layer"]  # under V2 both hold the same two unreduced partials
+
+
+def test_per_layer_clipping_is_refused_where_it_is_not_modelled() -> None:
+    for method in ("zero-dp", "nondp-cp"):
+        with pytest.raises(ValueError, match="Per-layer clipping is modelled"):
+            make_config(model="tiny", gpus=4, method=method, clipping="per-layer")
+    with pytest.raises(ValueError, match="Unknown clipping"):
+        make_config(model="tiny", gpus=4, method="v2", clipping="per_layer")
