@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_longshield.privacy.observer import DPStepObserver
-from simulate.config import METHODS, TRACEABLE_METHODS, MethodSpec, longshield_config, make_config
+from simulate.config import CLIPPINGS, METHODS, TRACEABLE_METHODS, MethodSpec, longshield_config, make_config
 from simulate.memory import estimate_memory
 
 TRACE_PRECISIONS = {"bf16-mixed": "bf16-mixed", "fp32": "32-true"}
@@ -140,15 +140,17 @@ def trace_step(
     mbs: int = 1,
     seq_len: int = 16384,
     precision: str = "bf16-mixed",
+    clipping: str = "flat",
 ) -> TraceResult:
     """Trace one DP step (a logical batch of two micro-batches) of rank 0 and return its peak memory by category.
 
     ``method`` is one of `TRACEABLE_METHODS` (``v3`` / ``nondp-cp-ac`` checkpoint every block; ``zero-dp`` runs
-    at CP 1 with model states sharded over all ranks); the world is ``data_parallel x cp`` fake ranks. Takes seconds
+    at CP 1 with model states sharded over all ranks; ``clipping`` is the planner's ``"flat"`` or ``"per-layer"``);
+    the world is ``data_parallel x cp`` fake ranks. Takes seconds
     to a minute for full-size presets and allocates no tensor of the model's size. Must not run inside an
     initialised (real) process group.
     """
-    _validate(model, method, cp, data_parallel, mbs, seq_len, precision)
+    _validate(model, method, cp, data_parallel, mbs, seq_len, precision, clipping)
     if dist.is_initialized():
         raise RuntimeError("trace_step creates its own fake process group; call it outside a distributed run.")
     start = time.perf_counter()
@@ -159,7 +161,8 @@ def trace_step(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            peak = _traced_peak(model, METHODS[method], cp, mbs, seq_len, TRACE_PRECISIONS[precision])
+            peak = _traced_peak(model, METHODS[method], cp, mbs, seq_len, TRACE_PRECISIONS[precision],
+                                clipping.replace("-", "_"))
     finally:
         lightning_log.setLevel(level)
         dist.destroy_process_group()
@@ -167,7 +170,8 @@ def trace_step(
                        seconds=round(time.perf_counter() - start, 2))
 
 
-def _validate(model: str, method: str, cp: int, data_parallel: int, mbs: int, seq_len: int, precision: str) -> None:
+def _validate(model: str, method: str, cp: int, data_parallel: int, mbs: int, seq_len: int, precision: str,
+              clipping: str) -> None:
     if method not in TRACEABLE_METHODS:
         raise ValueError(f"Method {method!r} cannot be traced (it is not LongShield's code path); choose one of"
                          f" {list(TRACEABLE_METHODS)}.")
@@ -177,10 +181,11 @@ def _validate(model: str, method: str, cp: int, data_parallel: int, mbs: int, se
         raise ValueError(f"Data-parallel size must be >= 1, got {data_parallel}.")
     # The analytic planner's validation: model name, MBS, sequence length divisible by 2 x CP.
     make_config(model=model, gpus=cp * data_parallel, method=method, mbs=mbs, seq_len=seq_len, cp=cp,
-                precision=precision)
+                precision=precision, clipping=clipping)
 
 
-def _traced_peak(model: str, method: MethodSpec, cp: int, mbs: int, seq_len: int, precision: str) -> dict[str, int]:
+def _traced_peak(model: str, method: MethodSpec, cp: int, mbs: int, seq_len: int, precision: str,
+                 clipping: str) -> dict[str, int]:
     import lightning.pytorch as pl
     from lightning.pytorch.trainer import call
     from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -197,6 +202,7 @@ def _traced_peak(model: str, method: MethodSpec, cp: int, mbs: int, seq_len: int
         shard_per_sample_grads=method.per_sample_grads != "full",
         activation_checkpointing=method.activation_checkpointing, cluster_environment=_FakeRankZero(world),
         per_sample="mixed" if zero_dp_plus else "materialize", shard_over="all" if zero_dp_plus else "context_parallel",
+        clipping=clipping,
     )
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=precision, logger=False,
                          enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
@@ -383,6 +389,7 @@ def register_trace_command(add_command: Callable[..., argparse.ArgumentParser]) 
     trace.add_argument("--data-parallel", type=positive_int, default=1, help="data-parallel groups")
     trace.add_argument("--mbs", type=positive_int, default=1, help="micro-batch size")
     trace.add_argument("--seq-len", type=power_of_two, required=True, help="sequence length, a power of two")
+    trace.add_argument("--clipping", choices=list(CLIPPINGS), default="flat", help="flat or per-layer clipping")
 
 
 def _trace_command(args: argparse.Namespace, console: Console) -> dict[str, object]:
@@ -390,9 +397,10 @@ def _trace_command(args: argparse.Namespace, console: Console) -> dict[str, obje
         console.print(f"Tracing one DP step of rank 0 on fake tensors ({args.model}, {args.method}, CP {args.cp},"
                       f" data-parallel {args.data_parallel}, MBS {args.mbs}, T {args.seq_len}) ...")
     result = trace_step(model=args.model, method=args.method, cp=args.cp, data_parallel=args.data_parallel,
-                        mbs=args.mbs, seq_len=args.seq_len, precision=args.precision)
+                        mbs=args.mbs, seq_len=args.seq_len, precision=args.precision, clipping=args.clipping)
     analytic = estimate_memory(longshield_config(args.model, args.method, args.cp, args.mbs, args.seq_len,
-                                                 args.precision, data_parallel=args.data_parallel))
+                                                 args.precision, data_parallel=args.data_parallel,
+                                                 clipping=args.clipping))
     out = result.to_dict()
     out["analytic_allocated_gib"] = round(analytic.allocated / 2**30, 3)
     out["analytic_vs_traced"] = round(analytic.allocated / result.total - 1, 4)

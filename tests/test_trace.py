@@ -106,6 +106,19 @@ def test_zero_dp_plus_analytic_within_ten_percent_of_traced(point):
     assert trace.gradients > 3 * trace.parameters  # the whole fp32 clipped sum beside 1/8 of the parameters
 
 
+@pytest.mark.parametrize("method, cp", [("v2", 1), ("v1", 2)])
+def test_per_layer_clipping_holds_at_most_the_largest_layer(method, cp):
+    """Traced: per-layer clipping holds one layer's complete per-sample gradients at a time (V2 under CP: one
+    reduce-scatter bucket, bounded by ``communication_bucket_mb``), flat clipping the whole model's."""
+    config = LlamaConfig.from_name("tiny")
+    largest = 4 * 4 * max(config.vocab_size * config.dim, config.dim * config.ffn_dim)  # MBS 4 x fp32
+    per_layer = trace_step(model="tiny", method=method, cp=cp, mbs=4, seq_len=256, precision="fp32",
+                           clipping="per-layer")
+    flat = trace_step(model="tiny", method=method, cp=cp, mbs=4, seq_len=256, precision="fp32")
+    assert 0 < per_layer.per_sample_grads_peak <= largest
+    assert flat.per_sample_grads_peak > 10 * largest
+
+
 def test_trace_refuses_methods_that_are_not_longshields():
     with pytest.raises(ValueError, match="cannot be traced"):
         trace_step(model="tiny", method="nondp-fsdp", cp=1, seq_len=1024)
