@@ -35,6 +35,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=24, help="DP steps (optimizer steps)")
     parser.add_argument("--target-epsilon", type=float, default=8.0, help="privacy budget of the whole run")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C")
+    parser.add_argument("--clipping", choices=("flat", "per_layer"), default="flat",
+                        help="one norm per sample, or each layer to its own share of C (per_layer)")
+    parser.add_argument("--per-sample", choices=("materialize", "ghost", "mixed"), default="materialize",
+                        help="per-sample gradients, or ghost norms with book-keeping (mixed: the cheaper per weight)")
     parser.add_argument("--learning-rate", type=float, default=1e-2, help="AdamW learning rate")
     parser.add_argument("--max-bytes", type=int, default=2_000_000, help="bytes of standard-library source to use")
     parser.add_argument("--precision", default="32-true", help="Lightning precision, e.g. 32-true or bf16-mixed")
@@ -59,6 +63,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         target_epsilon=args.target_epsilon,
         max_grad_norm=args.max_grad_norm,
         micro_batch_size=args.micro_batch_size,
+        clipping=args.clipping,
+        per_sample=args.per_sample,
         seed=args.seed,
         secure_mode=args.secure_mode,
     )
