@@ -39,6 +39,7 @@ NCCL buffers, which live outside the allocator. Constants: :mod:`simulate.calibr
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from simulate import calibration, layers
@@ -158,14 +159,9 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
     head_grad = a * cfg.trainable.embedding if fsdp_grads else 0.0
     block_grad = grad_reduce * cfg.trainable.block if fsdp_grads else 0.0
 
-    def phase(**parts: float) -> dict[str, float]:
-        parts["model_states"] = states
-        parts["fsdp_buffers"] = fsdp_params + parts.get("fsdp_buffers", 0.0)
-        return parts
-
+    phase = _phase_with(states, fsdp_params)
     out = [
-        ("forward: loss", phase(activations=acts_all, logits_loss=t * layers.loss_forward_bytes_per_token(m, a))),
-        ("backward: loss", phase(activations=acts_all, logits_loss=t * layers.loss_backward_bytes_per_token(m, a))),
+        *_loss_phases(cfg, acts_all, phase),
         ("backward: output", phase(
             activations=acts_all + t * m.dim * a,
             logits_loss=t * layers.logits_grad_bytes_per_token(m, a),
@@ -200,6 +196,29 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
     return out
 
 
+Phase = Callable[..., dict[str, float]]
+
+
+def _phase_with(states: float, fsdp_params: float) -> Phase:
+    """A phase's bytes by category from its own parts, plus the model states and unsharded FSDP parameters."""
+
+    def phase(**parts: float) -> dict[str, float]:
+        parts["model_states"] = states
+        parts["fsdp_buffers"] = fsdp_params + parts.get("fsdp_buffers", 0.0)
+        return parts
+
+    return phase
+
+
+def _loss_phases(cfg: RunConfig, activations: float, phase: Phase) -> list[tuple[str, dict[str, float]]]:
+    """The loss's forward and backward, over all saved activations."""
+    m, a, t = cfg.model, cfg.precision.activation_bytes, cfg.tokens_per_rank
+    return [
+        ("forward: loss", phase(activations=activations, logits_loss=t * layers.loss_forward_bytes_per_token(m, a))),
+        ("backward: loss", phase(activations=activations, logits_loss=t * layers.loss_backward_bytes_per_token(m, a))),
+    ]
+
+
 def _book_keeping_phases(cfg: RunConfig, states: float, fsdp_params: float, full_block: float, head: float,
                          work_act: float, work_comm: float) -> list[tuple[str, dict[str, float]]]:
     """LongShield's ZeRO-DP+ (CP 1, one backward): activations are freed as usual except the kept inputs ``A``;
@@ -208,14 +227,9 @@ def _book_keeping_phases(cfg: RunConfig, states: float, fsdp_params: float, full
     kept = _BookKept(cfg)
     acts_all = m.n_layers * full_block + head
 
-    def phase(**parts: float) -> dict[str, float]:
-        parts["model_states"] = states
-        parts["fsdp_buffers"] = fsdp_params + parts.get("fsdp_buffers", 0.0)
-        return parts
-
+    phase = _phase_with(states, fsdp_params)
     out = [
-        ("forward: loss", phase(activations=acts_all, logits_loss=t * layers.loss_forward_bytes_per_token(m, a))),
-        ("backward: loss", phase(activations=acts_all, logits_loss=t * layers.loss_backward_bytes_per_token(m, a))),
+        *_loss_phases(cfg, acts_all, phase),
         ("backward: output", phase(
             activations=acts_all + t * m.dim * a,
             logits_loss=t * layers.logits_grad_bytes_per_token(m, a),
