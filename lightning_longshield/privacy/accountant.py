@@ -46,8 +46,11 @@ class PrivacyAccountant:
     def _epsilon_of(self, history: list[tuple[float, float, int]], delta: float) -> float:
         key = (tuple(history), delta)
         if key not in self._cache:
-            self._cache[key] = epsilon(history, delta, self.mechanism)
+            self._cache[key] = self._compute_epsilon(history, delta)
         return self._cache[key]
+
+    def _compute_epsilon(self, history: list[tuple[float, float, int]], delta: float) -> float:
+        return epsilon(history, delta, self.mechanism)
 
     def epsilon_after(self, extra_steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
         """Epsilon if ``extra_steps`` more steps with these parameters were taken."""
@@ -69,7 +72,7 @@ class PrivacyAccountant:
         if fits(limit):
             return limit
         low, high = 0, limit  # fits(low) and not fits(high)
-        if self.mechanism != "rdp":
+        if self.mechanism == "prv":
             # The PRV answer is at most the RDP one, so the RDP boundary (free to find) is a feasible start.
             rdp = PrivacyAccountant("rdp")
             rdp.load_state_dict({"mechanism": "rdp", "history": self.history})

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -158,6 +158,22 @@ def calibrate_noise_multiplier(
         high, f_high = low, f_low
         low /= factor
         f_low = log_excess(low)
+    return close_noise_bracket(log_excess, low, f_low, high, f_high, target_epsilon, tolerance)
+
+
+def close_noise_bracket(
+    log_excess: Callable[[float], float],
+    low: float,
+    f_low: float,
+    high: float,
+    f_high: float,
+    target_epsilon: float,
+    tolerance: float,
+) -> float:
+    """The noise multiplier in ``[low, high]`` (``log_excess(low) > 0 >= log_excess(high)``, given as ``f_low`` and
+    ``f_high``) whose epsilon is at most ``target_epsilon`` and within ``tolerance`` of it, by false position on
+    ``log eps`` against ``log sigma`` (Illinois variant). The returned sigma always comes from an evaluation that met
+    the target."""
     if target_epsilon * (1 - math.exp(f_high)) <= tolerance:
         return high
     weight_low, weight_high, side = f_low, f_high, 0

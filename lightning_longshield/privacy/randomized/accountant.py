@@ -12,7 +12,9 @@ import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier as calibrate_exact_clipping
+from lightning_longshield.privacy.epsilon import close_noise_bracket
 from lightning_longshield.privacy.randomized.envelope import ScaleEnvelope, scale_envelope
 from lightning_longshield.privacy.randomized.mechanism import DEFAULT_DISCRETIZATION, Discretization, step_pld
 from lightning_longshield.privacy.randomized.pld import PrivacyLossDistribution
@@ -131,105 +133,28 @@ def calibrate_noise_multiplier(
         if high > 1e6:
             raise ValueError(f"target_epsilon={target_epsilon:g} needs a noise multiplier above 1e6.")
         f_high = log_excess(high)
-    side = 0
-    while target_epsilon * (1 - math.exp(f_high)) > tolerance and high / low - 1 > 1e-6:
-        log_low, log_high = math.log(low), math.log(high)
-        if math.isfinite(f_low):
-            guess = log_high - f_high * (log_high - log_low) / (f_high - f_low)
-            margin = 0.01 * (log_high - log_low)
-            guess = min(max(guess, log_low + margin), log_high - margin)
-        else:
-            guess = (log_low + log_high) / 2
-        sigma = math.exp(guess)
-        f_sigma = log_excess(sigma)
-        if f_sigma <= 0:
-            high, f_high = sigma, f_sigma
-            if side == 1:
-                f_low /= 2  # Illinois: keep the stale end from freezing the interpolation
-            side = 1
-        else:
-            low, f_low = sigma, f_sigma
-            if side == -1:
-                f_high /= 2
-            side = -1
-    return high
+    return close_noise_bracket(log_excess, low, f_low, high, f_high, target_epsilon, tolerance)
 
 
-class RandomizedClippingAccountant:
-    """Records ``(noise_multiplier, sample_rate)`` per DP step of randomized clipping and answers what it cost.
-
-    Same interface as `lightning_longshield.privacy.accountant.PrivacyAccountant` (``history``, ``steps``, ``step``,
-    ``get_epsilon``, ``epsilon_after``, ``steps_within_budget``, ``state_dict``, ``load_state_dict``); epsilon is
-    cached per history.
+class RandomizedClippingAccountant(PrivacyAccountant):
+    """`PrivacyAccountant` for DP steps of randomized clipping: the same history, cache and budget search, with
+    epsilon from `history_epsilon` under the estimator's envelope; its state records the estimator and projections.
     """
-
-    mechanism = "randomized-prv"
 
     def __init__(
         self, estimator: str, projections: int, discretization: Discretization = DEFAULT_DISCRETIZATION
     ) -> None:
+        super().__init__("prv")  # Opacus's PRV accountant only keeps the history
+        self.mechanism = "randomized-prv"
         self.envelope = scale_envelope(estimator, projections)
         self.discretization = discretization
-        self._history: list[tuple[float, float, int]] = []
-        self._cache: dict[tuple[Any, float], float] = {}
 
-    @property
-    def history(self) -> list[tuple[float, float, int]]:
-        """``(noise_multiplier, sample_rate, num_steps)`` runs."""
-        return self._history
-
-    @property
-    def steps(self) -> int:
-        return sum(steps for _, _, steps in self._history)
-
-    def step(self, noise_multiplier: float, sample_rate: float) -> None:
-        if self._history and self._history[-1][:2] == (noise_multiplier, sample_rate):
-            self._history[-1] = (noise_multiplier, sample_rate, self._history[-1][2] + 1)
-        else:
-            self._history.append((noise_multiplier, sample_rate, 1))
-
-    def get_epsilon(self, delta: float) -> float:
-        """Epsilon spent so far at ``delta`` (0 before any step, infinite if any step had no noise)."""
-        return self._epsilon_of(list(self._history), delta)
-
-    def _epsilon_of(self, history: list[tuple[float, float, int]], delta: float) -> float:
-        key = (tuple(history), delta)
-        if key not in self._cache:
-            self._cache[key] = history_epsilon(history, delta, self.envelope, self.discretization)
-        return self._cache[key]
-
-    def epsilon_after(self, extra_steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
-        """Epsilon if ``extra_steps`` more steps with these parameters were taken."""
-        history = list(self._history)
-        if extra_steps > 0:
-            history.append((noise_multiplier, sample_rate, extra_steps))
-        return self._epsilon_of(history, delta)
-
-    def steps_within_budget(
-        self, target_epsilon: float, noise_multiplier: float, sample_rate: float, delta: float, limit: int
-    ) -> int:
-        """The largest ``k <= limit`` such that ``k`` more steps keep epsilon at or below ``target_epsilon``."""
-
-        def fits(k: int) -> bool:
-            return self.epsilon_after(k, noise_multiplier, sample_rate, delta) <= target_epsilon
-
-        if not fits(0):
-            return 0
-        if fits(limit):
-            return limit
-        low, high = 0, limit  # fits(low) and not fits(high)
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (middle, high) if fits(middle) else (low, middle)
-        return low
+    def _compute_epsilon(self, history: list[tuple[float, float, int]], delta: float) -> float:
+        return history_epsilon(history, delta, self.envelope, self.discretization)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "mechanism": self.mechanism,
-            "estimator": self.envelope.estimator,
-            "projections": self.envelope.projections,
-            "history": list(self._history),
-        }
+        return {**super().state_dict(), "estimator": self.envelope.estimator,
+                "projections": self.envelope.projections}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         stored = (state.get("mechanism"), state.get("estimator"), state.get("projections"))
@@ -239,5 +164,4 @@ class RandomizedClippingAccountant:
                 f"The checkpoint was accounted as (mechanism, estimator, projections)={stored} but this run uses"
                 f" {ours}; resume with the checkpoint's norm estimator and projections."
             )
-        self._history = [tuple(entry) for entry in state["history"]]
-        self._cache.clear()
+        super().load_state_dict(state)
