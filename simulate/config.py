@@ -115,10 +115,9 @@ class RunConfig:
     def replace(self, **changes: object) -> RunConfig:
         """A validated copy with some inputs changed (same names as :func:`make_config`)."""
         inputs = self.inputs()
-        # The specs themselves, so custom ones (and LongShield's variants of a method) carry over.
-        inputs.update(model=self.model, gpu=self.gpu, method=self.method)
+        inputs.update(model=self.model, gpu=self.gpu)  # the specs themselves, so custom ones carry over
         inputs.update(changes)
-        if inputs["method"] == self.method.name:
+        if inputs["method"] == self.method.name:  # the same method: keep its spec (LongShield's variant, if it is one)
             inputs["method"] = self.method
         return make_config(**inputs)  # type: ignore[arg-type]
 
