@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_longshield.privacy.clipping import CLIP_MARGIN
+from lightning_longshield.privacy.grad_sample.layers import without_padding
 from lightning_longshield.privacy.shards import ParamShard, reduce_scatter_to_shard
 
 PerSampleMethod = Literal["materialize", "ghost", "mixed"]
@@ -238,10 +239,8 @@ class BookKeeper:
         if isinstance(layer, nn.Embedding):
             if layer.scale_grad_by_freq or layer.sparse:
                 raise TypeError(f"{name}: ghost clipping supports embeddings without scale_grad_by_freq and sparse.")
-            grads = grad_output.reshape(batch, -1, grad_output.shape[-1])
             ids = activation.reshape(batch, -1)
-            if layer.padding_idx is not None:
-                grads = grads * (ids != layer.padding_idx)[..., None]
+            grads = without_padding(layer, ids, grad_output.reshape(batch, -1, grad_output.shape[-1]))
             use = Use(ids, grads, layer.num_embeddings)
         else:
             grads = grad_output.reshape(batch, -1, grad_output.shape[-1])

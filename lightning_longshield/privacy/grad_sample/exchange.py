@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_longshield.privacy.grad_sample.bookkeeping import gather_tokens
-from lightning_longshield.privacy.grad_sample.layers import grad_sampler_for
+from lightning_longshield.privacy.grad_sample.layers import per_sample_gradients
 from lightning_longshield.privacy.observer import DPStepObserver
 from lightning_longshield.privacy.shards import ParamShard, local_tensor
 
@@ -97,7 +97,7 @@ class LocalExchange:
         return self.capturing
 
     def receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor, name_of: ParamNamer):
-        for param, grad_sample in grad_sampler_for(layer)(layer, [activation], grad_output).items():
+        for param, grad_sample in per_sample_gradients(layer, activation, grad_output).items():
             self.store(name_of(layer, param), grad_sample)
 
     def store(self, name: str, grad_sample: torch.Tensor) -> None:

@@ -18,9 +18,22 @@ GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Pa
 SUPPORTED_LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding, nn.RMSNorm, nn.LayerNorm)
 
 
-def grad_sampler_for(layer: nn.Module) -> GradSampler:
-    """Opacus's registered per-sample-gradient function for the exact type of ``layer``."""
-    return GradSampleModule.GRAD_SAMPLERS[type(layer)]
+def per_sample_gradients(
+    layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """``(B, *shape)`` per-sample gradients of ``layer``'s trainable parameters by Opacus's registered sampler for its
+    exact type; an embedding's padding row gets none, as from autograd (Opacus's sampler scatters into it)."""
+    if isinstance(layer, nn.Embedding):
+        grad_output = without_padding(layer, activation, grad_output)
+    sampler: GradSampler = GradSampleModule.GRAD_SAMPLERS[type(layer)]
+    return sampler(layer, [activation], grad_output)
+
+
+def without_padding(layer: nn.Embedding, ids: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """An embedding's output gradients ``(..., d)`` with those of its padding tokens zeroed."""
+    if layer.padding_idx is None:
+        return grad_output
+    return grad_output * (ids != layer.padding_idx).unsqueeze(-1)
 
 
 def trainable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
