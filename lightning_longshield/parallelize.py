@@ -21,7 +21,7 @@ from lightning_longshield.context_parallel import apply_context_parallel_attenti
 from lightning_longshield.lora import reset_adapters
 from lightning_longshield.privacy.grad_sample.bookkeeping import PER_SAMPLE_METHODS, PerSampleMethod
 from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES, LocalExchange, build_exchange
-from lightning_longshield.privacy.per_layer import Clipping, ThresholdSpec, check_clipping
+from lightning_longshield.privacy.per_layer import Clipping, PerLayerKernel, ThresholdSpec, check_clipping
 from lightning_longshield.privacy.randomness import derive_seed
 from lightning_longshield.privacy.shards import ParamShard
 
@@ -46,6 +46,7 @@ class DPParallelism:
     shard_over: Literal["context_parallel", "all"] = "context_parallel"
     clipping: Clipping = "flat"
     per_layer_thresholds: Optional[ThresholdSpec] = None
+    per_layer_kernel: PerLayerKernel = "auto"
 
     def __post_init__(self) -> None:
         if self.shard_over not in SHARD_OVER:
@@ -64,7 +65,7 @@ class DPParallelism:
         if self.communication_bucket_mb < 0:
             raise ValueError(f"communication_bucket_mb must be >= 0, got {self.communication_bucket_mb}.")
         select_blocks([], self.activation_checkpointing)  # validates the policy's type and value
-        check_clipping(self.clipping, self.per_layer_thresholds, self.per_sample)
+        check_clipping(self.clipping, self.per_layer_thresholds, self.per_sample, self.per_layer_kernel)
 
     @property
     def output_stationary(self) -> bool:

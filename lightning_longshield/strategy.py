@@ -43,7 +43,7 @@ from lightning_longshield.parallelize import DPParallelism, parallelize
 from lightning_longshield.privacy import DPSGDEngine, PrivacyAccountant
 from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES
 from lightning_longshield.privacy.metric_guard import SampledBatchMetricGuard
-from lightning_longshield.privacy.per_layer import Clipping, ThresholdSpec
+from lightning_longshield.privacy.per_layer import Clipping, PerLayerKernel, ThresholdSpec
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
 from lightning_longshield.privacy.session import PrivacySession
 from lightning_longshield.trainer_checks import check_trainer_for_dp_sgd
@@ -108,6 +108,10 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             trainable parameters), ``"proportional"`` (``C sqrt(n_l / sum n)`` for parameter counts ``n_l``) or a
             mapping ``{name: C_l}`` over every trainable parameter, named as in the LightningModule's
             ``named_parameters()``, with ``sum C_l^2 <= max_grad_norm^2``.
+        per_layer_kernel: with ``clipping="per_layer"``, how linear weights are clipped: ``"auto"`` (default) by a
+            fused Triton kernel that never writes their per-sample gradients to memory (FlashDP) where it runs (CUDA
+            with Triton, context-parallel size 1), else as ``"torch"`` (per-sample gradients materialised one layer at
+            a time); ``"triton"`` requires the kernel.
         accountant: ``"prv"`` (default; Opacus's PRV accountant with a bounded grid, tighter) or ``"rdp"``.
         secure_mode: for a real deployment: Poisson masks from SHAKE-256 keyed by 256 bits of OS entropy, and each
             noise tensor from fresh OS entropy with Opacus's hardened Gaussian sampler (sum of four draws).
@@ -140,6 +144,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         shard_over: Literal["context_parallel", "all"] = "context_parallel",
         clipping: Clipping = "flat",
         per_layer_thresholds: Optional[ThresholdSpec] = None,
+        per_layer_kernel: PerLayerKernel = "auto",
         accountant: Literal["prv", "rdp"] = "prv",
         secure_mode: bool = False,
         seed: Optional[int] = None,
@@ -162,6 +167,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         self.parallelism = DPParallelism(
             context_parallel_size, shard_per_sample_grads, grad_sample_pattern, overlap_communication,
             communication_bucket_mb, activation_checkpointing, per_sample, shard_over, clipping, per_layer_thresholds,
+            per_layer_kernel,
         )
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
@@ -246,7 +252,8 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         assert self.privacy.noise is not None
         return DPSGDEngine(module, self.max_grad_norm, self.privacy.noise, self.accountant, exchange, dp_group,
                            per_sample=self.parallelism.per_sample, clipping=self.parallelism.clipping,
-                           thresholds=self.parallelism.per_layer_thresholds)
+                           thresholds=self.parallelism.per_layer_thresholds,
+                           per_layer_kernel=self.parallelism.per_layer_kernel)
 
     @override
     def model_to_device(self) -> None:

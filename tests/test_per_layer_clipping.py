@@ -163,6 +163,8 @@ def test_explicit_thresholds_are_validated():
     (dict(per_layer_thresholds="equal"), ValueError, "set clipping='per_layer'"),
     (dict(clipping="per_layer", per_sample="ghost"), ValueError, "set per_sample='materialize'"),
     (dict(clipping="per_layer", per_sample="mixed"), ValueError, "set per_sample='materialize'"),
+    (dict(clipping="per_layer", per_layer_kernel="cuda"), ValueError, "choose one of"),
+    (dict(per_layer_kernel="torch"), ValueError, "set clipping='per_layer'"),
 ])
 def test_bad_clipping_arguments_name_the_fix(kwargs, error, message):
     with pytest.raises(error, match=message):

@@ -81,6 +81,12 @@ class ClippedGradientSum:
                 torch._foreach_add_([self.sums[name] for name in scaled], list(scaled.values()))
             del rows, scaled  # hold no scaled copy into the next sample's work
 
+    def running_sum(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """The fp32 sum of ``name`` (zeros of ``shape`` if it has none yet), for a kernel that adds into it."""
+        if name not in self.sums:
+            self.sums[name] = torch.zeros(shape, dtype=torch.float32, device=device)
+        return self.sums[name]
+
     @torch.no_grad()
     def add_sums(self, clipped_sums: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Add already clipped fp32 sums over a micro-batch's samples (book-keeping), this rank's part of each, as

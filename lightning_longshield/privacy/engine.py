@@ -20,9 +20,11 @@ from lightning_longshield.privacy.observer import DPStepObserver
 from lightning_longshield.privacy.per_layer import (
     Clipping,
     PerLayerClipper,
+    PerLayerKernel,
     ThresholdSpec,
     check_clipping,
     per_layer_thresholds,
+    use_fused_kernel,
 )
 
 
@@ -44,6 +46,8 @@ class DPSGDEngine:
     `PerLayerClipper` as soon as they are complete, during backward, and the clipped sum takes them there; a
     one-sample micro-batch's ``.grad`` is clipped layer by layer after backward. ``last_per_sample_norms`` is then
     each sample's unclipped norm over all layers, ``last_held_bytes`` the most per-sample gradient bytes held at once.
+    ``per_layer_kernel`` (`lightning_longshield.privacy.per_layer.use_fused_kernel`) sends linear weights through the
+    fused Triton kernel instead, which holds none of theirs (``fused_weights`` names them).
     """
 
     def __init__(
@@ -57,8 +61,9 @@ class DPSGDEngine:
         per_sample: PerSampleMethod = "materialize",
         clipping: Clipping = "flat",
         thresholds: Optional[ThresholdSpec] = None,
+        per_layer_kernel: PerLayerKernel = "auto",
     ):
-        check_clipping(clipping, thresholds, per_sample)
+        check_clipping(clipping, thresholds, per_sample, per_layer_kernel)
         self.capture = PerSampleGradCapture(model, exchange, per_sample)
         self.exchange = self.capture.exchange
         replica_shards = {name: shard for name, shard in self.exchange.shards.items() if shard.replicas > 1}
@@ -71,10 +76,15 @@ class DPSGDEngine:
         self.last_bookkept_bytes = 0
         self.observer = DPStepObserver()
         self.per_layer: Optional[PerLayerClipper] = None
+        self.fused_weights: list[str] = []
         if clipping == "per_layer":
             bounds = per_layer_thresholds(self.capture.parameters, max_grad_norm, thresholds or "equal")
             self.per_layer = PerLayerClipper(bounds, self.accumulator, self.exchange)
             self.exchange.deliver_each_parameter(self._clip_layers, self.capture.uses)
+            device = next(iter(self.capture.parameters.values())).device
+            context_parallel = type(self.exchange) is not LocalExchange or bool(self.exchange.shards)
+            if use_fused_kernel(per_layer_kernel, device, context_parallel):
+                self.fused_weights = self.capture.fuse_linear_weights(self.per_layer.clip_linear)
 
     def observe(self, observer: DPStepObserver) -> None:
         """Announce this engine's step events to ``observer`` (replacing the previous one)."""

@@ -3,12 +3,15 @@
 The bounds satisfy ``sum_l C_l^2 <= C^2``, so a sample's clipped contribution over all layers still has norm at most
 ``C``: the noise ``N(0, (sigma C)^2)`` and the accounting are those of flat clipping. A layer's per-sample gradients
 are clipped and added to the clipped sum as soon as they are complete, during backward, then freed, so at most about
-one layer's (or one reduce-scatter bucket's) per-sample gradients are held at a time.
+one layer's (or one reduce-scatter bucket's) per-sample gradients are held at a time. On CUDA, at context-parallel
+size 1, a linear layer's weight skips even that: a fused Triton kernel (`fused_linear_clip`) computes its per-sample
+norms and its clipped sum from the layer's inputs and output gradients without a per-sample gradient in memory.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from typing import Literal, Optional, Union
 
@@ -16,13 +19,17 @@ import torch
 from torch import nn
 
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
-from lightning_longshield.privacy.clipping import clip_factors, per_parameter_squared_norms
+from lightning_longshield.privacy.clipping import CLIP_MARGIN, clip_factors, per_parameter_squared_norms
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 
 CLIPPING_MODES = ("flat", "per_layer")
 THRESHOLD_RULES = ("equal", "proportional")
+PER_LAYER_KERNELS = ("auto", "triton", "torch")
 
 Clipping = Literal["flat", "per_layer"]
+#: Linear weights under per-layer clipping: ``"auto"`` (the fused Triton kernel where it runs, else PyTorch),
+#: ``"triton"`` (required) or ``"torch"`` (per-sample gradients materialised one layer at a time).
+PerLayerKernel = Literal["auto", "triton", "torch"]
 #: ``"equal"``: ``C / sqrt(L)``; ``"proportional"``: ``C sqrt(n_l / sum n)``; or ``{parameter name: C_l}``.
 ThresholdSpec = Union[Literal["equal", "proportional"], Mapping[str, float]]
 
@@ -31,10 +38,17 @@ ThresholdSpec = Union[Literal["equal", "proportional"], Mapping[str, float]]
 SUM_OF_SQUARES_TOLERANCE = 1e-9
 
 
-def check_clipping(clipping: str, thresholds: Optional[ThresholdSpec], per_sample: str = "materialize") -> None:
-    """Reject an unknown clipping mode or threshold rule, and combinations that cannot work, before any setup."""
+def check_clipping(
+    clipping: str, thresholds: Optional[ThresholdSpec], per_sample: str = "materialize", kernel: str = "auto"
+) -> None:
+    """Reject an unknown clipping mode, threshold rule or kernel, and combinations that cannot work, before setup."""
     if clipping not in CLIPPING_MODES:
         raise ValueError(f"clipping={clipping!r}; choose one of {CLIPPING_MODES}.")
+    if kernel not in PER_LAYER_KERNELS:
+        raise ValueError(f"per_layer_kernel={kernel!r}; choose one of {PER_LAYER_KERNELS}.")
+    if kernel != "auto" and clipping != "per_layer":
+        raise ValueError(f"per_layer_kernel={kernel!r} applies to clipping='per_layer' only; set clipping='per_layer'"
+                         " or drop per_layer_kernel.")
     if clipping == "per_layer" and per_sample != "materialize":
         raise ValueError(f"clipping='per_layer' needs per-sample gradients, but per_sample={per_sample!r} clips with"
                          " one flat norm; set per_sample='materialize' (or clipping='flat').")
@@ -92,6 +106,30 @@ def per_layer_thresholds(
     return {name: float(spec[name]) for name in parameters}
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the fused Triton kernels can run on ``device``: Triton is installed (it ships with PyTorch's CUDA
+    wheels) and the device is CUDA, or Triton's interpreter is on (``TRITON_INTERPRET=1``, CPU tensors)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def use_fused_kernel(kernel: PerLayerKernel, device: torch.device, context_parallel: bool) -> bool:
+    """Whether per-layer clipping takes linear weights through the fused kernel; ``"triton"`` where it cannot
+    run is an error that names the fix."""
+    if kernel == "torch":
+        return False
+    runs = triton_runs_on(device) and not context_parallel
+    if kernel == "triton" and not runs:
+        why = ("it needs context-parallel size 1 (and no sharding over data-parallel replicas): a shard's tokens give"
+               " partial per-sample gradients" if context_parallel else "it needs CUDA and Triton")
+        raise ValueError(f"per_layer_kernel='triton' cannot run here: {why}. Use per_layer_kernel='auto' (fused where"
+                         " it can run) or 'torch'.")
+    return runs
+
+
 class PerLayerClipper:
     """Clips complete per-sample gradients, a group of parameters at a time, each to its own bound, and adds this
     rank's part of them to the clipped sum.
@@ -120,3 +158,18 @@ class PerLayerClipper:
         parts = self.exchange.local_part(grad_samples)
         for name, layer_squared in zip(names, squared):
             self.accumulator.add({name: parts.pop(name)}, clip_factors(layer_squared, self.thresholds[name]))
+
+    @torch.no_grad()
+    def clip_linear(self, name: str, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
+        """Clip and add a linear weight's per-sample gradients ``G_i^T A_i`` with the fused kernels (context-parallel
+        size 1: the inputs hold every token), never forming them."""
+        from lightning_longshield.privacy.fused_linear_clip import add_clipped_linear_sum, linear_squared_norms
+
+        squared = linear_squared_norms(activation, grad_output)
+        self.squared_norms += squared
+        # The norm and the sum are two fp32 reductions over the tokens: each off by at most T 2^-24 relative.
+        tokens = activation.numel() // (activation.shape[0] * activation.shape[-1])
+        factors = clip_factors(squared, self.thresholds[name], max(CLIP_MARGIN, 2 * tokens * 2.0**-24))
+        shape = (grad_output.shape[-1], activation.shape[-1])
+        add_clipped_linear_sum(self.accumulator.running_sum(name, shape, grad_output.device), activation, grad_output,
+                               factors)

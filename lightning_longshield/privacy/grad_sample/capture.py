@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -13,6 +14,9 @@ from lightning_longshield.privacy.grad_sample.bookkeeping import PER_SAMPLE_METH
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.grad_sample.layers import check_supported_layers, trainable_layers
 from lightning_longshield.privacy.grad_sample.tap import PerSampleGradTap
+
+# Receives (weight name, activation, output gradient) of a linear layer during backward.
+LinearWeightHandler = Callable[[str, torch.Tensor, torch.Tensor], None]
 
 
 class PerSampleGradCapture:
@@ -28,6 +32,9 @@ class PerSampleGradCapture:
     per-sample norms from Gram matrices (or token ids) and keeps (output gradient, input) to form their clipped sums
     once the clipping factors are known; under ``"mixed"`` a layer where that costs more hands the exchange its
     per-sample gradient instead.
+
+    `fuse_linear_weights` sends the (activation, output gradient) of linear layers whose only trainable parameter is
+    a weight used once straight to a handler instead (per-layer clipping's fused kernel).
 
     When a micro-batch holds a single sample, the summed gradient *is* its per-sample gradient, so the exchange
     keeps the capture disabled and plain autograd (with FSDP2's reduce-scatter, if the model is sharded) fills
@@ -51,8 +58,10 @@ class PerSampleGradCapture:
         self._layer_names: dict[int, dict[str, str]] = {}
         self._detached: dict[int, dict[str, nn.Parameter]] = {}
         self._handles: list[RemovableHandle] = []
+        self._layers: list[nn.Module] = []
         self.enabled = False
         for _, layer in trainable_layers(model):
+            self._layers.append(layer)
             self._layer_names[id(layer)] = {
                 attr: name_of_param[id(p)] for attr, p in layer._parameters.items() if p is not None and p.requires_grad
             }
@@ -61,9 +70,22 @@ class PerSampleGradCapture:
         #: How many layers own each trainable parameter (2 for tied embeddings): its uses in one backward.
         self.uses = Counter(name for names in self._layer_names.values() for name in names.values())
         self.bookkeeper: Optional[BookKeeper] = None
+        self._fused: Optional[LinearWeightHandler] = None
+        self._fused_layers: set[int] = set()
         if per_sample != "materialize":
             shared = {name for name, count in self.uses.items() if count > 1}
             self.bookkeeper = BookKeeper(per_sample, shared, self.exchange.group, self.exchange.shards)
+
+    def fuse_linear_weights(self, handler: LinearWeightHandler) -> list[str]:
+        """In backward, hand ``handler(weight name, activation, output gradient)`` every ``nn.Linear`` whose only
+        trainable parameter is its weight, owned by that layer alone; returns those weights' names."""
+        self._fused = handler
+        self._fused_layers = {
+            id(layer) for layer in self._layers
+            if type(layer) is nn.Linear and set(self._layer_names[id(layer)]) == {"weight"}
+            and self.uses[self._layer_names[id(layer)]["weight"]] == 1
+        }
+        return [self._layer_names[layer_id]["weight"] for layer_id in self._fused_layers]
 
     def remove(self) -> None:
         """Remove all hooks; the model behaves as before."""
@@ -89,6 +111,9 @@ class PerSampleGradCapture:
         return PerSampleGradTap.apply(self._receive, layer, output, args[0], *originals.values())
 
     def _receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
+        if self._fused is not None and id(layer) in self._fused_layers:
+            self._fused(self._layer_names[id(layer)]["weight"], activation, grad_output)
+            return
         if self.bookkeeper is None or not self.bookkeeper.handles(layer, self._layer_names[id(layer)]):
             self.exchange.receive(layer, activation, grad_output, self._name_of)
             return

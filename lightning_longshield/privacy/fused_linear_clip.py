@@ -1,0 +1,118 @@
+"""Fused per-layer clipping of a linear layer's weight (FlashDP's idea, in Triton): no per-sample gradient in memory.
+
+A sample's weight gradient is ``W_i = G_i^T A_i`` (``G_i``: ``(T, out)`` output gradients, ``A_i``: ``(T, in)``
+inputs). Two kernels replace "materialise ``(B, out, in)``, take norms, scale, sum":
+
+1. `_squared_norms_kernel`: one program per (sample, output tile, input tile) computes that tile of ``W_i`` in
+   registers, token block by token block, squares and reduces it, and adds the tile's share to the sample's squared
+   norm with one atomic add (FlashDP's intra-block then inter-block reduction; the kernel's end is the
+   synchronisation point before the clip factors are known).
+2. `_clipped_sum_kernel`: one program per (output tile, input tile) recomputes each sample's tile of ``W_i`` the
+   same way, scales it by the sample's clip factor and adds it into the fp32 clipped sum, which it reads and writes
+   once.
+
+Both accumulate in fp32; fp32 inputs use exact IEEE products (``input_precision="ieee"``), never TF32, whose
+rounding could lift a clipped contribution above its bound. The two fp32 reductions over the ``T`` tokens differ by
+at most ``T 2^-24`` each, which the caller's clipping margin covers. FLOPs: twice a weight gradient's (the tile is
+recomputed), as in FlashDP; memory: ``(B,)`` norms. Needs CUDA, or ``TRITON_INTERPRET=1`` (CPU tensors, for tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_OUT = 64
+BLOCK_IN = 64
+BLOCK_TOKENS = 32
+
+
+@triton.jit
+def _sample_tile(
+    a_ptr, g_ptr, sample, offs_out, offs_in, tokens, n_out, n_in,
+    stride_ab, stride_at, stride_ai, stride_gb, stride_gt, stride_go,
+    BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The ``(BLOCK_OUT, BLOCK_IN)`` tile of ``G_sample^T A_sample`` in fp32."""
+    offs_t = tl.arange(0, BLOCK_TOKENS)
+    tile = tl.zeros((BLOCK_OUT, BLOCK_IN), dtype=tl.float32)
+    for start in range(0, tokens, BLOCK_TOKENS):
+        t = start + offs_t
+        g = tl.load(g_ptr + sample * stride_gb + t[None, :] * stride_gt + offs_out[:, None] * stride_go,
+                    mask=(t[None, :] < tokens) & (offs_out[:, None] < n_out), other=0.0)
+        a = tl.load(a_ptr + sample * stride_ab + t[:, None] * stride_at + offs_in[None, :] * stride_ai,
+                    mask=(t[:, None] < tokens) & (offs_in[None, :] < n_in), other=0.0)
+        tile = tl.dot(g, a, tile, input_precision=PRECISION)
+    return tile
+
+
+@triton.jit
+def _squared_norms_kernel(
+    a_ptr, g_ptr, norms_ptr, tokens, n_out, n_in,
+    stride_ab, stride_at, stride_ai, stride_gb, stride_gt, stride_go,
+    BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    sample = tl.program_id(0)
+    offs_out = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    offs_in = tl.program_id(2) * BLOCK_IN + tl.arange(0, BLOCK_IN)
+    tile = _sample_tile(a_ptr, g_ptr, sample, offs_out, offs_in, tokens, n_out, n_in,
+                        stride_ab, stride_at, stride_ai, stride_gb, stride_gt, stride_go,
+                        BLOCK_OUT, BLOCK_IN, BLOCK_TOKENS, PRECISION)
+    tl.atomic_add(norms_ptr + sample, tl.sum(tile * tile))
+
+
+@triton.jit
+def _clipped_sum_kernel(
+    a_ptr, g_ptr, factors_ptr, out_ptr, batch, tokens, n_out, n_in,
+    stride_ab, stride_at, stride_ai, stride_gb, stride_gt, stride_go, stride_oo, stride_oi,
+    BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    offs_out = tl.program_id(0) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    offs_in = tl.program_id(1) * BLOCK_IN + tl.arange(0, BLOCK_IN)
+    total = tl.zeros((BLOCK_OUT, BLOCK_IN), dtype=tl.float32)
+    for sample in range(0, batch):
+        tile = _sample_tile(a_ptr, g_ptr, sample, offs_out, offs_in, tokens, n_out, n_in,
+                            stride_ab, stride_at, stride_ai, stride_gb, stride_gt, stride_go,
+                            BLOCK_OUT, BLOCK_IN, BLOCK_TOKENS, PRECISION)
+        total += tl.load(factors_ptr + sample) * tile
+    pointers = out_ptr + offs_out[:, None] * stride_oo + offs_in[None, :] * stride_oi
+    mask = (offs_out[:, None] < n_out) & (offs_in[None, :] < n_in)
+    tl.store(pointers, tl.load(pointers, mask=mask, other=0.0) + total, mask=mask)
+
+
+def _operands(activation: torch.Tensor, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """``(B, T, in)`` and ``(B, T, out)`` in one dtype (the output gradients', as Opacus forms per-sample gradients),
+    and the kernels' product precision."""
+    batch = grad_output.shape[0]
+    a = activation.to(grad_output.dtype).reshape(batch, -1, activation.shape[-1])
+    g = grad_output.reshape(batch, -1, grad_output.shape[-1])
+    return a, g, "ieee" if g.dtype == torch.float32 else "tf32"
+
+
+def linear_squared_norms(activation: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` fp64 squared Frobenius norms of the per-sample weight gradients ``G_i^T A_i``, none materialised."""
+    a, g, precision = _operands(activation, grad_output)
+    batch, tokens, n_in = a.shape
+    n_out = g.shape[-1]
+    norms = torch.zeros(batch, dtype=torch.float32, device=g.device)
+    grid = (batch, triton.cdiv(n_out, BLOCK_OUT), triton.cdiv(n_in, BLOCK_IN))
+    _squared_norms_kernel[grid](a, g, norms, tokens, n_out, n_in, *a.stride(), *g.stride(),
+                                BLOCK_OUT=BLOCK_OUT, BLOCK_IN=BLOCK_IN, BLOCK_TOKENS=BLOCK_TOKENS, PRECISION=precision)
+    return norms.double()
+
+
+def add_clipped_linear_sum(
+    out: torch.Tensor, activation: torch.Tensor, grad_output: torch.Tensor, factors: torch.Tensor
+) -> torch.Tensor:
+    """``out += sum_i factors[i] G_i^T A_i`` (``out``: fp32 ``(out, in)``), no per-sample gradient in memory."""
+    if out.dtype != torch.float32:
+        raise TypeError(f"The clipped sum must be fp32, got {out.dtype}.")
+    a, g, precision = _operands(activation, grad_output)
+    batch, tokens, n_in = a.shape
+    n_out = g.shape[-1]
+    factors = factors.to(device=g.device, dtype=torch.float32).contiguous()
+    grid = (triton.cdiv(n_out, BLOCK_OUT), triton.cdiv(n_in, BLOCK_IN))
+    _clipped_sum_kernel[grid](a, g, factors, out, batch, tokens, n_out, n_in, *a.stride(), *g.stride(), *out.stride(),
+                              BLOCK_OUT=BLOCK_OUT, BLOCK_IN=BLOCK_IN, BLOCK_TOKENS=BLOCK_TOKENS, PRECISION=precision)
+    return out
