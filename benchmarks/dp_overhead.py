@@ -1,6 +1,6 @@
 """Cost of DP-SGD per optimizer step: LongShield and Opacus, each against a matching non-DP loop. Prints JSON.
 
-Four loops train the same model on the same micro-batches, ``--accumulation`` micro-batches per optimizer step:
+These loops train the same model on the same micro-batches, ``--accumulation`` micro-batches per optimizer step:
 
 - ``longshield``: Lightning + `LongShieldStrategy` (noise_multiplier=1, fixed batches: poisson_sampling=False);
   the DataLoader yields logical batches and the strategy splits them into micro-batches. ``longshield_v3`` is the
@@ -13,10 +13,17 @@ Four loops train the same model on the same micro-batches, ``--accumulation`` mi
 - ``zero_dp_plus``: the ``longshield`` loop with ``per_sample="mixed"`` and ``shard_over="all"`` (on one process:
   mixed ghost norms with book-keeping; the paper's ZeRO-DP+ baseline).
 - ``opacus_ghost``: the Opacus loop with ``grad_sample_mode="ghost"`` (ghost norms, a second backward pass).
+- ``longshield_per_layer``: the ``longshield`` loop with ``clipping="per_layer"`` (equal thresholds) and
+  ``per_layer_kernel="torch"``: per-sample gradients materialised, clipped and freed one layer at a time.
+- ``longshield_per_layer_fused``: the same with ``per_layer_kernel="triton"``: linear weights through the fused
+  Triton kernel (no per-sample gradient in memory). CUDA only.
+- ``longshield_hutchinson``: the ``longshield`` loop with randomized clipping, ``norm_estimator="hutchinson"``,
+  ``projection_dim=32`` (estimated norms of linear weights, book-kept clipped sums).
 
 Every (loop, micro-batch size) runs in a fresh subprocess, so peak memory is measured in isolation: on CPU the
 growth of peak RSS (``ru_maxrss``) from just before training to the end, on CUDA ``max_memory_allocated`` above
-the memory allocated just before training (and ``max_memory_reserved``).
+the memory allocated just before training (and ``max_memory_reserved``). The LongShield loops also report the
+most per-sample-gradient bytes the DP engine held at once, ``opacus`` the size of its ``grad_sample`` tensors.
 Step time is the median over ``--steps`` optimizer steps after
 ``--warmup`` steps; with ``--repeats`` every configuration runs that many times, interleaved, and the least
 disturbed (minimum) measurement is reported. Example:
@@ -33,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 import lightning as L
@@ -47,8 +55,19 @@ from lightning_longshield.loss import causal_lm_loss
 from lightning_longshield.models import Llama, LlamaConfig
 from lightning_longshield.text_data import python_stdlib_corpus
 
-METHODS = ("nondp_lightning", "longshield", "longshield_v3", "zero_dp_plus", "nondp_torch", "opacus", "opacus_ghost")
-LIGHTNING_DP = ("longshield", "longshield_v3", "zero_dp_plus")
+METHODS = ("nondp_lightning", "longshield", "longshield_v3", "zero_dp_plus", "longshield_per_layer",
+           "longshield_per_layer_fused", "longshield_hutchinson", "nondp_torch", "opacus", "opacus_ghost")
+LIGHTNING_DP = ("longshield", "longshield_v3", "zero_dp_plus", "longshield_per_layer", "longshield_per_layer_fused",
+                "longshield_hutchinson")
+CUDA_ONLY = ("longshield_per_layer_fused",)
+# LongShieldStrategy arguments of each Lightning DP loop beyond the shared ones
+STRATEGY_OPTIONS: dict[str, dict[str, Any]] = {
+    "longshield_v3": dict(activation_checkpointing=True),
+    "zero_dp_plus": dict(per_sample="mixed", shard_over="all"),
+    "longshield_per_layer": dict(clipping="per_layer", per_layer_kernel="torch"),
+    "longshield_per_layer_fused": dict(clipping="per_layer", per_layer_kernel="triton"),
+    "longshield_hutchinson": dict(norm_estimator="hutchinson", projection_dim=32),
+}
 PRECISIONS = ("32-true", "bf16-mixed")
 NOTES = (
     "Ratios compare each DP loop with its own non-DP loop: longshield with nondp_lightning (same Lightning loop,"
@@ -99,6 +118,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.warmup, args.steps, args.repeats, args.accumulation) < 1:
         parser.error("--warmup, --steps, --repeats and --accumulation must be >= 1")
+    cuda_only = sorted(set(CUDA_ONLY) & {*args.methods, args.worker})
+    if cuda_only and args.device != "cuda":
+        parser.error(f"{', '.join(cuda_only)} runs the fused Triton kernel, which needs CUDA: pass --device cuda")
     return args
 
 
@@ -141,8 +163,7 @@ def _lightning_step_ends(
     if dp:
         strategy: Any = LongShieldStrategy(
             noise_multiplier=1.0, max_grad_norm=1.0, micro_batch_size=micro, poisson_sampling=False, seed=0,
-            activation_checkpointing=args.worker == "longshield_v3",
-            **(dict(per_sample="mixed", shard_over="all") if args.worker == "zero_dp_plus" else {}),
+            **STRATEGY_OPTIONS.get(args.worker, {}),
         )
         loader, accumulation = DataLoader(dataset, batch_size=logical), 1
     else:
@@ -163,7 +184,7 @@ def _lightning_step_ends(
         num_sanity_val_steps=0,
     )
     trainer.fit(CausalLMModule(_config(args), optimizer="adamw", learning_rate=1e-4), loader)
-    if dp:  # what the DP engine held for the last micro-batch
+    if dp:  # what the DP engine held for the last micro-batch (per-layer clipping: the most at once)
         held["per_sample_grad_bytes"] = strategy.dp_engine.last_held_bytes
         held["bookkept_bytes"] = strategy.dp_engine.last_bookkept_bytes
     return ends
@@ -209,6 +230,11 @@ def _torch_step_ends(
         with autocast:
             loss = criterion(model(input_ids), labels)
         (loss * scale).backward()
+        if args.worker == "opacus":  # every layer's grad_sample, held until the optimizer clips them
+            held["per_sample_grad_bytes"] = sum(
+                p.grad_sample.numel() * p.grad_sample.element_size()
+                for p in model.parameters() if isinstance(getattr(p, "grad_sample", None), torch.Tensor)
+            )
         if dp:
             optimizer.step()  # a no-op (clip and accumulate only) until the logical batch's last micro-batch
             optimizer.zero_grad()
@@ -274,6 +300,26 @@ def measure(method: str, micro_batch_size: int, argv: list[str]) -> dict[str, fl
     return json.loads(lines[-1])
 
 
+def largest_within_budget(
+    candidates: list[int], budget_mib: float, peak_bytes: Callable[[int], float]
+) -> tuple[Optional[int], dict[int, float]]:
+    """The largest of ``candidates`` (tried in increasing order) whose ``peak_bytes(candidate)`` stays within
+    ``budget_mib``, and the peaks measured (MiB); the search stops at the first over the budget or out of memory."""
+    largest, peaks = None, {}
+    for candidate in sorted(candidates):
+        try:
+            peak = peak_bytes(candidate)
+        except WorkerFailed as failure:
+            if not failure.out_of_memory:
+                raise
+            break
+        peaks[candidate] = round(peak / 2**20, 1)
+        if peak > budget_mib * 2**20:
+            break
+        largest = candidate
+    return largest, peaks
+
+
 def _least_disturbed(runs: list[dict[str, float]]) -> dict[str, float]:
     """Minimum of each measurement over repeated runs: interference from other work only ever adds time."""
     return {key: min(run[key] for run in runs) for key in runs[0]}
@@ -294,12 +340,15 @@ def _row(micro_batch_size: int, accumulation: int, measured: dict[str, dict[str,
         if method in measured:
             row[f"{method}_step_s"] = round(get(method, "step_s"), 4)  # type: ignore[arg-type]
             row[f"{method}_peak_mem_mib"] = round(get(method, "peak_mem_bytes") / 2**20, 1)  # type: ignore[operator]
-    for method in LIGHTNING_DP:
+    for method in METHODS:
         if method in measured and "per_sample_grad_bytes" in measured[method]:
             row[f"{method}_per_sample_grad_mib"] = round(get(method, "per_sample_grad_bytes") / 2**20, 2)
+        if method in measured and "bookkept_bytes" in measured[method]:
             row[f"{method}_bookkept_mib"] = round(get(method, "bookkept_bytes") / 2**20, 2)
     for dp, nondp in (("longshield", "nondp_lightning"), ("longshield_v3", "nondp_lightning"),
-                      ("zero_dp_plus", "nondp_lightning"), ("opacus", "nondp_torch"),
+                      ("zero_dp_plus", "nondp_lightning"), ("longshield_per_layer", "nondp_lightning"),
+                      ("longshield_per_layer_fused", "nondp_lightning"), ("longshield_hutchinson", "nondp_lightning"),
+                      ("opacus", "nondp_torch"),
                       ("opacus_ghost", "nondp_torch")):
         if dp not in measured or nondp not in measured:
             continue

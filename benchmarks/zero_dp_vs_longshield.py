@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dp_overhead import WorkerFailed, _least_disturbed, _row, measure  # noqa: E402
+from dp_overhead import _least_disturbed, _row, largest_within_budget, measure  # noqa: E402
 
 DP_METHODS = ("zero_dp_plus", "longshield", "longshield_v3", "opacus_ghost")
 METHODS = ("nondp_lightning", *DP_METHODS[:3], "nondp_torch", DP_METHODS[3])
@@ -54,29 +54,21 @@ def _flags(args: argparse.Namespace, seq_len: int, steps: int) -> list[str]:
             f"--precision={args.precision}"]
 
 
-def step_times(args: argparse.Namespace) -> list[dict[str, Any]]:
+def step_times(args: argparse.Namespace, methods: tuple[str, ...] = METHODS) -> list[dict[str, Any]]:
     rows = []
     for micro_batch_size in args.micro_batch_sizes:
         runs = {method: _least_disturbed([measure(method, micro_batch_size, _flags(args, args.seq_len, args.steps))
-                                          for _ in range(args.repeats)]) for method in METHODS}
+                                          for _ in range(args.repeats)]) for method in methods}
         rows.append(_row(micro_batch_size, args.accumulation, runs))
     return rows
 
 
 def longest_within_budget(args: argparse.Namespace, method: str) -> dict[str, Any]:
     """The longest sequence whose peak memory growth stays within the budget (lengths tried in increasing order)."""
-    longest, peaks = None, {}
-    for seq_len in sorted(args.budget_seq_lens):
-        try:
-            peak = measure(method, args.budget_micro_batch_size, _flags(args, seq_len, steps=1))["peak_mem_bytes"]
-        except WorkerFailed as failure:
-            if not failure.out_of_memory:
-                raise
-            break
-        peaks[seq_len] = round(peak / 2**20, 1)
-        if peak > args.budget_mib * 2**20:
-            break
-        longest = seq_len
+    longest, peaks = largest_within_budget(
+        args.budget_seq_lens, args.budget_mib,
+        lambda seq_len: measure(method, args.budget_micro_batch_size, _flags(args, seq_len, steps=1))["peak_mem_bytes"],
+    )
     return {"max_seq_len": longest, "peak_mem_mib_by_seq_len": peaks}
 
 

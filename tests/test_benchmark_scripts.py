@@ -64,3 +64,28 @@ def test_zero_dp_vs_longshield_benchmark_reports_every_method_against_its_non_dp
         assert abs(row[f"{method}_over_nondp"] / expected - 1) < 0.01
     assert row["zero_dp_plus_bookkept_mib"] > 0 and row["longshield_bookkept_mib"] == 0
     assert "| 2 | " in result.stdout and "ZeRO-DP+ step / non-DP" in result.stdout
+
+
+def test_per_layer_clipping_benchmark_reports_flat_per_layer_and_opacus_against_non_dp():
+    command = [sys.executable, str(BENCHMARKS / "per_layer_clipping.py"), "--seq-len", "32",
+               "--micro-batch-sizes", "2", "--accumulation", "2", "--steps", "1", "--markdown"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    assert "longshield_per_layer_fused" not in report["config"]["methods"]  # CUDA only
+    (row,) = report["results"]
+    for method, baseline in (("longshield", "nondp_lightning"), ("longshield_per_layer", "nondp_lightning"),
+                             ("opacus", "nondp_torch")):
+        expected = row[f"{method}_step_s"] / row[f"{baseline}_step_s"]  # of the rounded step times
+        assert abs(row[f"{method}_over_nondp"] / expected - 1) < 0.01
+    # per-layer clipping holds one layer's per-sample gradients at a time; flat LongShield and Opacus hold all
+    assert 0 < 4 * row["longshield_per_layer_per_sample_grad_mib"] < row["longshield_per_sample_grad_mib"]
+    assert row["opacus_per_sample_grad_mib"] == row["longshield_per_sample_grad_mib"]
+    assert "| LongShield per-layer | " in result.stdout
+
+
+def test_fused_per_layer_worker_refuses_cpu():
+    command = [sys.executable, str(BENCHMARKS / "dp_overhead.py"), "--worker", "longshield_per_layer_fused",
+               "--micro-batch-size", "2", "--device", "cpu"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "needs CUDA" in result.stderr
