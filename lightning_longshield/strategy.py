@@ -41,10 +41,12 @@ from lightning_longshield.full_state_checkpoints import FullStateCheckpoints
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
 from lightning_longshield.parallelize import DPParallelism, parallelize
 from lightning_longshield.privacy import DPSGDEngine, PrivacyAccountant
+from lightning_longshield.privacy.engine import check_norm_estimator
 from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES
 from lightning_longshield.privacy.metric_guard import SampledBatchMetricGuard
 from lightning_longshield.privacy.per_layer import Clipping, PerLayerKernel, ThresholdSpec
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
+from lightning_longshield.privacy.randomized.estimator import residual_projections
 from lightning_longshield.privacy.session import PrivacySession
 from lightning_longshield.trainer_checks import check_trainer_for_dp_sgd
 
@@ -112,6 +114,15 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             fused Triton kernel that never writes their per-sample gradients to memory (FlashDP) where it runs (CUDA
             with Triton, context-parallel size 1), else as ``"torch"`` (per-sample gradients materialised one layer at
             a time); ``"triton"`` requires the kernel.
+        norm_estimator: ``"exact"`` (default) or randomized clipping (DP-SGD-RC): ``"hutchinson"`` / ``"hutchpp"``
+            estimate each sample's squared norm over linear (and tied) weights with ``projection_dim`` Gaussian
+            projections of its (input, output gradient) factors, ``O(k (T + d + p))`` memory per layer, drawn fresh
+            and secret every micro-batch; embedding and norm weights keep exact norms; the clipped sum is book-kept in
+            the same backward. The clip factor is then random, so the step is accounted by its own accountant
+            (`lightning_longshield.privacy.randomized`, which also calibrates ``target_epsilon``); it needs slightly
+            more noise than exact clipping for the same epsilon.
+        projection_dim: ``k``, the projections per linear layer of a randomized estimator (default 32; Hutch++
+            spends ``k // 3`` of them on its head and accounts the other ``k - k // 3``).
         accountant: ``"prv"`` (default; Opacus's PRV accountant with a bounded grid, tighter) or ``"rdp"``.
         secure_mode: for a real deployment: Poisson masks from SHAKE-256 keyed by 256 bits of OS entropy, and each
             noise tensor from fresh OS entropy with Opacus's hardened Gaussian sampler (sum of four draws).
@@ -145,6 +156,8 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         clipping: Clipping = "flat",
         per_layer_thresholds: Optional[ThresholdSpec] = None,
         per_layer_kernel: PerLayerKernel = "auto",
+        norm_estimator: Literal["exact", "hutchinson", "hutchpp"] = "exact",
+        projection_dim: int = 32,
         accountant: Literal["prv", "rdp"] = "prv",
         secure_mode: bool = False,
         seed: Optional[int] = None,
@@ -171,8 +184,11 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         )
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
+        check_norm_estimator(norm_estimator, projection_dim, per_sample, clipping)
+        self.norm_estimator, self.projection_dim = norm_estimator, projection_dim
         arguments = PrivacyArguments(noise_multiplier, target_epsilon, target_delta, max_grad_norm, accountant)
-        self.privacy = PrivacySession(arguments, secure_mode, noise_seed, poisson_sampling)
+        self.privacy = PrivacySession(arguments, secure_mode, noise_seed, poisson_sampling, norm_estimator,
+                                      residual_projections(norm_estimator, projection_dim) or 0)
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.preflight = preflight
@@ -253,7 +269,8 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         return DPSGDEngine(module, self.max_grad_norm, self.privacy.noise, self.accountant, exchange, dp_group,
                            per_sample=self.parallelism.per_sample, clipping=self.parallelism.clipping,
                            thresholds=self.parallelism.per_layer_thresholds,
-                           per_layer_kernel=self.parallelism.per_layer_kernel)
+                           per_layer_kernel=self.parallelism.per_layer_kernel, norm_estimator=self.norm_estimator,
+                           projection_dim=self.projection_dim, projection_seeds=self.privacy.projection_seeds)
 
     @override
     def model_to_device(self) -> None:

@@ -72,15 +72,23 @@ UNEVEN_RUNS = {  # name -> (strategy arguments, tied embeddings)
 }
 
 
+RANDOMIZED_RUNS = {  # randomized clipping (fixed noise_seed: the same projections at every CP size)
+    "v2_hutchinson_tied": (dict(norm_estimator="hutchinson", projection_dim=8, noise_seed=3), True),
+    "v1_hutchpp_checkpointed": (dict(norm_estimator="hutchpp", projection_dim=9, noise_seed=4,
+                                     shard_per_sample_grads=False, activation_checkpointing=True), False),
+}
+
+
 def uneven_micro_batches(rank: int, world_size: int, out_dir: str) -> None:
-    """CP 2, logical batches of 3 at micro-batch size 2: every `UNEVEN_RUNS` run."""
-    results = {}
-    for name, (kwargs, tied) in UNEVEN_RUNS.items():
-        strategy_kwargs = dict(context_parallel_size=world_size, micro_batch_size=2, **kwargs)
-        _, results[name] = fit(world_size, strategy_kwargs, tie_embeddings=tied, max_grad_norm=0.05,
-                               logical_batch=UNEVEN_BATCH)
-    if rank == 0:
-        torch.save(results, Path(out_dir) / "uneven.pt")
+    """CP 2, logical batches of 3 at micro-batch size 2: every `UNEVEN_RUNS` and `RANDOMIZED_RUNS` run."""
+    for file, runs in (("uneven.pt", UNEVEN_RUNS), ("randomized.pt", RANDOMIZED_RUNS)):
+        results = {}
+        for name, (kwargs, tied) in runs.items():
+            strategy_kwargs = dict(context_parallel_size=world_size, micro_batch_size=2, **kwargs)
+            _, results[name] = fit(world_size, strategy_kwargs, tie_embeddings=tied, max_grad_norm=0.05,
+                                   logical_batch=UNEVEN_BATCH)
+        if rank == 0:
+            torch.save(results, Path(out_dir) / file)
 
 
 LORA_RUNS = {  # LoRA adapters (FSDP2 with frozen base weights) through each exchange

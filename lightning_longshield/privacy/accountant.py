@@ -6,7 +6,7 @@ from typing import Any
 
 from opacus.accountants import IAccountant, create_accountant
 
-from lightning_longshield.privacy.epsilon import epsilon
+from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier, epsilon
 
 ACCOUNTANTS = ("prv", "rdp")
 
@@ -51,6 +51,10 @@ class PrivacyAccountant:
 
     def _compute_epsilon(self, history: list[tuple[float, float, int]], delta: float) -> float:
         return epsilon(history, delta, self.mechanism)
+
+    def calibrate_noise_multiplier(self, target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+        """The noise multiplier whose ``steps`` steps at ``sample_rate`` spend at most ``target_epsilon``."""
+        return calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, self.mechanism)
 
     def epsilon_after(self, extra_steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
         """Epsilon if ``extra_steps`` more steps with these parameters were taken."""

@@ -26,6 +26,8 @@ from lightning_longshield.privacy.per_layer import (
     per_layer_thresholds,
     use_fused_kernel,
 )
+from lightning_longshield.privacy.randomized.estimator import RandomizedNorms, check_estimator
+from lightning_longshield.privacy.randomness import ProjectionSeeds
 
 
 class DPSGDEngine:
@@ -48,6 +50,13 @@ class DPSGDEngine:
     each sample's unclipped norm over all layers, ``last_held_bytes`` the most per-sample gradient bytes held at once.
     ``per_layer_kernel`` (`lightning_longshield.privacy.per_layer.use_fused_kernel`) sends linear weights through the
     fused Triton kernel instead, which holds none of theirs (``fused_weights`` names them).
+
+    ``norm_estimator`` ``"hutchinson"`` / ``"hutchpp"`` (randomized clipping, flat): linear and embedding weights are
+    book-kept as under ``per_sample="ghost"``; the norms of linear (and tied) weights are estimated with
+    ``projection_dim`` Gaussian projections drawn fresh for every micro-batch from ``projection_seeds`` (keyed by the
+    DP step and the micro-batch), embeddings' and other parameters' norms are exact. The clipped sum is then formed
+    by book-keeping, in the same backward. A one-sample micro-batch is clipped with its exact norm, read from
+    ``.grad`` (an exact norm, ``Z = 1``, is within what the accountant assumes).
     """
 
     def __init__(
@@ -62,9 +71,20 @@ class DPSGDEngine:
         clipping: Clipping = "flat",
         thresholds: Optional[ThresholdSpec] = None,
         per_layer_kernel: PerLayerKernel = "auto",
+        norm_estimator: str = "exact",
+        projection_dim: int = 32,
+        projection_seeds: Optional[ProjectionSeeds] = None,
     ):
         check_clipping(clipping, thresholds, per_sample, per_layer_kernel)
-        self.capture = PerSampleGradCapture(model, exchange, per_sample)
+        check_norm_estimator(norm_estimator, projection_dim, per_sample, clipping)
+        self.norm_estimate: Optional[RandomizedNorms] = None
+        if norm_estimator != "exact":
+            if projection_seeds is None:
+                raise ValueError(f"norm_estimator={norm_estimator!r} needs projection_seeds (the strategy's secret).")
+            self.norm_estimate = RandomizedNorms(norm_estimator, projection_dim)
+        self.projection_seeds = projection_seeds
+        self._microbatch_index = 0
+        self.capture = PerSampleGradCapture(model, exchange, per_sample, self.norm_estimate)
         self.exchange = self.capture.exchange
         replica_shards = {name: shard for name, shard in self.exchange.shards.items() if shard.replicas > 1}
         self.accumulator = ClippedGradientSum(self.capture.parameters, data_parallel_group, replica_shards)
@@ -86,6 +106,10 @@ class DPSGDEngine:
             if use_fused_kernel(per_layer_kernel, device, context_parallel):
                 self.fused_weights = self.capture.fuse_linear_weights(self.per_layer.clip_linear)
 
+    @property
+    def norm_estimator(self) -> str:
+        return "exact" if self.norm_estimate is None else self.norm_estimate.estimator
+
     def observe(self, observer: DPStepObserver) -> None:
         """Announce this engine's step events to ``observer`` (replacing the previous one)."""
         self.observer = observer
@@ -95,11 +119,17 @@ class DPSGDEngine:
         """Drop the previous step's gradients: until `release`, ``.grad`` only ever holds one micro-batch's."""
         for param in self.capture.parameters.values():
             param.grad = None
+        self._microbatch_index = 0
 
     def prepare_microbatch(self, batch_size: int) -> None:
         """Before a micro-batch's forward: the exchange decides whether its backward needs per-sample capture."""
         self.observer.microbatch_started()
         self.capture.start_microbatch(batch_size)
+        if self.norm_estimate is not None:
+            assert self.projection_seeds is not None
+            device = next(iter(self.capture.parameters.values())).device
+            self.norm_estimate.reseed(self.projection_seeds.seed(self.accountant.steps, self._microbatch_index), device)
+            self._microbatch_index += 1
         if self.per_layer is not None:
             device = next(iter(self.capture.parameters.values())).device
             self.per_layer.start_microbatch(batch_size, device)
@@ -163,3 +193,16 @@ class DPSGDEngine:
 
     def remove(self) -> None:
         self.capture.remove()
+
+
+def check_norm_estimator(estimator: str, projection_dim: int, per_sample: str, clipping: str) -> None:
+    """Reject an unknown estimator or projection count, and combinations randomized clipping does not cover."""
+    check_estimator(estimator, projection_dim)
+    if estimator == "exact":
+        return
+    if clipping != "flat":
+        raise ValueError(f"norm_estimator={estimator!r} estimates the flat norm; set clipping='flat' (or"
+                         " norm_estimator='exact' for per-layer clipping).")
+    if per_sample != "materialize":
+        raise ValueError(f"norm_estimator={estimator!r} book-keeps linear and embedding weights itself; leave"
+                         f" per_sample at its default instead of {per_sample!r}.")

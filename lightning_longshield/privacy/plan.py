@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from lightning_longshield.privacy.accountant import ACCOUNTANTS, PrivacyAccountant
-from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier
 
 DEFAULT_TARGET_EPSILON = 8.0
 
@@ -111,9 +110,7 @@ def resolve_plan(
                 "Cannot calibrate the noise of a resumed run whose checkpoint has no recorded noise multiplier;"
                 " pass noise_multiplier explicitly."
             )
-        noise_multiplier = calibrate_noise_multiplier(
-            target_epsilon, delta, sample_rate, planned_steps, arguments.accountant
-        )
+        noise_multiplier = accountant.calibrate_noise_multiplier(target_epsilon, delta, sample_rate, planned_steps)
     if noise_multiplier == 0:
         messages.append("noise_multiplier=0: this run is NOT differentially private (epsilon is infinite).")
     plan = PrivacyPlan(

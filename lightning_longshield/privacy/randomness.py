@@ -65,4 +65,22 @@ class CryptographicUniforms:
         return f"{type(self).__name__}(key=<secret>)"
 
 
+class ProjectionSeeds:
+    """Seeds of randomized clipping's Gaussian projections, one per (DP step, micro-batch), from SHAKE-256 keyed by a
+    secret shared by every process: the ranks of a context-parallel group must project the shards of a sequence with
+    the same matrices. Fresh at every step, independent of the data, never stored (the accountant's assumptions).
+    """
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def seed(self, step: int, microbatch: int) -> int:
+        stream = hashlib.shake_256(self._key + b"projection" + step.to_bytes(8, "little")
+                                   + microbatch.to_bytes(8, "little"))
+        return int.from_bytes(stream.digest(8), "little") & (2**63 - 1)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(key=<secret>)"
+
+
 UniformSource = SeededUniforms | CryptographicUniforms

@@ -19,8 +19,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, resolve_plan
+from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
+from lightning_longshield.privacy.randomized.estimator import ENVELOPE_NAMES
 from lightning_longshield.privacy.randomness import (
     CryptographicUniforms,
+    ProjectionSeeds,
     SeededUniforms,
     UniformSource,
     derive_seed,
@@ -45,7 +48,11 @@ class PrivacySession:
         secure_mode: bool = False,
         noise_seed: Optional[int] = None,
         poisson_sampling: bool = True,
+        norm_estimator: str = "exact",
+        accounted_projections: int = 0,
     ) -> None:
+        """``norm_estimator`` other than ``"exact"``: randomized clipping, accounted by its own accountant with
+        ``accounted_projections`` Gaussian projections (`RandomizedClippingAccountant`)."""
         arguments.validate()
         if secure_mode and noise_seed is not None:
             raise ValueError(
@@ -62,10 +69,18 @@ class PrivacySession:
         self.secure_mode = secure_mode
         self.noise_seed = noise_seed
         self.poisson_sampling = poisson_sampling
+        self.randomized = norm_estimator != "exact"
         self.accountant = PrivacyAccountant(arguments.accountant)
+        if self.randomized:
+            if arguments.accountant != "prv":
+                raise ValueError(f"norm_estimator={norm_estimator!r} has its own accountant (privacy-loss"
+                                 f" distributions, like 'prv'); accountant={arguments.accountant!r} cannot account"
+                                 " it. Use accountant='prv'.")
+            self.accountant = RandomizedClippingAccountant(ENVELOPE_NAMES[norm_estimator], accounted_projections)
         self.plan: Optional[PrivacyPlan] = None
         self.noise: Optional[GaussianNoise] = None
         self.sampling: Optional[UniformSource] = None
+        self.projection_seeds: Optional[ProjectionSeeds] = None
         self.dataset_size: Optional[int] = None
         self.dataloader_batch_size: Optional[int] = None
         self.steps_left_in_budget: Optional[int] = None
@@ -83,11 +98,16 @@ class PrivacySession:
 
         Draws are keyed by the DP step, so with ``noise_seed`` a resumed or second fit continues the streams instead
         of replaying them. ``stream`` (data-parallel rank, context-parallel rank) separates the processes' noise;
-        ``broadcast`` (from rank 0) gives every process the same Poisson masks.
+        ``broadcast`` (from rank 0) gives every process the same Poisson masks (and, for randomized clipping, the
+        projections' secret).
         """
         self.sampling = self._sampling_randomness(broadcast)
         noise_seed = None if self.noise_seed is None else derive_seed(self.noise_seed, "noise")
         self.noise = GaussianNoise(device, noise_seed, stream, self.secure_mode)
+        if self.randomized:  # one secret for all processes: a sequence's shards are projected alike
+            key = (broadcast(secrets.token_bytes(32)) if self.noise_seed is None
+                   else derive_seed(self.noise_seed, "projection").to_bytes(8, "little"))
+            self.projection_seeds = ProjectionSeeds(key)
 
     def _sampling_randomness(self, broadcast: Callable[[Any], Any]) -> UniformSource:
         if self.noise_seed is not None:

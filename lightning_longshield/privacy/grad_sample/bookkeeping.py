@@ -38,6 +38,8 @@ from lightning_longshield.privacy.shards import ParamShard, reduce_scatter_to_sh
 PerSampleMethod = Literal["materialize", "ghost", "mixed"]
 PER_SAMPLE_METHODS: tuple[str, ...] = ("materialize", "ghost", "mixed")
 NormMethod = Literal["ghost", "materialize"]
+# (uses of one parameter, reduce over the context-parallel group) -> complete estimated squared norms (B,) fp64.
+NormEstimate = Callable[[list["Use"], Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
 
 #: Elements of one block of a Gram matrix product: longer sequences are processed in row blocks of this size.
 GRAM_BLOCK_ELEMENTS = 2**24
@@ -194,6 +196,10 @@ class BookKeeper:
     others, and their Gram-form norms are formed once all their uses are known.
     ``group`` / ``shards``: the context-parallel group and the shard of every parameter on this rank (``None`` / empty
     without context parallelism).
+
+    ``estimate`` (randomized clipping, ``method="ghost"``): the norms of linear weights and of tied weights come from
+    it instead of Gram matrices (`lightning_longshield.privacy.randomized.estimator.RandomizedNorms`), given partial
+    products that it completes over the group; an untied embedding keeps its exact norm from token ids.
     """
 
     def __init__(
@@ -202,6 +208,7 @@ class BookKeeper:
         shared: set[str],
         group: Optional[dist.ProcessGroup] = None,
         shards: Optional[dict[str, ParamShard]] = None,
+        estimate: Optional[NormEstimate] = None,
     ) -> None:
         if method not in ("ghost", "mixed"):
             raise ValueError(f"BookKeeper computes 'ghost' or 'mixed' norms, got {method!r}.")
@@ -213,6 +220,8 @@ class BookKeeper:
         self.choices: dict[str, NormMethod] = {}
         self._shared_choices: dict[str, NormMethod] = {}  # this micro-batch's, for tied weights
         self._squared_norms: Optional[torch.Tensor] = None
+        self.estimate = estimate
+        self._estimated: Optional[torch.Tensor] = None  # complete on every rank: not summed over the group
 
     @staticmethod
     def handles(layer: nn.Module, trainable: dict[str, str]) -> bool:
@@ -260,7 +269,7 @@ class BookKeeper:
             self.uses.setdefault(name, []).append(use)
         else:
             self.uses[name] = [use]
-            self._add(self._squared_norm(name, [use]))
+            self._add_norms(name, [use])
         return materialized
 
     def _choose(self, use: Use) -> NormMethod:
@@ -269,8 +278,18 @@ class BookKeeper:
         cheaper = ghost_norm_is_cheaper(use.tokens * self.world, use.kept_width, use.weight_numel)
         return "ghost" if cheaper else "materialize"
 
-    def _add(self, squared_norms: torch.Tensor) -> None:
-        self._squared_norms = squared_norms if self._squared_norms is None else self._squared_norms + squared_norms
+    def _add_norms(self, name: str, uses: list[Use]) -> None:
+        if self.estimate is None or (len(uses) == 1 and uses[0].is_lookup):
+            partial = self._squared_norm(name, uses)
+            self._squared_norms = partial if self._squared_norms is None else self._squared_norms + partial
+            return
+        estimated = self.estimate(uses, self._all_reduce)
+        self._estimated = estimated if self._estimated is None else self._estimated + estimated
+
+    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            dist.all_reduce(partial, group=self.group)
+        return partial
 
     def _squared_norm(self, name: str, uses: list[Use]) -> torch.Tensor:
         """This rank's contribution to the squared norms of ``name``'s per-sample gradients (fp64, ``(B,)``)."""
@@ -284,17 +303,17 @@ class BookKeeper:
 
     def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
         """Complete per-sample squared norms (fp64) of every book-kept parameter, summed over the group."""
-        for name in self.shared:
+        for name in sorted(self.shared):  # one order on every rank: estimates draw projections in it
             if name in self.uses:
-                self._add(self._squared_norm(name, self.uses[name]))
+                self._add_norms(name, self.uses[name])
         self._shared_choices.clear()
-        total = self._squared_norms
-        self._squared_norms = None
+        total, estimated = self._squared_norms, self._estimated
+        self._squared_norms = self._estimated = None
         if total is None:
             total = torch.zeros(batch_size, dtype=torch.float64, device=device)
         if self.group is not None:
             dist.all_reduce(total, group=self.group)
-        return total
+        return total if estimated is None else total + estimated
 
     @property
     def clip_margin(self) -> float:

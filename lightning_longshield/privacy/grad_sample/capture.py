@@ -10,7 +10,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_longshield.privacy.grad_sample.bookkeeping import PER_SAMPLE_METHODS, BookKeeper, PerSampleMethod
+from lightning_longshield.privacy.grad_sample.bookkeeping import (
+    PER_SAMPLE_METHODS,
+    BookKeeper,
+    NormEstimate,
+    PerSampleMethod,
+)
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.grad_sample.layers import check_supported_layers, trainable_layers
 from lightning_longshield.privacy.grad_sample.tap import PerSampleGradTap
@@ -31,7 +36,8 @@ class PerSampleGradCapture:
     With ``per_sample="ghost"`` or ``"mixed"`` linear and embedding weights go to a `BookKeeper`: it takes their
     per-sample norms from Gram matrices (or token ids) and keeps (output gradient, input) to form their clipped sums
     once the clipping factors are known; under ``"mixed"`` a layer where that costs more hands the exchange its
-    per-sample gradient instead.
+    per-sample gradient instead. With ``estimate`` (randomized clipping) linear and embedding weights are book-kept as
+    under ``"ghost"`` and the norms of linear and tied weights are estimated from random projections.
 
     `fuse_linear_weights` sends the (activation, output gradient) of linear layers whose only trainable parameter is
     a weight used once straight to a handler instead (per-layer clipping's fused kernel).
@@ -46,6 +52,7 @@ class PerSampleGradCapture:
         model: nn.Module,
         exchange: Optional[LocalExchange] = None,
         per_sample: PerSampleMethod = "materialize",
+        estimate: Optional[NormEstimate] = None,
     ) -> None:
         if per_sample not in PER_SAMPLE_METHODS:
             raise ValueError(f"per_sample={per_sample!r}; choose one of {PER_SAMPLE_METHODS}.")
@@ -72,9 +79,10 @@ class PerSampleGradCapture:
         self.bookkeeper: Optional[BookKeeper] = None
         self._fused: Optional[LinearWeightHandler] = None
         self._fused_layers: set[int] = set()
-        if per_sample != "materialize":
+        if per_sample != "materialize" or estimate is not None:
             shared = {name for name, count in self.uses.items() if count > 1}
-            self.bookkeeper = BookKeeper(per_sample, shared, self.exchange.group, self.exchange.shards)
+            method = "ghost" if estimate is not None else per_sample
+            self.bookkeeper = BookKeeper(method, shared, self.exchange.group, self.exchange.shards, estimate)
 
     def fuse_linear_weights(self, handler: LinearWeightHandler) -> list[str]:
         """In backward, hand ``handler(weight name, activation, output gradient)`` every ``nn.Linear`` whose only

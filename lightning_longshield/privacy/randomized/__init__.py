@@ -1,4 +1,4 @@
-"""Privacy accounting for DP-SGD with randomized clipping (norms from Hutchinson / Hutch++ estimates)."""
+"""DP-SGD with randomized clipping: per-sample norms from Hutchinson / Hutch++ estimates, and their accounting."""
 
 from lightning_longshield.privacy.randomized.accountant import (
     RandomizedClippingAccountant,
@@ -12,6 +12,11 @@ from lightning_longshield.privacy.randomized.envelope import (
     ScaleEnvelope,
     scale_envelope,
 )
+from lightning_longshield.privacy.randomized.estimator import (
+    RandomizedNorms,
+    estimate_squared_norms,
+    residual_projections,
+)
 from lightning_longshield.privacy.randomized.mechanism import Discretization
 
 __all__ = [
@@ -19,9 +24,12 @@ __all__ = [
     "EXACT_CLIPPING",
     "Discretization",
     "RandomizedClippingAccountant",
+    "RandomizedNorms",
     "ScaleEnvelope",
     "calibrate_noise_multiplier",
+    "estimate_squared_norms",
     "get_epsilon",
     "history_epsilon",
+    "residual_projections",
     "scale_envelope",
 ]

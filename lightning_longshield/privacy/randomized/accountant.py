@@ -152,6 +152,10 @@ class RandomizedClippingAccountant(PrivacyAccountant):
     def _compute_epsilon(self, history: list[tuple[float, float, int]], delta: float) -> float:
         return history_epsilon(history, delta, self.envelope, self.discretization)
 
+    def calibrate_noise_multiplier(self, target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+        return calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, self.envelope.projections,
+                                          self.envelope.estimator, discretization=self.discretization)
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "estimator": self.envelope.estimator,
                 "projections": self.envelope.projections}
