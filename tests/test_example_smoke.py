@@ -8,11 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_dp_stdlib.py"
 
 
-def test_train_dp_stdlib_prints_guarantee_and_perplexity():
-    command = [sys.executable, str(EXAMPLE), "--max-steps", "2", "--seq-len", "64", "--max-bytes", "60000"]
+@pytest.mark.parametrize("options", [[], ["--norm-estimator", "hutchinson", "--micro-batch-size", "2"]],
+                         ids=["exact", "hutchinson"])
+def test_train_dp_stdlib_prints_guarantee_and_perplexity(options):
+    command = [sys.executable, str(EXAMPLE), "--max-steps", "2", "--seq-len", "64", "--max-bytes", "60000", *options]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
