@@ -22,6 +22,7 @@ from lightning_longshield.lora import reset_adapters
 from lightning_longshield.privacy.grad_sample.bookkeeping import PER_SAMPLE_METHODS, PerSampleMethod
 from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES, LocalExchange, build_exchange
 from lightning_longshield.privacy.per_layer import Clipping, PerLayerKernel, ThresholdSpec, check_clipping
+from lightning_longshield.privacy.randomized.estimator import check_norm_estimator
 from lightning_longshield.privacy.randomness import derive_seed
 from lightning_longshield.privacy.shards import ParamShard
 
@@ -33,8 +34,9 @@ SHARD_OVER = ("context_parallel", "all")
 class DPParallelism:
     """How a DP step is parallelised: CP size, the per-sample exchange (V1 / V2 and its pattern), communication
     overlap and bucketing, activation checkpointing (V3), how linear and embedding weights get per-sample norms
-    (materialised, ghost or mixed, with book-keeping) and whether each sample is clipped as a whole (flat) or layer by
-    layer as its gradients complete (per-layer). The strategy's arguments of the same names."""
+    (materialised, ghost or mixed, with book-keeping; or estimated by random projections) and whether each sample is
+    clipped as a whole (flat) or layer by layer as its gradients complete (per-layer). The strategy's arguments of the
+    same names."""
 
     context_parallel_size: Optional[int] = None
     shard_per_sample_grads: bool = True
@@ -47,6 +49,8 @@ class DPParallelism:
     clipping: Clipping = "flat"
     per_layer_thresholds: Optional[ThresholdSpec] = None
     per_layer_kernel: PerLayerKernel = "auto"
+    norm_estimator: Literal["exact", "hutchinson", "hutchpp"] = "exact"
+    projection_dim: int = 32
 
     def __post_init__(self) -> None:
         if self.shard_over not in SHARD_OVER:
@@ -66,6 +70,7 @@ class DPParallelism:
             raise ValueError(f"communication_bucket_mb must be >= 0, got {self.communication_bucket_mb}.")
         select_blocks([], self.activation_checkpointing)  # validates the policy's type and value
         check_clipping(self.clipping, self.per_layer_thresholds, self.per_sample, self.per_layer_kernel)
+        check_norm_estimator(self.norm_estimator, self.projection_dim, self.per_sample, self.clipping)
 
     @property
     def output_stationary(self) -> bool:

@@ -41,12 +41,10 @@ from lightning_longshield.full_state_checkpoints import FullStateCheckpoints
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
 from lightning_longshield.parallelize import DPParallelism, parallelize
 from lightning_longshield.privacy import DPSGDEngine, PrivacyAccountant
-from lightning_longshield.privacy.engine import check_norm_estimator
 from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES
 from lightning_longshield.privacy.metric_guard import SampledBatchMetricGuard
 from lightning_longshield.privacy.per_layer import Clipping, PerLayerKernel, ThresholdSpec
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
-from lightning_longshield.privacy.randomized.estimator import residual_projections
 from lightning_longshield.privacy.session import PrivacySession
 from lightning_longshield.trainer_checks import check_trainer_for_dp_sgd
 
@@ -180,15 +178,13 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         self.parallelism = DPParallelism(
             context_parallel_size, shard_per_sample_grads, grad_sample_pattern, overlap_communication,
             communication_bucket_mb, activation_checkpointing, per_sample, shard_over, clipping, per_layer_thresholds,
-            per_layer_kernel,
+            per_layer_kernel, norm_estimator, projection_dim,
         )
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
-        check_norm_estimator(norm_estimator, projection_dim, per_sample, clipping)
-        self.norm_estimator, self.projection_dim = norm_estimator, projection_dim
         arguments = PrivacyArguments(noise_multiplier, target_epsilon, target_delta, max_grad_norm, accountant)
         self.privacy = PrivacySession(arguments, secure_mode, noise_seed, poisson_sampling, norm_estimator,
-                                      residual_projections(norm_estimator, projection_dim) or 0)
+                                      projection_dim)
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.preflight = preflight
@@ -269,8 +265,10 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         return DPSGDEngine(module, self.max_grad_norm, self.privacy.noise, self.accountant, exchange, dp_group,
                            per_sample=self.parallelism.per_sample, clipping=self.parallelism.clipping,
                            thresholds=self.parallelism.per_layer_thresholds,
-                           per_layer_kernel=self.parallelism.per_layer_kernel, norm_estimator=self.norm_estimator,
-                           projection_dim=self.projection_dim, projection_seeds=self.privacy.projection_seeds)
+                           per_layer_kernel=self.parallelism.per_layer_kernel,
+                           norm_estimator=self.parallelism.norm_estimator,
+                           projection_dim=self.parallelism.projection_dim,
+                           projection_seeds=self.privacy.projection_seeds)
 
     @override
     def model_to_device(self) -> None:

@@ -26,7 +26,7 @@ from lightning_longshield.privacy.per_layer import (
     per_layer_thresholds,
     use_fused_kernel,
 )
-from lightning_longshield.privacy.randomized.estimator import RandomizedNorms, check_estimator
+from lightning_longshield.privacy.randomized.estimator import RandomizedNorms, check_norm_estimator
 from lightning_longshield.privacy.randomness import ProjectionSeeds
 
 
@@ -101,14 +101,14 @@ class DPSGDEngine:
             bounds = per_layer_thresholds(self.capture.parameters, max_grad_norm, thresholds or "equal")
             self.per_layer = PerLayerClipper(bounds, self.accumulator, self.exchange)
             self.exchange.deliver_each_parameter(self._clip_layers, self.capture.uses)
-            device = next(iter(self.capture.parameters.values())).device
             context_parallel = type(self.exchange) is not LocalExchange or bool(self.exchange.shards)
-            if use_fused_kernel(per_layer_kernel, device, context_parallel):
+            if use_fused_kernel(per_layer_kernel, self.device, context_parallel):
                 self.fused_weights = self.capture.fuse_linear_weights(self.per_layer.clip_linear)
 
     @property
-    def norm_estimator(self) -> str:
-        return "exact" if self.norm_estimate is None else self.norm_estimate.estimator
+    def device(self) -> torch.device:
+        """Where the model's trainable parameters (and so the per-sample work) live."""
+        return next(iter(self.capture.parameters.values())).device
 
     def observe(self, observer: DPStepObserver) -> None:
         """Announce this engine's step events to ``observer`` (replacing the previous one)."""
@@ -127,12 +127,11 @@ class DPSGDEngine:
         self.capture.start_microbatch(batch_size)
         if self.norm_estimate is not None:
             assert self.projection_seeds is not None
-            device = next(iter(self.capture.parameters.values())).device
-            self.norm_estimate.reseed(self.projection_seeds.seed(self.accountant.steps, self._microbatch_index), device)
+            seed = self.projection_seeds.seed(self.accountant.steps, self._microbatch_index)
+            self.norm_estimate.reseed(seed, self.device)
             self._microbatch_index += 1
         if self.per_layer is not None:
-            device = next(iter(self.capture.parameters.values())).device
-            self.per_layer.start_microbatch(batch_size, device)
+            self.per_layer.start_microbatch(batch_size, self.device)
 
     def accumulate_microbatch(self, batch_size: int) -> None:
         """Clip the per-sample gradients of the last backward and add them to the logical batch's sum."""
@@ -143,7 +142,7 @@ class DPSGDEngine:
         grad_samples = self.capture.collect()
         self.observer.microbatch_gradients(grad_samples.values())
         self.last_held_bytes = sum(g.numel() * g.element_size() for g in grad_samples.values())
-        device = next(iter(self.capture.parameters.values())).device
+        device = self.device
         if grad_samples:
             local_norms = per_sample_squared_norms(grad_samples.values(), batch_size)
         else:  # every trainable weight was book-kept
@@ -193,16 +192,3 @@ class DPSGDEngine:
 
     def remove(self) -> None:
         self.capture.remove()
-
-
-def check_norm_estimator(estimator: str, projection_dim: int, per_sample: str, clipping: str) -> None:
-    """Reject an unknown estimator or projection count, and combinations randomized clipping does not cover."""
-    check_estimator(estimator, projection_dim)
-    if estimator == "exact":
-        return
-    if clipping != "flat":
-        raise ValueError(f"norm_estimator={estimator!r} estimates the flat norm; set clipping='flat' (or"
-                         " norm_estimator='exact' for per-layer clipping).")
-    if per_sample != "materialize":
-        raise ValueError(f"norm_estimator={estimator!r} book-keeps linear and embedding weights itself; leave"
-                         f" per_sample at its default instead of {per_sample!r}.")

@@ -20,7 +20,7 @@ from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, resolve_plan
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
-from lightning_longshield.privacy.randomized.estimator import ENVELOPE_NAMES
+from lightning_longshield.privacy.randomized.estimator import accountant_envelope
 from lightning_longshield.privacy.randomness import (
     CryptographicUniforms,
     ProjectionSeeds,
@@ -49,10 +49,10 @@ class PrivacySession:
         noise_seed: Optional[int] = None,
         poisson_sampling: bool = True,
         norm_estimator: str = "exact",
-        accounted_projections: int = 0,
+        projection_dim: int = 32,
     ) -> None:
-        """``norm_estimator`` other than ``"exact"``: randomized clipping, accounted by its own accountant with
-        ``accounted_projections`` Gaussian projections (`RandomizedClippingAccountant`)."""
+        """``norm_estimator`` other than ``"exact"``: randomized clipping with ``projection_dim`` projections,
+        accounted by its own accountant (`RandomizedClippingAccountant`, with the estimator's envelope)."""
         arguments.validate()
         if secure_mode and noise_seed is not None:
             raise ValueError(
@@ -76,7 +76,8 @@ class PrivacySession:
                 raise ValueError(f"norm_estimator={norm_estimator!r} has its own accountant (privacy-loss"
                                  f" distributions, like 'prv'); accountant={arguments.accountant!r} cannot account"
                                  " it. Use accountant='prv'.")
-            self.accountant = RandomizedClippingAccountant(ENVELOPE_NAMES[norm_estimator], accounted_projections)
+            envelope = accountant_envelope(norm_estimator, projection_dim)
+            self.accountant = RandomizedClippingAccountant(envelope.estimator, envelope.projections)
         self.plan: Optional[PrivacyPlan] = None
         self.noise: Optional[GaussianNoise] = None
         self.sampling: Optional[UniformSource] = None
