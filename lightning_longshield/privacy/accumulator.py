@@ -44,19 +44,39 @@ class ClippedGradientSum:
 
     @torch.no_grad()
     def add(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
-        """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter, in fp32.
+        """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter, in fp32, without a host sync.
 
-        Batched and without a host sync, per sample: fp32 gradients are scaled in place by the (device) factor with
-        one `torch._foreach_mul_` and added with one `torch._foreach_add_`; lower-precision gradients are scaled and
-        added by one `torch._foreach_addcmul_`, computed in fp32 (the sums' dtype) without an fp32 copy of the
-        sample's gradient. Never a GEMM, whose TF32 or bf16 rounding could lift a contribution above ``C``. The
-        per-sample buffers are consumed: they belong to this micro-batch and die here. With one sample and no sum
-        yet, the scaled gradient (upcast if needed) becomes the sum itself.
+        Every sample's scaled gradient is formed in fp32 (a bf16 product or sum could round a clipped contribution
+        above ``C``), never by a GEMM, whose TF32 or bf16 rounding could do the same. In whichever of two batched
+        forms issues fewer ops: a sample at a time over all parameters (2 ops per sample: many parameters, as
+        in flat clipping), or a parameter at a time over all samples (3 ops per fp32 parameter: few parameters, as in
+        per-layer clipping). The per-sample buffers are consumed: they belong to this micro-batch and die here.
         """
         if not grad_samples:
             return
-        names = list(grad_samples)
         factors = factors.float()
+        if 3 * len(grad_samples) < 2 * factors.shape[0] and all(
+            grad.dtype == torch.float32 for grad in grad_samples.values()
+        ):
+            self._add_each_parameter(grad_samples, factors)
+        else:
+            self._add_each_sample(grad_samples, factors)
+
+    def _add_each_parameter(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
+        """fp32 gradients scaled in place by the factors and summed over the samples, a parameter at a time."""
+        for name, grad in grad_samples.items():
+            total = grad.mul_(factors.view(-1, *(1,) * (grad.dim() - 1))).sum(0)
+            if name in self.sums:
+                self.sums[name] += total
+            else:
+                self.sums[name] = total
+
+    def _add_each_sample(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
+        """A sample at a time over all parameters: fp32 gradients are scaled in place by the (device) factor with one
+        `torch._foreach_mul_` and added with one `torch._foreach_add_`; lower-precision gradients are scaled and added
+        by one `torch._foreach_addcmul_`, computed in fp32 (the sums' dtype) without an fp32 copy of the sample's
+        gradient. With one sample and no sum yet, the scaled gradient (upcast if needed) becomes the sum itself."""
+        names = list(grad_samples)
         batch = factors.shape[0]
         missing = [name for name in names if name not in self.sums]
         if missing and batch > 1:

@@ -155,9 +155,11 @@ class PerLayerClipper:
         local = per_parameter_squared_norms(grad_samples.values(), self.squared_norms.shape[0])
         squared = self.exchange.complete_squared_norms(local)
         self.squared_norms += squared.sum(0)
+        bounds = squared.new_tensor([self.thresholds[name] for name in names]).unsqueeze(1)
+        factors = clip_factors(squared, bounds)
         parts = self.exchange.local_part(grad_samples)
-        for name, layer_squared in zip(names, squared):
-            self.accumulator.add({name: parts.pop(name)}, clip_factors(layer_squared, self.thresholds[name]))
+        for name, layer_factors in zip(names, factors):
+            self.accumulator.add({name: parts.pop(name)}, layer_factors)
 
     @torch.no_grad()
     def clip_linear(self, name: str, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
