@@ -182,6 +182,25 @@ def test_every_contribution_is_at_most_c_after_rounding(dtype):
         assert (naive > max_grad_norm).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_of_large_gradients_are_within_the_clip_margin(dtype):
+    """A 4M-element per-sample gradient whose norm is just above C: its contribution stays <= C. One fp32 reduction
+    over the whole tensor (the previous norm) is off by about 2e-4 relative here on CPU, 50 times the margin."""
+    generator = torch.Generator().manual_seed(0)
+    batch, numel, max_grad_norm = 2, 4_000_037, 1.0
+    values = torch.rand((batch, numel), generator=generator) * torch.exp(3 * torch.randn((batch, numel),
+                                                                                          generator=generator))
+    exact = torch.linalg.vector_norm(values.double(), dim=1, keepdim=True)
+    grad = (values.double() / exact * max_grad_norm * (1 + 1e-7)).to(dtype)
+    squared = per_sample_squared_norms([grad], batch)
+    reference = grad.double().square().sum(1)
+    assert ((squared - reference).abs() / reference).max() < 2.0**-19
+    assert (contribution_norms({"w": grad}, max_grad_norm) <= max_grad_norm).all()
+    if dtype == torch.float32:  # not vacuous: the single reduction breaks the margin (CPU, this torch)
+        whole = torch.stack(torch._foreach_norm(list(grad), 2)).double().square()
+        assert ((whole - reference).abs() / reference).max() > 2.0**-18
+
+
 class PairsWithSilentPartner(Dataset):
     """Even samples are random sequences; odd samples have every label ignored, so their gradient is exactly 0 and
     a logical batch of one pair sums to the even sample's contribution alone."""
