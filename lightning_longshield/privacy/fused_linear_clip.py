@@ -4,16 +4,19 @@ A sample's weight gradient is ``W_i = G_i^T A_i`` (``G_i``: ``(T, out)`` output 
 inputs). Two kernels replace "materialise ``(B, out, in)``, take norms, scale, sum":
 
 1. `_squared_norms_kernel`: one program per (sample, output tile, input tile) computes that tile of ``W_i`` in
-   registers, token block by token block, squares and reduces it, and adds the tile's share to the sample's squared
-   norm with one atomic add (FlashDP's intra-block then inter-block reduction; the kernel's end is the
-   synchronisation point before the clip factors are known).
+   registers, token block by token block, squares it, sums each row of ``BLOCK_IN`` squares in fp32 and the rows in
+   fp64, and adds the tile's share to the sample's fp64 squared norm with one atomic add (FlashDP's intra-block then
+   inter-block reduction; the kernel's end is the synchronisation point before the clip factors are known). The
+   blocking is `clipping.NORM_BLOCK`'s: a sum of 64 non-negative fp32 terms is within ``65 * 2^-24`` relative in any
+   order, so the norm is within ``2^-19`` however many tiles a layer has and in whatever order the atomics land.
 2. `_clipped_sum_kernel`: one program per (output tile, input tile) recomputes each sample's tile of ``W_i`` the
    same way, scales it by the sample's clip factor and adds it into the fp32 clipped sum, which it reads and writes
    once.
 
-Both accumulate in fp32; fp32 inputs use exact IEEE products (``input_precision="ieee"``), never TF32, whose
-rounding could lift a clipped contribution above its bound. The two fp32 reductions over the ``T`` tokens differ by
-at most ``T 2^-24`` each, which the caller's clipping margin covers. FLOPs: twice a weight gradient's (the tile is
+Both form tiles in fp32; fp32 inputs use exact IEEE products (``input_precision="ieee"``), never TF32, whose
+rounding could lift a clipped contribution above its bound. The two kernels compute each tile with the same code on
+the same inputs; should a compiler order their fp32 reductions over the ``T`` tokens differently, each is within
+``T 2^-24`` of the exact sum for inputs without cancellation, which the caller's clipping margin also covers. FLOPs: twice a weight gradient's (the tile is
 recomputed), as in FlashDP; memory: ``(B,)`` norms. Needs CUDA, or ``TRITON_INTERPRET=1`` (CPU tensors, for tests).
 """
 
@@ -24,7 +27,7 @@ import triton
 import triton.language as tl
 
 BLOCK_OUT = 64
-BLOCK_IN = 64
+BLOCK_IN = 64  # = clipping.NORM_BLOCK: the fp32 row sums of squares are that long
 BLOCK_TOKENS = 32
 
 
@@ -59,7 +62,8 @@ def _squared_norms_kernel(
     tile = _sample_tile(a_ptr, g_ptr, sample, offs_out, offs_in, tokens, n_out, n_in,
                         stride_ab, stride_at, stride_ai, stride_gb, stride_gt, stride_go,
                         BLOCK_OUT, BLOCK_IN, BLOCK_TOKENS, PRECISION)
-    tl.atomic_add(norms_ptr + sample, tl.sum(tile * tile))
+    row_sums = tl.sum(tile * tile, axis=1)  # BLOCK_IN fp32 squares each
+    tl.atomic_add(norms_ptr + sample, tl.sum(row_sums.to(tl.float64)))
 
 
 @triton.jit
@@ -95,11 +99,11 @@ def linear_squared_norms(activation: torch.Tensor, grad_output: torch.Tensor) ->
     a, g, precision = _operands(activation, grad_output)
     batch, tokens, n_in = a.shape
     n_out = g.shape[-1]
-    norms = torch.zeros(batch, dtype=torch.float32, device=g.device)
+    norms = torch.zeros(batch, dtype=torch.float64, device=g.device)
     grid = (batch, triton.cdiv(n_out, BLOCK_OUT), triton.cdiv(n_in, BLOCK_IN))
     _squared_norms_kernel[grid](a, g, norms, tokens, n_out, n_in, *a.stride(), *g.stride(),
                                 BLOCK_OUT=BLOCK_OUT, BLOCK_IN=BLOCK_IN, BLOCK_TOKENS=BLOCK_TOKENS, PRECISION=precision)
-    return norms.double()
+    return norms
 
 
 def add_clipped_linear_sum(
