@@ -16,8 +16,9 @@ inputs). Two kernels replace "materialise ``(B, out, in)``, take norms, scale, s
 Both form tiles in fp32; fp32 inputs use exact IEEE products (``input_precision="ieee"``), never TF32, whose
 rounding could lift a clipped contribution above its bound. The two kernels compute each tile with the same code on
 the same inputs; should a compiler order their fp32 reductions over the ``T`` tokens differently, each is within
-``T 2^-24`` of the exact sum for inputs without cancellation, which the caller's clipping margin also covers. FLOPs: twice a weight gradient's (the tile is
-recomputed), as in FlashDP; memory: ``(B,)`` norms. Needs CUDA, or ``TRITON_INTERPRET=1`` (CPU tensors, for tests).
+``T 2^-24`` of the exact sum for inputs without cancellation, which the caller's clipping margin also covers.
+FLOPs: twice a weight gradient's (the tile is recomputed), as in FlashDP; memory: ``(B,)`` norms. Needs CUDA, or
+``TRITON_INTERPRET=1`` (CPU tensors, for tests).
 """
 
 from __future__ import annotations
