@@ -47,6 +47,9 @@ from simulate.config import RunConfig
 
 GIB = 2**30
 FP32 = 4
+FP64 = 8
+# Elements of one fp64 block of the book-keeper's norms and clipped sums (`bookkeeping.BLOCK_ELEMENTS`).
+BOOKKEEPING_BLOCK = 2**22
 
 CATEGORIES = ("model_states", "fsdp_buffers", "activations", "logits_loss", "per_sample_grads", "ghost_norm",
               "communication")
@@ -265,7 +268,6 @@ class _BookKept:
     def __init__(self, cfg: RunConfig) -> None:
         m, a = cfg.model, cfg.precision.activation_bytes
         self.b, self.seq, self.t, self.a = cfg.micro_batch_size, cfg.seq_len, cfg.tokens_per_rank, a
-        self.upcast = FP32 if a < FP32 else 0  # fp32 copies the norm and the clipped sum make of bf16 tensors
         linears = m.block_linears()
         ghost = {lin.name: self.ghost(lin.in_features, lin.out_features) for lin in linears}
         self.block_grads = sum(self.b * lin.numel * a for lin in linears if not ghost[lin.name])
@@ -289,17 +291,27 @@ class _BookKept:
         sums = [(lin.in_features, lin.out_features) for lin in book_kept]
         if self.head_ghost:
             sums.append((m.dim, m.vocab_size))
-        self.largest_clipped_sum_transient = max(
-            ((self.t * (d + p) * FP32 + d * p * FP32) for d, p in sums), default=0.0)
+        self.largest_clipped_sum_transient = max((self.clipped_sum_transient(d, p) for d, p in sums), default=0.0)
 
     def ghost(self, in_features: int, out_features: int) -> bool:
         """The strategy's mixed rule (`ghost_norm_is_cheaper`) for a linear weight over the whole sequence."""
         return self.seq * (in_features + out_features) < in_features * out_features
 
     def norm_transient(self, in_features: int, out_features: int) -> float:
-        """A ghost norm's working set: fp32 copies of bf16 ``(G, A)`` and three Gram blocks (at most 2^24 each)."""
-        grams = 3 * min(2**24, self.b * self.seq * self.seq) * FP32
-        return self.upcast * self.t * (in_features + out_features) + grams
+        """A ghost norm's fp64 working set (`bookkeeping.cross_squared_norm`): Gram blocks of ``step`` x ``step``
+        tokens per sample, two of them and their product, or two and the column chunks of the second pair."""
+        step = min(self.seq, math.isqrt(BOOKKEEPING_BLOCK // self.b))
+        gram = self.b * step * step * FP64
+        columns = min(max(in_features, out_features), max(1, BOOKKEEPING_BLOCK // (self.b * step)))
+        return max(3 * gram, 2 * gram + 2 * self.b * step * columns * FP64)
+
+    def clipped_sum_transient(self, in_features: int, out_features: int) -> float:
+        """A book-kept clipped sum (`bookkeeping.Use.clipped_sum`): the fp32 sum and one fp64 block of output rows
+        with its token chunks (the output gradients' copy and scaled copy, the inputs' copy)."""
+        rows = min(out_features, max(1, BOOKKEEPING_BLOCK // in_features))
+        tokens = min(self.t, max(1, BOOKKEEPING_BLOCK // max(in_features, rows)))
+        block = (rows * in_features + 2 * tokens * rows + tokens * in_features) * FP64
+        return in_features * out_features * FP32 + block
 
 
 def _sum_saved(saved: list[layers.SavedTensor], local_tokens: float, cp_size: int) -> float:

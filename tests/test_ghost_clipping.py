@@ -209,3 +209,47 @@ def test_training_matches_per_sample_loop(per_sample, micro_batch_size):
     make_trainer(strategy, max_steps=3).fit(module, loader(dataset, 4))
     batches = [samples(dataset, range(k * 4, (k + 1) * 4)) for k in range(3)]
     assert_models_close(module.model, reference_dp_sgd(initial, batches, CLIP, 4))
+
+
+def cancelling_use(kind: str, cancellation: float, seed: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """One sample whose token gradients nearly cancel: pairs of tokens with output gradients ``g`` and ``-g`` (a
+    linear layer: inputs ``a`` and ``a + delta``; an embedding: one token id, gradients ``g`` and ``-g + delta``), so
+    the per-sample gradient is ``cancellation`` times smaller than its terms."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs, width = 32, 256
+    grads = torch.randn(1, pairs, width, generator=generator)
+    delta = torch.randn(1, pairs, width, generator=generator) / cancellation
+    if kind == "linear":
+        inputs = torch.randn(1, pairs, width, generator=generator)
+        layer = nn.Linear(width, width, bias=False)
+        return layer, torch.cat([inputs, inputs + delta], 1), torch.cat([grads, -grads], 1)
+    ids = torch.full((1, 2 * pairs), 3)
+    return nn.Embedding(8, width), ids, torch.cat([grads, delta - grads], 1)
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+@pytest.mark.parametrize("cancellation", [1.0, 1e3, 1e5])
+def test_cancelling_token_gradients_stay_within_the_bound(kind, cancellation):
+    """Book-kept norms and sums are separate computations whose rounding scales with the tokens' terms, not with
+    the norm: with terms that cancel, fp32 Gram matrices put a sample's computed norm several times below its
+    gradient's and let it contribute up to its whole unclipped gradient. The contribution as computed stays within
+    C, and for tokens that do not cancel the bounds cost under 1e-4 of the norm."""
+    from lightning_longshield.privacy.clipping import clip_factors
+    from lightning_longshield.privacy.grad_sample.bookkeeping import BookKeeper
+
+    for seed in range(5):
+        layer, inputs, grads = cancelling_use(kind, cancellation, seed)
+        keeper = BookKeeper("ghost", set())
+        keeper.receive(layer, inputs, grads, lambda module, parameter: "weight")
+        norms = keeper.squared_norms(1, torch.device("cpu"))
+        if kind == "linear":
+            exact = torch.einsum("btp,btd->pd", grads.double(), inputs.double()).norm()
+        else:
+            exact = grads.double().sum(1).norm()
+        assert norms.squared.sqrt() >= exact
+        bound = float(exact) / 3  # clipping active: the whole gradient would be 3 C
+        factors = clip_factors(norms.squared, bound, rounding=norms.rounding)
+        (_, clipped_sum), = keeper.clipped_sums(factors)
+        assert clipped_sum.double().norm() <= bound
+        if cancellation == 1.0:
+            assert norms.squared.sqrt() / exact - 1 < 1e-6 and norms.rounding / exact < 1e-4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 
@@ -66,8 +67,20 @@ def _squared_norms_fp32(rows: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float, margin: float = CLIP_MARGIN) -> torch.Tensor:
-    """fp32 ``min(1, C' / ||g_i||)`` per sample with ``C' = C (1 - margin)``: clipped norms are at most ``C``."""
+def clip_factors(
+    squared_norms: torch.Tensor,
+    max_grad_norm: float | torch.Tensor,
+    margin: float = CLIP_MARGIN,
+    rounding: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """fp32 ``min(1, C' / ||g_i||)`` per sample with ``C' = C (1 - margin)``: clipped norms are at most ``C``.
+
+    ``max_grad_norm`` may be a tensor broadcasting against ``squared_norms`` (per-layer bounds). ``rounding``: per
+    sample, a bound on how far what is added for a sample can be from ``c_i g_i`` per unit factor (book-kept sums);
+    it is added to the norm, so the contribution as computed stays within ``C'``.
+    """
     norms = squared_norms.double().sqrt()
+    if rounding is not None:
+        norms = norms + rounding
     bound = max_grad_norm * (1 - margin)
     return torch.where(norms > bound, bound / norms, torch.ones_like(norms)).float()

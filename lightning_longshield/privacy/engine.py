@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
-from lightning_longshield.privacy.clipping import CLIP_MARGIN, clip_factors, per_sample_squared_norms
+from lightning_longshield.privacy.clipping import clip_factors, per_sample_squared_norms
 from lightning_longshield.privacy.grad_sample import PerSampleGradCapture
 from lightning_longshield.privacy.grad_sample.bookkeeping import PerSampleMethod
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
@@ -148,12 +148,12 @@ class DPSGDEngine:
         else:  # every trainable weight was book-kept
             local_norms = torch.zeros(batch_size, dtype=torch.float64, device=device)
         squared_norms = self.exchange.complete_squared_norms(local_norms)
-        margin = CLIP_MARGIN
+        rounding = None
         if bookkeeper is not None:
             self.last_bookkept_bytes = bookkeeper.held_bytes()
-            squared_norms = squared_norms + bookkeeper.squared_norms(batch_size, device)
-            margin = bookkeeper.clip_margin
-        factors = clip_factors(squared_norms, self.max_grad_norm, margin)
+            bookkept = bookkeeper.squared_norms(batch_size, device)
+            squared_norms, rounding = squared_norms + bookkept.squared, bookkept.rounding
+        factors = clip_factors(squared_norms, self.max_grad_norm, rounding=rounding)
         self.accumulator.add(self.exchange.local_part(grad_samples), factors)
         if bookkeeper is not None:
             self.accumulator.add_sums(bookkeeper.clipped_sums(factors))

@@ -18,10 +18,20 @@ Under context parallelism each rank holds a shard of every sequence. A Gram-matr
 row block (its tokens against the group's gathered tokens); the blocks of all ranks sum to the whole, so the ranks'
 contributions are summed over the group, and each rank's clipped sum over its own tokens is reduce-scattered to the
 owners of the parameter's shards. Materialised per-sample gradients take the exchange's path (V1 / V2).
+
+Rounding. A Gram-form norm is a sum of signed terms and a book-kept clipped sum a separate matmul, so unlike a
+materialised gradient (whose norm is taken of the very tensor that is scaled) their rounding is relative to
+``S_i = sum_t ||left_t|| ||right_t||``, not to the norm: with token gradients that cancel, fp32 Gram matrices were off
+by several times the norm itself. Both are therefore formed in fp64 (in bounded blocks), and the clipping factors
+use bounds instead of estimates: the squared norm plus ``gamma S_i^2`` (the fp64 rounding of products of length
+``p``, ``d`` and ``T^2`` sums, `norm_rounding`) and, added to the norm, ``k S_i`` (what the clipped sum's fp32 steps
+can add: `sum_rounding`). For tokens that do not cancel ``S_i`` is about ``sqrt(T)`` times the norm, and both terms
+are below ``10^-5`` relative at ``T = 4096``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +41,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_longshield.privacy.clipping import CLIP_MARGIN
 from lightning_longshield.privacy.grad_sample.layers import without_padding
 from lightning_longshield.privacy.shards import ParamShard, reduce_scatter_to_shard
 
@@ -41,8 +50,11 @@ NormMethod = Literal["ghost", "materialize"]
 # (uses of one parameter, reduce over the context-parallel group) -> complete estimated squared norms (B,) fp64.
 NormEstimate = Callable[[list["Use"], Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
 
-#: Elements of one block of a Gram matrix product: longer sequences are processed in row blocks of this size.
-GRAM_BLOCK_ELEMENTS = 2**24
+#: Elements of one fp64 block (a Gram block, an operand's token chunk, a clipped sum's row block): the fp64 working
+#: set stays a few such blocks whatever the sequence length and layer width.
+BLOCK_ELEMENTS = 2**22
+FP32_EPSILON = 2.0**-24
+FP64_EPSILON = 2.0**-53
 
 
 def ghost_norm_is_cheaper(tokens: int, kept_width: int, numel: int) -> bool:
@@ -88,6 +100,18 @@ class Use:
         """Elements kept per token (token ids count one)."""
         return (1 if self.is_lookup else self.left.shape[-1]) + self.right.shape[-1]
 
+    @property
+    def left_width(self) -> int:
+        return 1 if self.is_lookup else self.left.shape[-1]
+
+    def token_norm_products(self) -> torch.Tensor:
+        """``(B,)`` fp64 upper bounds of ``S_i = sum_t ||left_t|| ||right_t||`` (a token id's one-hot row has norm 1),
+        the scale of this use's rounding (see the module docstring)."""
+        right = _row_norm_bounds(self.right)
+        if self.is_lookup:
+            return right.sum(1)
+        return (_row_norm_bounds(self.left) * right).sum(1)
+
     def gathered(self, group: Optional[dist.ProcessGroup]) -> Use:
         """This use with the tokens of every rank of ``group`` (itself without a group)."""
         if group is None:
@@ -104,19 +128,31 @@ class Use:
         return torch.einsum("btp,btd->bpd", self.left, self.right.to(self.left.dtype))
 
     def clipped_sum(self, factors: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``sum_i factors[i] * left_i^T right_i`` as one fp32 matmul (or one scatter for an embedding), added into
-        ``out`` (fp32, the weight's shape) when given."""
-        right = self.right.float()
+        """``sum_i factors[i] * left_i^T right_i`` added into ``out`` (fp32, the weight's shape; zeros when not given).
+
+        A linear use is summed over the tokens in fp64, a block of output rows at a time; an embedding use adds, per
+        sample, its rows summed by token in fp64 (`deduplicated_rows`), each rounded to fp32 once.
+        """
+        width = self.right.shape[-1]
+        if out is None:
+            out = torch.zeros(self.rows, width, dtype=torch.float32, device=self.right.device)
         if self.is_lookup:
-            scaled = (right * factors[:, None, None]).flatten(0, 1)
-            if out is None:
-                out = torch.zeros(self.rows, right.shape[-1], dtype=torch.float32, device=right.device)
-            return out.index_add_(0, self.left.flatten(), scaled)
-        scaled = (self.left.float() * factors[:, None, None]).flatten(0, 1)
-        with exact_fp32_matmul():
-            if out is None:
-                return scaled.transpose(0, 1) @ right.flatten(0, 1)
-            return out.addmm_(scaled.transpose(0, 1), right.flatten(0, 1))
+            for table_rows, rows, samples in deduplicated_rows(self.left, self.right):
+                out.index_add_(0, table_rows, rows.float() * factors[samples, None].float())
+            return out
+        left, right = self.left.flatten(0, 1), self.right.flatten(0, 1)
+        row_factors = factors.double().repeat_interleave(self.tokens)
+        out_block = max(1, BLOCK_ELEMENTS // width)
+        token_block = max(1, BLOCK_ELEMENTS // max(width, out_block))
+        for first in range(0, self.rows, out_block):
+            outputs = slice(first, first + out_block)
+            total = torch.zeros(min(out_block, self.rows - first), width, dtype=torch.float64, device=out.device)
+            for start in range(0, left.shape[0], token_block):
+                tokens = slice(start, start + token_block)
+                scaled = left[tokens, outputs].double() * row_factors[tokens, None]
+                total.addmm_(scaled.transpose(0, 1), right[tokens].double())
+            out[outputs] += total
+        return out
 
 
 @torch.no_grad()
@@ -126,6 +162,40 @@ def gather_tokens(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     gathered = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(gathered, x.unsqueeze(0).contiguous(), group=group)
     return gathered.movedim(0, 1).flatten(1, 2)
+
+
+def _row_norm_bounds(x: torch.Tensor) -> torch.Tensor:
+    """Upper bounds (fp64) of the L2 norms of the last-dimension rows of ``x``: an fp32 norm of ``n`` elements is within
+    ``n 2^-24`` relative, so it is raised by twice that."""
+    width = x.shape[-1]
+    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).double() * (1 + 2 * (width + 2) * FP32_EPSILON)
+
+
+def deduplicated_rows(
+    ids: torch.Tensor, grads: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """An embedding use's per-sample gradient as rows: for blocks of samples, ``(table row, fp64 sum of the output
+    gradients of that sample's tokens with that id, sample)``, one row per distinct token of a sample.
+
+    Equal tokens are found by sorting each sample's ids: shapes never depend on the data (``T`` rows per sample,
+    some left empty, which add zeros to table row 0), so the same code runs on fake tensors (traced memory).
+    """
+    batch, tokens = ids.shape
+    samples_per_block = max(1, BLOCK_ELEMENTS // max(1, tokens * grads.shape[-1]))
+    for first in range(0, batch, samples_per_block):
+        block_ids = ids[first:first + samples_per_block]
+        size = block_ids.shape[0]
+        sorted_ids, order = block_ids.sort(dim=1)
+        new_token = torch.ones_like(sorted_ids)
+        new_token[:, 1:] = (sorted_ids[:, 1:] != sorted_ids[:, :-1]).long()
+        offsets = torch.arange(size, device=ids.device)[:, None] * tokens
+        row_of_token = torch.empty_like(sorted_ids).scatter_(1, order, new_token.cumsum(1) - 1 + offsets).flatten()
+        rows = torch.zeros(size * tokens, grads.shape[-1], dtype=torch.float64, device=grads.device)
+        rows.index_add_(0, row_of_token, grads[first:first + size].flatten(0, 1).double())
+        table_rows = torch.zeros(size * tokens, dtype=ids.dtype, device=ids.device)
+        table_rows.scatter_(0, row_of_token, block_ids.flatten())
+        samples = torch.arange(first, first + size, device=ids.device).repeat_interleave(tokens)
+        yield table_rows, rows, samples
 
 
 @contextmanager
@@ -140,50 +210,73 @@ def exact_fp32_matmul() -> Iterator[None]:
 
 
 def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(B, Ta, Tb)`` fp32 inner products of rows of ``a`` and ``b``; token ids stand for one-hot rows."""
+    """``(B, Ta, Tb)`` fp64 inner products of rows of ``a`` and ``b``; token ids stand for one-hot rows."""
     a_ids, b_ids = not a.is_floating_point(), not b.is_floating_point()
     if a_ids and b_ids:
-        return (a[:, :, None] == b[:, None, :]).float()
+        return (a[:, :, None] == b[:, None, :]).double()
     if a_ids:  # <onehot(a_t), b_s> = b_s[a_t]
         index = a[:, None, :].expand(b.shape[0], b.shape[1], a.shape[1])
-        return b.float().gather(2, index).transpose(1, 2)
+        return b.gather(2, index).transpose(1, 2).double()
     if b_ids:
         return _gram(b, a).transpose(1, 2)
-    with exact_fp32_matmul():
-        return torch.bmm(a.float(), b.float().transpose(1, 2))
+    batch, rows, width = a.shape
+    columns = max(1, BLOCK_ELEMENTS // (batch * max(rows, b.shape[1])))  # fp64 copies of bounded size
+    gram = torch.zeros(batch, rows, b.shape[1], dtype=torch.float64, device=a.device)
+    for start in range(0, width, columns):
+        part = slice(start, start + columns)
+        gram.baddbmm_(a[..., part].double(), b[..., part].double().transpose(1, 2))
+    return gram
 
 
 def cross_squared_norm(a: Use, b: Use) -> torch.Tensor:
-    """``<left_a^T right_a, left_b^T right_b>`` per sample (fp64) from Gram blocks, ``a``'s rows in blocks."""
-    batch, tokens_b = b.left.shape[0], b.tokens
+    """``<left_a^T right_a, left_b^T right_b>`` per sample (fp64) from fp64 Gram blocks of bounded size."""
+    batch = a.right.shape[0]
+    step = max(1, math.isqrt(BLOCK_ELEMENTS // batch))
     total = torch.zeros(batch, dtype=torch.float64, device=a.right.device)
-    step = max(1, GRAM_BLOCK_ELEMENTS // max(1, batch * tokens_b))
-    for start in range(0, a.tokens, step):
-        rows = slice(start, start + step)
-        product = _gram(a.left[:, rows], b.left) * _gram(a.right[:, rows], b.right)
-        total += product.sum((1, 2), dtype=torch.float64)
+    for start_a in range(0, a.tokens, step):
+        rows_a = slice(start_a, start_a + step)
+        for start_b in range(0, b.tokens, step):
+            rows_b = slice(start_b, start_b + step)
+            product = _gram(a.left[:, rows_a], b.left[:, rows_b]) * _gram(a.right[:, rows_a], b.right[:, rows_b])
+            total += product.sum((1, 2))
     return total
 
 
 def lookup_squared_norm(use: Use, shard: Optional[ParamShard] = None) -> torch.Tensor:
     """Squared norm per sample (fp64) of an embedding's per-sample gradient from its token ids: the output gradients
-    of equal tokens are summed (one row each), then squared. With ``shard``: only the table rows it owns.
+    of equal tokens are summed in fp64 (`deduplicated_rows`), then squared. With ``shard``: only the table rows it
+    owns."""
+    grads = use.right if shard is None else use.right * shard.owns(use.left)[..., None]
+    total = torch.zeros(use.left.shape[0], dtype=torch.float64, device=grads.device)
+    for _, rows, samples in deduplicated_rows(use.left, grads):
+        total.index_add_(0, samples, rows.square().sum(1))
+    return total
 
-    Equal tokens are found by sorting each sample's ids: shapes never depend on the data (``B T`` rows, some left
-    empty), so the same code runs on fake tensors (traced memory).
-    """
-    ids, grads = use.left, use.right.float()
-    batch, tokens = ids.shape
-    if shard is not None:
-        grads = grads * shard.owns(ids)[..., None]
-    sorted_ids, order = ids.sort(dim=1)
-    new_token = torch.ones_like(sorted_ids, dtype=torch.long)
-    new_token[:, 1:] = (sorted_ids[:, 1:] != sorted_ids[:, :-1]).long()
-    rank_in_sample = new_token.cumsum(1) - 1 + torch.arange(batch, device=ids.device)[:, None] * tokens
-    row_of_token = torch.empty_like(rank_in_sample).scatter_(1, order, rank_in_sample)
-    summed = torch.zeros(batch * tokens, grads.shape[-1], dtype=torch.float32, device=grads.device)
-    summed.index_add_(0, row_of_token.flatten(), grads.flatten(0, 1))
-    return summed.view(batch, tokens, -1).double().square().sum((1, 2))
+
+def norm_rounding(tokens: int, widths: int) -> float:
+    """``gamma``: a Gram-form squared norm in fp64 over ``tokens`` (the whole sequence) and operands ``widths``
+    wide in all (``p + d``) is within ``gamma S^2`` of the exact one. Its rounding: inner products of length ``p`` and
+    ``d`` (or an embedding's sums of at most ``T`` rows), their product, and a sum of ``T^2`` terms, each of which is
+    at most ``S^2`` in absolute sum; twice that, for the first-order bound's higher terms."""
+    return 2 * (tokens * tokens + tokens * widths + widths + 8) * FP64_EPSILON
+
+
+def sum_rounding(world: int) -> float:
+    """``k``: what a book-kept clipped sum adds for a sample differs from its exact ``c_i W_i`` by at most
+    ``c_i k S_i``: fp64 sums over tokens, an fp32 rounding of the result (or of an embedding's summed rows), one of the
+    factor's product, and an fp32 sum of ``world`` ranks' partial sums under context parallelism."""
+    return (world + 3) * FP32_EPSILON
+
+
+@dataclass
+class BookKeptNorms:
+    """Per-sample bounds (fp64, ``(B,)``) for the book-kept parameters, complete over the group: ``squared`` is at
+    least the exact squared norm of their per-sample gradient; ``rounding`` at least the norm by which what
+    `BookKeeper.clipped_sums` adds for a sample with factor ``c`` can differ from ``c`` times that gradient, per unit
+    ``c``. A factor ``C' / (sqrt(squared) + rounding)`` therefore keeps the computed contribution within ``C'``."""
+
+    squared: torch.Tensor
+    rounding: torch.Tensor
 
 
 class BookKeeper:
@@ -222,6 +315,9 @@ class BookKeeper:
         self._squared_norms: Optional[torch.Tensor] = None
         self.estimate = estimate
         self._estimated: Optional[torch.Tensor] = None  # complete on every rank: not summed over the group
+        # Per book-kept parameter: this rank's part of S_i (summed over the group) and its gamma (`norm_rounding`).
+        self._token_norm_products: dict[str, torch.Tensor] = {}
+        self._norm_roundings: dict[str, float] = {}
 
     @staticmethod
     def handles(layer: nn.Module, trainable: dict[str, str]) -> bool:
@@ -265,7 +361,13 @@ class BookKeeper:
         self.choices[name] = choice
         if choice == "materialize":
             materialized[name] = use.per_sample_gradient()
-        elif name in self.shared:
+            return materialized
+        products = use.token_norm_products()
+        previous = self._token_norm_products.get(name)
+        self._token_norm_products[name] = products if previous is None else previous + products
+        gamma = norm_rounding(use.tokens * self.world, use.left_width + use.right.shape[-1])
+        self._norm_roundings[name] = max(gamma, self._norm_roundings.get(name, 0.0))
+        if name in self.shared:
             self.uses.setdefault(name, []).append(use)
         else:
             self.uses[name] = [use]
@@ -301,8 +403,9 @@ class BookKeeper:
         gathered = [use.gathered(self.group) for use in uses]
         return sum(cross_squared_norm(a, b) for a in uses for b in gathered)
 
-    def squared_norms(self, batch_size: int, device: torch.device) -> torch.Tensor:
-        """Complete per-sample squared norms (fp64) of every book-kept parameter, summed over the group."""
+    def squared_norms(self, batch_size: int, device: torch.device) -> BookKeptNorms:
+        """Complete per-sample squared norms of every book-kept parameter, summed over the group, as bounds that
+        hold after rounding (see the module docstring)."""
         for name in sorted(self.shared):  # one order on every rank: estimates draw projections in it
             if name in self.uses:
                 self._add_norms(name, self.uses[name])
@@ -311,20 +414,17 @@ class BookKeeper:
         self._squared_norms = self._estimated = None
         if total is None:
             total = torch.zeros(batch_size, dtype=torch.float64, device=device)
+        names = sorted(self._token_norm_products)  # one order on every rank
+        products = torch.stack([total, *(self._token_norm_products.pop(name) for name in names)])
         if self.group is not None:
-            dist.all_reduce(total, group=self.group)
-        return total if estimated is None else total + estimated
-
-    @property
-    def clip_margin(self) -> float:
-        """Relative margin below ``C`` that covers the rounding between a book-kept norm and its summed gradient.
-
-        The norm and the clipped sum are two fp32 reductions over the ``T`` tokens of a sample (with ``T`` the whole
-        sequence); each is off by at most ``T * 2^-24`` relative, so clipping to ``C (1 - 2 T 2^-24)`` keeps every
-        contribution, as computed, within ``C``.
-        """
-        tokens = max((use.tokens for uses in self.uses.values() for use in uses), default=0) * self.world
-        return max(CLIP_MARGIN, 2 * tokens * 2.0**-24)
+            dist.all_reduce(products, group=self.group)
+        total, products = products[0], products[1:]
+        gammas = products.new_tensor([self._norm_roundings.pop(name) for name in names]).unsqueeze(1)
+        squared = total + (gammas * products.square()).sum(0)
+        if estimated is not None:
+            squared = squared + estimated
+        rounding = sum_rounding(self.world) * products.square().sum(0).sqrt()
+        return BookKeptNorms(squared, rounding)
 
     def held_bytes(self) -> int:
         """Bytes of the book-kept tensors (each storage once: layers sharing an input share it)."""
