@@ -142,7 +142,7 @@ class Use:
             return out
         left, right = self.left.flatten(0, 1), self.right.flatten(0, 1)
         row_factors = factors.double().repeat_interleave(self.tokens)
-        out_block = max(1, BLOCK_ELEMENTS // width)
+        out_block = min(self.rows, max(1, BLOCK_ELEMENTS // width))
         token_block = max(1, BLOCK_ELEMENTS // max(width, out_block))
         for first in range(0, self.rows, out_block):
             outputs = slice(first, first + out_block)
