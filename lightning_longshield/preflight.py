@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_longshield.activation_checkpointing import CheckpointPolicy
 from lightning_longshield.parallelize import DPParallelism
+from lightning_longshield.privacy.per_layer import triton_runs_on
 from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory
 from simulate.config import METHODS, longshield_config
 from simulate.throughput import estimate_step_time
@@ -197,9 +198,10 @@ def predict(
     gpu_name: str = "",
     notes: tuple[str, ...] = (),
     clipping: str = "flat",
+    per_layer_kernel: str = "auto",
 ) -> PreflightResult:
     """The planner's peak memory per GPU for a run of ``gpus`` processes in context-parallel groups of ``cp``
-    (``clipping``: the planner's ``"flat"`` or ``"per-layer"``).
+    (``clipping``: the planner's ``"flat"`` or ``"per-layer"``; ``per_layer_kernel``: its ``"auto"`` or ``"torch"``).
 
     ``seq_len`` is rounded up to a multiple of ``2 x cp`` (the planner's load-balanced sharding needs it). ZeRO-DP+
     (``"zero-dp"``) is planned as the strategy runs it (`longshield_config`): data parallelism over all ``gpus``,
@@ -212,7 +214,8 @@ def predict(
         config = longshield_config(model, method, 1, mbs, seq_len, precision, gpu, data_parallel=gpus)
         return PreflightResult(config, estimate_memory(config), gpus, notes)
     padded = -(-seq_len // (2 * cp)) * (2 * cp)
-    config = longshield_config(model, method, cp, mbs, padded, precision, gpu, clipping=clipping)
+    config = longshield_config(model, method, cp, mbs, padded, precision, gpu, clipping=clipping,
+                               per_layer_kernel=per_layer_kernel)
     return PreflightResult(config, estimate_memory(config), gpus, notes)
 
 
@@ -289,6 +292,15 @@ def _changed_arguments(old: RunConfig, new: RunConfig) -> tuple[str, ...]:
     return tuple(arguments)
 
 
+def planned_per_layer_kernel(parallelism: DPParallelism, device: torch.device, cp: int, world_size: int) -> str:
+    """The planner's ``per_layer_kernel`` for what the strategy runs: ``"auto"`` (fused) where linear weights go
+    through the fused kernels (`use_fused_kernel`: CP 1, the model not sharded over data-parallel replicas, Triton on
+    CUDA; off CUDA, where the check only logs, as on CUDA with Triton), else ``"torch"``."""
+    sharded = cp > 1 or (parallelism.shard_over == "all" and world_size > cp)
+    runs = triton_runs_on(device) if is_cuda(device) else True
+    return "auto" if parallelism.per_layer_kernel != "torch" and runs and not sharded else "torch"
+
+
 def run_preflight(
     *,
     module: object,
@@ -317,15 +329,17 @@ def run_preflight(
                                     parallelism.per_sample, parallelism.shard_over, cp)
     run = (model, method, world_size, cp, mbs, seq_len, planner_precision)
     clipping = parallelism.clipping.replace("_", "-")  # the strategy's "per_layer" is the planner's "per-layer"
+    options = dict(notes=notes, clipping=clipping,
+                   per_layer_kernel=planned_per_layer_kernel(parallelism, device, cp, world_size))
     if not is_cuda(device):
-        result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, notes=notes, clipping=clipping)
+        result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, **options)
         rank_zero_info(
             f"LongShield pre-flight ({device.type}: logged, not checked): on CUDA, {result.peak()} for"
             f" {result.describe_run()}. {result.breakdown()}"
         )
         return result
     name, capacity = device_properties(device)
-    result = predict(*run, capacity, gpu_name=name, notes=notes, clipping=clipping).check()
+    result = predict(*run, capacity, gpu_name=name, **options).check()
     rank_zero_info(
         f"LongShield pre-flight: fits, {result.peak()} of {capacity / GIB:.1f} GiB ({name}) for"
         f" {result.describe_run()}. {result.breakdown()}"

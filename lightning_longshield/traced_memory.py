@@ -400,7 +400,7 @@ def _trace_command(args: argparse.Namespace, console: Console) -> dict[str, obje
                         mbs=args.mbs, seq_len=args.seq_len, precision=args.precision, clipping=args.clipping)
     analytic = estimate_memory(longshield_config(args.model, args.method, args.cp, args.mbs, args.seq_len,
                                                  args.precision, data_parallel=args.data_parallel,
-                                                 clipping=args.clipping))
+                                                 clipping=args.clipping, per_layer_kernel="torch"))  # as traced
     out = result.to_dict()
     out["analytic_allocated_gib"] = round(analytic.allocated / 2**30, 3)
     out["analytic_vs_traced"] = round(analytic.allocated / result.total - 1, 4)

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from simulate import planner
-from simulate.config import CLIPPINGS, METHODS, PRECISIONS, RunConfig, parse_gpus
+from simulate.config import CLIPPINGS, METHODS, PER_LAYER_KERNELS, PRECISIONS, RunConfig, parse_gpus
 from simulate.memory import estimate_memory
 from simulate.specs import GPU_PRESETS, MODEL_PRESETS
 
@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
     p = planner.plan(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, seq_len=args.seq_len,
                      cp=args.cp, gpu=args.gpu, precision=args.precision, lora_rank=args.lora_rank,
-                     clipping=args.clipping)
+                     clipping=args.clipping, per_layer_kernel=args.per_layer_kernel)
     if not args.json:
         _print_plan(console, p)
     return p.to_dict()
@@ -71,7 +71,8 @@ def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
 
 def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:
     inputs = dict(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, cp=args.cp, gpu=args.gpu,
-                  precision=args.precision, lora_rank=args.lora_rank, clipping=args.clipping)
+                  precision=args.precision, lora_rank=args.lora_rank, clipping=args.clipping,
+                  per_layer_kernel=args.per_layer_kernel)
     best = planner.max_seq_len(**inputs)
     probe = planner.probe_config(**inputs)
     out = {k: v for k, v in probe.inputs().items() if k != "seq_len"}
@@ -81,7 +82,7 @@ def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:
         out.update(max_seq_len=best.config.seq_len, fits=True, peak_memory_gib=summary["peak_memory_gib"],
                    tokens_per_second_per_gpu=summary["tokens_per_second_per_gpu"], plan=summary)
     if not args.json:
-        console.print(_title(probe.inputs(), with_seq=False))
+        console.print(_title(probe, with_seq=False))
         if best is None:
             smallest = planner.evaluate(probe)
             console.print(f"[bold red]Nothing fits[/]: even {probe.seq_len} tokens need "
@@ -279,6 +280,10 @@ def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
                    help="LoRA rank on every block projection (only the adapters train); 0: full fine-tuning")
     p.add_argument("--clipping", choices=list(CLIPPINGS), default="flat",
                    help="flat (one norm per sample) or per-layer (each layer clipped and freed as it completes)")
+    p.add_argument("--per-layer-kernel", choices=list(PER_LAYER_KERNELS), default="auto",
+                   help="per-layer clipping of linear weights: auto (the fused kernels, no per-sample gradient, where"
+                        " the model is whole on one GPU: CP 1, --gpus 1) or torch (per-sample gradients, one layer"
+                        " at a time)")
     if seq_len:
         p.add_argument("--seq-len", type=power_of_two, required=True,
                        help="sequence length, a power of two (16k and 1M ok)")
@@ -319,7 +324,7 @@ def power_of_two(text: str) -> int:
 
 def _print_plan(console: Console, p: planner.Plan) -> None:
     cfg, mem = p.config, p.memory
-    console.print(_title(cfg.inputs(), with_seq=True))
+    console.print(_title(cfg, with_seq=True))
     verdict = "[bold green]FITS[/]" if p.fits else "[bold red]OOM[/]"
     console.print(f"{verdict}: peak reserved {p.peak_memory_gib:.1f} GiB + {mem.runtime / 2**30:.1f} GiB outside "
                   f"the allocator = {mem.device_total / 2**30:.1f} of {cfg.gpu.memory_gib:.1f} GiB "
@@ -343,15 +348,16 @@ def _print_plan(console: Console, p: planner.Plan) -> None:
     console.print(line)
 
 
-def _title(inputs: dict[str, object], with_seq: bool) -> str:
+def _title(cfg: RunConfig, with_seq: bool) -> str:
+    inputs = cfg.inputs()
     parts = [f"[bold]{inputs['model']}[/]", str(inputs["method"]), f"{inputs['gpus']} x {inputs['gpu']}",
              f"MBS {inputs['mbs']}", f"CP {inputs['cp']}"]
-    if inputs.get("lora_rank"):
-        parts.append(f"LoRA rank {inputs['lora_rank']}")
-    if inputs.get("clipping", "flat") != "flat":
-        parts.append(f"{inputs['clipping']} clipping")
+    if cfg.lora_rank:
+        parts.append(f"LoRA rank {cfg.lora_rank}")
+    if cfg.clipping != "flat":
+        parts.append(f"{cfg.clipping} clipping{' (fused kernels)' if cfg.fused_linear_weights else ''}")
     if with_seq:
-        parts.append(f"T {inputs['seq_len']:,}")
+        parts.append(f"T {cfg.seq_len:,}")
     return " | ".join(parts)
 
 

@@ -66,6 +66,10 @@ METHODS: dict[str, MethodSpec] = {
 
 #: Flat clipping (per-sample gradients of the whole model until the norm is known) or per-layer clipping.
 CLIPPINGS = ("flat", "per-layer")
+#: Per-layer clipping of linear weights: ``"auto"`` as the strategy runs it on CUDA (the fused kernels, which never
+#: form a per-sample gradient, where the model is whole on one GPU: context-parallel size 1, not sharded over
+#: several GPUs) or ``"torch"`` (per-sample gradients materialised one layer at a time, everywhere).
+PER_LAYER_KERNELS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,13 @@ class RunConfig:
     precision: Precision
     lora_rank: int = 0  # > 0: only LoRA adapters of this rank on every block projection train
     clipping: str = "flat"  # "per-layer": each layer's per-sample gradients clipped and freed as they complete
+    per_layer_kernel: str = "auto"
+
+    @property
+    def fused_linear_weights(self) -> bool:
+        """Whether per-layer clipping takes linear weights through the fused kernels (`PER_LAYER_KERNELS`)."""
+        return (self.clipping == "per-layer" and self.per_layer_kernel == "auto" and self.cp_size == 1
+                and self.num_gpus == 1)
 
     @property
     def trainable(self) -> TrainableParams:
@@ -134,6 +145,7 @@ class RunConfig:
             "precision": self.precision.name,
             "lora_rank": self.lora_rank,
             "clipping": self.clipping,
+            "per_layer_kernel": self.per_layer_kernel,
         }
 
 
@@ -162,6 +174,7 @@ def make_config(
     precision: str = "bf16-mixed",
     lora_rank: int = 0,
     clipping: str = "flat",
+    per_layer_kernel: str = "auto",
 ) -> RunConfig:
     """Validate raw inputs into a :class:`RunConfig`; every error says how to fix the input.
 
@@ -196,6 +209,8 @@ def make_config(
     if clipping == "per-layer" and method_spec.per_sample_grads not in ("full", "sharded"):
         raise ValueError(f"Per-layer clipping is modelled for LongShield's per-sample-gradient methods (v1, v2, v3),"
                          f" not {method_spec.name}; drop --clipping per-layer or pick one of them.")
+    if per_layer_kernel not in PER_LAYER_KERNELS:
+        raise ValueError(f"Unknown per-layer kernel {per_layer_kernel!r}; choose one of {list(PER_LAYER_KERNELS)}.")
     cp_size = _resolve_cp(method_spec, num_gpus, cp)
     if method_spec.context_parallel and seq_len % (2 * cp_size):
         raise ValueError(
@@ -203,7 +218,7 @@ def make_config(
             "(load-balanced sharding cuts it into 2N chunks); pick a multiple of it."
         )
     return RunConfig(model_name, spec, gpu_name, gpu_spec, num_gpus, method_spec, int(mbs), int(seq_len), cp_size,
-                     PRECISIONS[precision], int(lora_rank), clipping)
+                     PRECISIONS[precision], int(lora_rank), clipping, per_layer_kernel)
 
 
 def as_run_by_longshield(method: str, mbs: int) -> str:
@@ -224,6 +239,7 @@ def longshield_config(
     lora_rank: int = 0,
     data_parallel: int = 1,
     clipping: str = "flat",
+    per_layer_kernel: str = "auto",
 ) -> RunConfig:
     """One context-parallel group of `LongShieldStrategy` as the planner sees it: ``cp`` GPUs (the strategy shards
     model states over the CP group only; data-parallel groups are replicas) and the method the strategy really runs
@@ -234,7 +250,8 @@ def longshield_config(
     """
     gpus = data_parallel if method == "zero-dp" else cp
     config = make_config(model=model, gpus=gpus, method=as_run_by_longshield(method, mbs), mbs=mbs, seq_len=seq_len,
-                         cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank, clipping=clipping)
+                         cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank, clipping=clipping,
+                         per_layer_kernel=per_layer_kernel)
     return replace(config, method=replace(config.method, whole_clipped_sum=False, retained_norm_pass=False))
 
 

@@ -11,6 +11,9 @@
   Bu et al.'s rule ``2 T^2 < p d``) grad-sample layers add their per-sample einsum (formed for the norm, then
   book-kept); in LongShield's (rule ``T (p + d) < p d``) their per-sample gradient replaces the weight gradient.
   The embedding is a lookup and is left out.
+* Fused per-layer clipping (`RunConfig.fused_linear_weights`): a linear weight's per-sample gradient is formed twice,
+  tile by tile in registers (once for the norm, once for the clipped sum, as in FlashDP), so its ``2 p d`` per token
+  moves out of the matmuls into ``fused_clip``'s ``4 p d``.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ class Flops:
     matmul: float  # linear layers, forward + backward (+ recompute, + grad-sample einsums)
     attention: float  # flash attention, forward + backward (+ recompute)
     ghost_norm: float  # Gram matrices of ghost-norm layers (ZeRO-DP+)
+    fused_clip: float = 0.0  # the fused per-layer clipping kernels' two passes over the linear weights' gradients
 
     @property
     def total(self) -> float:
-        return self.matmul + self.attention + self.ghost_norm
+        return self.matmul + self.attention + self.ghost_norm + self.fused_clip
 
 
 def linear_params(cfg: RunConfig) -> int:
@@ -66,7 +70,12 @@ def microbatch_flops(cfg: RunConfig) -> Flops:
                 ghost += 2 * cfg.micro_batch_size * cfg.seq_len**2 * fan_sum
             elif prototype:
                 matmul += 2 * numel * t
-    return Flops(matmul=matmul, attention=attention, ghost_norm=ghost)
+    fused = 0.0
+    if cfg.fused_linear_weights:
+        weight_gradients = 2 * cfg.trainable.linear_weights * t
+        matmul -= weight_gradients
+        fused = 2 * weight_gradients
+    return Flops(matmul=matmul, attention=attention, ghost_norm=ghost, fused_clip=fused)
 
 
 def _ghost_layers(cfg: RunConfig) -> list[tuple[int, int]]:

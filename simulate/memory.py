@@ -339,7 +339,9 @@ class _PerSampleGrads:
     A tied head/embedding weight can only be reduce-scattered once the embedding has added its part, so under
     V2/V3 its unreduced partial stays whole from the head's backward to the end. Under per-layer clipping a layer's
     (complete, this rank's part of) per-sample gradients are clipped and freed as soon as they are formed: only the
-    layer being clipped is held (a tied weight still waits for its second use).
+    layer being clipped is held (a tied weight still waits for its second use). Where the fused kernels take linear
+    weights (`RunConfig.fused_linear_weights`) those are never formed: only the other tensors (RMSNorm weights, the
+    embedding) are, one at a time; the kernels' own working set is ``B`` fp64 norms.
     """
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -356,7 +358,8 @@ class _PerSampleGrads:
         self.reduced = kind == "sharded" and cfg.cp_size > 1 and not self.fsdp_gradient
         trainable = cfg.trainable
         self.block_numel = trainable.block
-        self.largest = trainable.largest_in_block
+        self.fused = cfg.fused_linear_weights
+        self.largest = trainable.largest_other_in_block if self.fused else trainable.largest_in_block
         self.vd = trainable.embedding
         self.tied = cfg.model.tie_embeddings
         self.per_layer = cfg.clipping == "per-layer"
@@ -381,7 +384,7 @@ class _PerSampleGrads:
     def head_in_flight(self) -> float:
         if not self.active or self.tied:
             return 0.0
-        clipped = self.unit * self.vd * self.share if self.per_layer else 0.0
+        clipped = self.unit * self.vd * self.share if self.per_layer and not self.fused else 0.0
         return clipped + (self.unit * self.vd if self.reduced else 0.0)
 
     def embedding(self) -> float:

@@ -121,25 +121,35 @@ def lora_numel(spec: ModelSpec, rank: int, target_modules: tuple[str, ...] | lis
 @dataclass(frozen=True)
 class TrainableParams:
     """The parameters that take gradients: per block, in the (tied or untied) embedding/head weight of
-    ``vocab_size x dim``, the largest single tensor of a block, and in all."""
+    ``vocab_size x dim``, the largest single tensor of a block, and in all; ``linear_weights`` of them are the weights
+    of linear layers used once (the fused per-layer kernels' share), ``largest_other_in_block`` the largest block
+    tensor that is not one."""
 
     block: int
     embedding: int
     largest_in_block: int
     total: int
+    linear_weights: int
+    largest_other_in_block: int
 
 
 def trainable_params(spec: ModelSpec, lora_rank: int = 0) -> TrainableParams:
     """Everything (``lora_rank=0``), or LoRA adapters of ``lora_rank`` on every block projection (`LORA_TARGETS`)."""
     if lora_rank == 0:
-        return TrainableParams(spec.block_numel, spec.embedding_numel,
-                               max(lin.numel for lin in spec.block_linears()), spec.num_parameters)
+        block_linears = sum(lin.numel for lin in spec.block_linears())
+        untied_head = 0 if spec.tie_embeddings else spec.embedding_numel
+        return TrainableParams(spec.block_numel, spec.embedding_numel, max(lin.numel for lin in spec.block_linears()),
+                               spec.num_parameters, linear_weights=spec.n_layers * block_linears + untied_head,
+                               largest_other_in_block=spec.dim)  # the RMSNorm weights
     adapters = [lin for lin in spec.block_linears() if lin.name in LORA_TARGETS]
+    total = lora_numel(spec, lora_rank)
     return TrainableParams(
         block=sum(lin.lora_numel(lora_rank) for lin in adapters),
         embedding=0,
         largest_in_block=max(lora_rank * max(lin.in_features, lin.out_features) for lin in adapters),
-        total=lora_numel(spec, lora_rank),
+        total=total,
+        linear_weights=total,  # every adapter is a linear layer
+        largest_other_in_block=0,
     )
 
 
@@ -186,13 +196,15 @@ class GPUSpec:
     ``memory_gib`` is the capacity the CUDA caching allocator can see (``torch.cuda.get_device_properties(i)
     .total_memory``, which TorchTitan logs as "CUDA capacity"), not the marketing number. Bandwidths are
     unidirectional per GPU in bytes/s; ``latency_s`` is the per-step latency (alpha) of an NCCL ring step.
-    FLOP/s are dense tensor-core peaks (bf16, and TF32 for fp32 training).
+    FLOP/s are dense tensor-core peaks (bf16, and TF32 for fp32 training), and ``fp32_flops`` the CUDA cores' fp32
+    peak (IEEE fp32 products, which the fused per-layer clipping kernels use on fp32 inputs).
     """
 
     name: str
     memory_gib: float
     bf16_flops: float
     tf32_flops: float
+    fp32_flops: float
     hbm_bytes_per_s: float
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
@@ -206,26 +218,32 @@ class GPUSpec:
 
 
 GPU_PRESETS: dict[str, GPUSpec] = {
-    # H100 SXM5 80GB: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 (900 GB/s bidirectional), 400 Gb/s NIC/GPU.
+    # H100 SXM5 80GB: 989 TFLOP/s dense bf16 (67 fp32 on CUDA cores), 3.35 TB/s HBM3, NVLink 4 (900 GB/s
+    # bidirectional), 400 Gb/s NIC/GPU.
     "h100": GPUSpec(
-        name="NVIDIA H100 SXM 80GB", memory_gib=79.11, bf16_flops=989e12, tf32_flops=494e12, hbm_bytes_per_s=3.35e12,
+        name="NVIDIA H100 SXM 80GB", memory_gib=79.11, bf16_flops=989e12, tf32_flops=494e12, fp32_flops=67e12,
+        hbm_bytes_per_s=3.35e12,
         intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9,
         intra_node_latency_s=10e-6, inter_node_latency_s=20e-6,
     ),
     # H200 SXM 141GB: same compute and NVLink as H100, 4.8 TB/s HBM3e.
     "h200": GPUSpec(
-        name="NVIDIA H200 SXM 141GB", memory_gib=139.81, bf16_flops=989e12, tf32_flops=494e12, hbm_bytes_per_s=4.8e12,
+        name="NVIDIA H200 SXM 141GB", memory_gib=139.81, bf16_flops=989e12, tf32_flops=494e12, fp32_flops=67e12,
+        hbm_bytes_per_s=4.8e12,
         intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9,
         intra_node_latency_s=10e-6, inter_node_latency_s=20e-6,
     ),
-    # A100 SXM4: 312 TFLOP/s dense bf16, NVLink 3 (600 GB/s bidirectional), 200 Gb/s HDR NIC/GPU.
+    # A100 SXM4: 312 TFLOP/s dense bf16 (19.5 fp32 on CUDA cores), NVLink 3 (600 GB/s bidirectional), 200 Gb/s HDR
+    # NIC/GPU.
     "a100-80": GPUSpec(
-        name="NVIDIA A100 SXM 80GB", memory_gib=79.15, bf16_flops=312e12, tf32_flops=156e12, hbm_bytes_per_s=2.04e12,
+        name="NVIDIA A100 SXM 80GB", memory_gib=79.15, bf16_flops=312e12, tf32_flops=156e12, fp32_flops=19.5e12,
+        hbm_bytes_per_s=2.04e12,
         intra_node_bytes_per_s=300e9, inter_node_bytes_per_s=25e9,
         intra_node_latency_s=10e-6, inter_node_latency_s=20e-6,
     ),
     "a100-40": GPUSpec(
-        name="NVIDIA A100 SXM 40GB", memory_gib=39.39, bf16_flops=312e12, tf32_flops=156e12, hbm_bytes_per_s=1.56e12,
+        name="NVIDIA A100 SXM 40GB", memory_gib=39.39, bf16_flops=312e12, tf32_flops=156e12, fp32_flops=19.5e12,
+        hbm_bytes_per_s=1.56e12,
         intra_node_bytes_per_s=300e9, inter_node_bytes_per_s=25e9,
         intra_node_latency_s=10e-6, inter_node_latency_s=20e-6,
     ),

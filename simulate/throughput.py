@@ -5,7 +5,9 @@
 * compute (:mod:`simulate.flops`): matmul and ghost-norm Gram FLOPs at ``MFU_MATMUL``, attention FLOPs at
   ``MFU_ATTENTION``, and the ghost norm's final reduction as ``GHOST_REDUCTION_TIME_RATIO`` times its Gram time;
 * DP memory-bound passes (LongShield): per-sample norms, clipping and the fp32 accumulate read the kept
-  per-sample gradients and the accumulator once more at HBM bandwidth;
+  per-sample gradients and the accumulator once more at HBM bandwidth; linear weights that go through the fused
+  per-layer kernels keep no per-sample gradient, and their two passes are compute (``Flops.fused_clip``) at
+  ``FUSED_CLIP_MFU`` of the bf16 peak, or of the CUDA cores' fp32 peak for fp32 inputs;
 * communication (:mod:`simulate.comm`): FSDP all-gathers (and, without DP, the gradient reduce-scatter) are
   prefetched and hidden behind compute except for any excess; ZeRO-DP+'s reduce-scatter of the clipped sum can
   only hide behind the book-keeping einsums; the CP K/V all-gather (forward, recompute) and dK/dV
@@ -63,8 +65,10 @@ def estimate_step_time(cfg: RunConfig) -> StepTime | None:
     peak = peak_flops(cfg)
     f = microbatch_flops(cfg)
     mm_rate, attn_rate = peak * calibration.MFU_MATMUL, peak * calibration.MFU_ATTENTION
+    fused_peak = cfg.gpu.fp32_flops if cfg.precision.tensor_core_tf32 else cfg.gpu.bf16_flops
     compute = (f.matmul / mm_rate + f.attention / attn_rate
-               + f.ghost_norm / mm_rate * (1 + calibration.GHOST_REDUCTION_TIME_RATIO))
+               + f.ghost_norm / mm_rate * (1 + calibration.GHOST_REDUCTION_TIME_RATIO)
+               + f.fused_clip / (fused_peak * calibration.FUSED_CLIP_MFU))
     return StepTime(
         compute=compute,
         dp_memory_bound=_dp_memory_bound(cfg),
@@ -90,7 +94,8 @@ def _dp_memory_bound(cfg: RunConfig) -> float:
     params, a = cfg.model.num_parameters, cfg.precision.activation_bytes
     kept = params / cfg.cp_size if kind == "sharded" else params
     accumulator = kept  # each data-parallel group accumulates what its ranks keep
-    passes = 2 * cfg.micro_batch_size * kept * a + 3 * accumulator * FP32  # norm read, clip read; acc r/w + temp
+    per_sample = kept - (cfg.trainable.linear_weights if cfg.fused_linear_weights else 0)
+    passes = 2 * cfg.micro_batch_size * per_sample * a + 3 * accumulator * FP32  # norm, clip reads; acc r/w + temp
     return passes / cfg.gpu.hbm_bytes_per_s
 
 

@@ -9,7 +9,7 @@ import torch
 from helpers import RandomTokens, full_state, loader, make_module, make_trainer, small_config
 from lightning_longshield import LongShieldStrategy, PreflightMemoryError, preflight
 from lightning_longshield.models import LlamaConfig
-from simulate import get_gpu_spec, get_model_spec, make_config
+from simulate import get_gpu_spec, get_model_spec, make_config, memory
 
 GIB = 2**30
 
@@ -92,6 +92,30 @@ def test_gpu_spec_takes_the_device_capacity_and_the_closest_preset():
     spec = preflight.gpu_spec_for("NVIDIA A100-SXM4-40GB", 39 * GIB)
     assert spec.memory_bytes == 39 * GIB and spec.bf16_flops == get_gpu_spec("a100-40").bf16_flops
     assert preflight.gpu_spec_for("", 10 * GIB).bf16_flops == get_gpu_spec("h100").bf16_flops
+
+
+def test_per_layer_clipping_is_planned_with_the_kernel_the_strategy_runs(monkeypatch):
+    """Fused where `use_fused_kernel` takes linear weights (CP 1, not sharded over replicas, Triton on CUDA; off CUDA
+    the logged estimate is CUDA's), the PyTorch path elsewhere; the fused plan holds fewer per-sample bytes."""
+    from lightning_longshield.parallelize import DPParallelism
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    auto, forced = DPParallelism(clipping="per_layer"), DPParallelism(clipping="per_layer", per_layer_kernel="torch")
+    everywhere = DPParallelism(clipping="per_layer", shard_over="all")
+    monkeypatch.setattr(preflight, "triton_runs_on", lambda device: True)
+    assert preflight.planned_per_layer_kernel(auto, cuda, 1, 4) == "auto"  # data-parallel replicas: whole models
+    assert preflight.planned_per_layer_kernel(auto, cpu, 1, 1) == "auto"
+    assert preflight.planned_per_layer_kernel(forced, cuda, 1, 1) == "torch"
+    assert preflight.planned_per_layer_kernel(auto, cuda, 2, 2) == "torch"  # context parallelism
+    assert preflight.planned_per_layer_kernel(everywhere, cuda, 1, 2) == "torch"  # sharded over the replicas
+    monkeypatch.setattr(preflight, "triton_runs_on", lambda device: False)
+    assert preflight.planned_per_layer_kernel(auto, cuda, 1, 1) == "torch"  # no Triton
+    spec = get_model_spec("llama3.2-1b")
+    fused, materialised = (preflight.predict(spec, "v2", 1, 1, 4, 1024, "bf16-mixed", 80 * GIB, clipping="per-layer",
+                                             per_layer_kernel=kernel) for kernel in ("auto", "torch"))
+    assert fused.config.fused_linear_weights and not materialised.config.fused_linear_weights
+    held = [max(p.get("per_sample_grads", 0.0) for _, p in memory._phases(r.config)) for r in (fused, materialised)]
+    assert held[0] < held[1]
 
 
 def test_make_config_takes_specs_and_replace_keeps_them():

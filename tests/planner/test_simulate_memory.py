@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from simulate import calibration, layers, make_config, memory
@@ -132,7 +134,7 @@ def test_per_layer_clipping_holds_about_one_layer_of_per_sample_gradients(method
     """Flat clipping holds every layer's per-sample gradients until the norm is known; per-layer clipping holds the
     layer being clipped (its share under V2/V3) plus the same in-flight partials."""
     flat = make_config(model="tiny", gpus=cp, method=method, cp=cp, mbs=8, seq_len=256)
-    per_layer = flat.replace(clipping="per-layer")
+    per_layer = flat.replace(clipping="per-layer", per_layer_kernel="torch")
     most = {cfg.clipping: max(p.get("per_sample_grads", 0.0) for _, p in memory._phases(cfg))
             for cfg in (flat, per_layer)}
     unit = 8 * flat.precision.activation_bytes
@@ -141,6 +143,36 @@ def test_per_layer_clipping_holds_about_one_layer_of_per_sample_gradients(method
     in_flight = 2 * unit * largest if method != "v1" and cp > 1 else 0.0
     assert most["per-layer"] <= unit * largest * share + in_flight + 1
     assert most["flat"] > 2 * most["per-layer"]  # under V2 both hold the same two unreduced partials
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fused_per_layer_kernels_hold_no_linear_per_sample_gradient(tied) -> None:
+    """On one GPU at CP 1 the fused kernels take every linear weight used once: what per-sample gradients are formed
+    are the RMSNorm weights' and the embedding's (a tied one from the head's backward to the embedding's)."""
+    model = replace(get_model_spec("tiny"), tie_embeddings=tied)
+    fused = make_config(model=model, gpus=1, method="v2", mbs=8, seq_len=256, clipping="per-layer")
+    torch_path = fused.replace(per_layer_kernel="torch")
+    assert fused.fused_linear_weights and not torch_path.fused_linear_weights
+    most = {cfg.per_layer_kernel: max(p.get("per_sample_grads", 0.0) for _, p in memory._phases(cfg))
+            for cfg in (fused, torch_path)}
+    unit = 8 * fused.precision.activation_bytes
+    embedding = model.vocab_size * model.dim
+    # The embedding's; a tied one is held while the blocks' RMSNorm weights are clipped one at a time.
+    assert most["auto"] == unit * (embedding + (model.dim if tied else 0))
+    assert most["torch"] >= unit * max(lin.numel for lin in model.block_linears()) > most["auto"]
+    linears = model.n_layers * sum(lin.numel for lin in model.block_linears()) + (0 if tied else embedding)
+    assert fused.trainable.linear_weights == linears
+
+
+def test_fused_per_layer_kernels_only_where_the_strategy_runs_them() -> None:
+    """Not under CP, not with the model sharded over several GPUs, not with flat clipping or the PyTorch path."""
+    per_layer = dict(model="tiny", mbs=2, seq_len=256, clipping="per-layer")
+    assert make_config(gpus=1, method="v1", **per_layer).fused_linear_weights
+    assert not make_config(gpus=2, method="v2", **per_layer).fused_linear_weights  # CP 2
+    assert not make_config(gpus=4, method="v2", cp=1, **per_layer).fused_linear_weights  # FSDP over 4 GPUs
+    assert not make_config(gpus=1, method="v2", mbs=2, seq_len=256, model="tiny").fused_linear_weights
+    with pytest.raises(ValueError, match="Unknown per-layer kernel"):
+        make_config(gpus=1, method="v2", per_layer_kernel="triton", **per_layer)
 
 
 def test_per_layer_clipping_is_refused_where_it_is_not_modelled() -> None:

@@ -6,10 +6,12 @@ import math
 
 import pytest
 
-from simulate import comm, make_config
+from simulate import calibration, comm, make_config
 from simulate.flops import attention_forward_flops, linear_params, microbatch_flops
 from simulate.specs import get_gpu_spec
-from simulate.throughput import estimate_step_time
+from simulate.throughput import estimate_step_time, peak_flops
+
+MFU = calibration.MFU_MATMUL
 
 H100 = get_gpu_spec("h100")
 
@@ -52,6 +54,25 @@ def test_grad_sample_adds_no_matmul_flops_and_ac_adds_a_block_forward() -> None:
     head = 2 * cfg.model.vocab_size * cfg.model.dim * cfg.tokens_per_rank
     assert ac.matmul - base.matmul == pytest.approx(base.matmul / 3 - head)
     assert ac.attention == pytest.approx(base.attention * 4.5 / 3.5)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_fused_per_layer_kernels_form_each_linear_weight_gradient_twice(precision) -> None:
+    """The fused kernels replace a linear weight's gradient (``2 p d`` per token) by two passes of it, at the bf16
+    tensor-core rate or, for fp32 inputs (IEEE products), the CUDA cores' fp32 rate; no per-sample gradient is read."""
+    fused = make_config(model="llama3.2-1b", gpus=1, method="v2", mbs=4, seq_len=4096, precision=precision,
+                        clipping="per-layer")
+    torch_path = fused.replace(per_layer_kernel="torch")
+    gradients = 2 * fused.trainable.linear_weights * fused.tokens_per_rank
+    f, g = microbatch_flops(fused), microbatch_flops(torch_path)
+    assert g.fused_clip == 0.0 and f.fused_clip == pytest.approx(2 * gradients)
+    assert f.matmul == pytest.approx(g.matmul - gradients) and f.total == pytest.approx(g.total + gradients)
+    slow, fast = estimate_step_time(fused), estimate_step_time(torch_path)
+    peak = fused.gpu.fp32_flops if precision == "fp32" else fused.gpu.bf16_flops
+    fused_seconds = 2 * gradients / (peak * calibration.FUSED_CLIP_MFU)
+    assert slow.compute - fast.compute == pytest.approx(fused_seconds - gradients / (peak_flops(fused) * MFU))
+    unread = 2 * 4 * fused.trainable.linear_weights * fused.precision.activation_bytes  # norm and clip reads, MBS 4
+    assert fast.dp_memory_bound - slow.dp_memory_bound == pytest.approx(unread / fused.gpu.hbm_bytes_per_s)
 
 
 def test_ghost_norm_flops_follow_the_mixed_rule() -> None:
