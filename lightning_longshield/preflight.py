@@ -113,6 +113,13 @@ class PreflightResult:
         return "\n".join(lines)
 
 
+RANDOMIZED_CLIPPING_NOTE = (
+    "Note: randomized clipping (norm_estimator) keeps every linear and embedding layer's inputs and output gradients"
+    " until the norms are known (about MBS x T x (in + out) elements per layer, with k-column sketches), which the"
+    " planner does not model: the estimate assumes per-sample gradients and is approximate (lower at long sequences)."
+)
+
+
 def simulate_method(
     shard_per_sample_grads: bool,
     activation_checkpointing: CheckpointPolicy,
@@ -327,6 +334,8 @@ def run_preflight(
     assert model is not None and seq_len is not None and planner_precision is not None
     method, notes = simulate_method(parallelism.shard_per_sample_grads, parallelism.activation_checkpointing,
                                     parallelism.per_sample, parallelism.shard_over, cp)
+    if parallelism.norm_estimator != "exact":
+        notes += (RANDOMIZED_CLIPPING_NOTE,)
     run = (model, method, world_size, cp, mbs, seq_len, planner_precision)
     clipping = parallelism.clipping.replace("_", "-")  # the strategy's "per_layer" is the planner's "per-layer"
     options = dict(notes=notes, clipping=clipping,
@@ -335,16 +344,20 @@ def run_preflight(
         result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, **options)
         rank_zero_info(
             f"LongShield pre-flight ({device.type}: logged, not checked): on CUDA, {result.peak()} for"
-            f" {result.describe_run()}. {result.breakdown()}"
+            f" {result.describe_run()}. {result.breakdown()}{_joined(notes)}"
         )
         return result
     name, capacity = device_properties(device)
     result = predict(*run, capacity, gpu_name=name, **options).check()
     rank_zero_info(
         f"LongShield pre-flight: fits, {result.peak()} of {capacity / GIB:.1f} GiB ({name}) for"
-        f" {result.describe_run()}. {result.breakdown()}"
+        f" {result.describe_run()}. {result.breakdown()}{_joined(notes)}"
     )
     return result
+
+
+def _joined(notes: tuple[str, ...]) -> str:
+    return "".join(f" {note}" for note in notes)
 
 
 def _skip_reason(

@@ -149,6 +149,20 @@ def test_cpu_run_logs_the_prediction_and_trains(monkeypatch):
     assert "Breakdown at the peak" in message
 
 
+def test_randomized_clipping_is_planned_with_a_note(monkeypatch):
+    """The planner does not model randomized clipping's book-kept tensors: the logged estimate says so."""
+    from lightning_longshield.parallelize import DPParallelism
+
+    messages = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    arguments = dict(module=make_module(small_config(n_layers=1)), dataset=RandomTokens(size=8, seq_len=16),
+                     device=torch.device("cpu"), world_size=1, cp=1, mbs=2, precision="32-true")
+    exact = preflight.run_preflight(**arguments, parallelism=DPParallelism())
+    sketched = preflight.run_preflight(**arguments, parallelism=DPParallelism(norm_estimator="hutchinson"))
+    assert exact.notes == () and sketched.notes == (preflight.RANDOMIZED_CLIPPING_NOTE,)
+    assert "randomized clipping" not in messages[0] and preflight.RANDOMIZED_CLIPPING_NOTE in messages[1]
+
+
 def test_preflight_false_skips_the_check(monkeypatch):
     def refuse(**kwargs):
         raise AssertionError("the pre-flight check ran")
