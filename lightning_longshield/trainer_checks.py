@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
 
 def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, precision_plugin: Precision) -> None:
@@ -24,4 +24,11 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
         raise ValueError(
             "16-bit mixed precision with a GradScaler is not supported: loss scaling would scale the per-sample"
             " gradients before clipping. Use precision='bf16-mixed' or 'bf16-true' (or 32)."
+        )
+    if isinstance(precision_plugin, HalfPrecision) and precision_plugin.precision == "16-true":
+        raise ValueError(
+            "precision='16-true' (fp16 without loss scaling) is not supported: per-sample gradients overflow fp16's"
+            " range to inf, a non-finite per-sample gradient makes the clipped sum NaN, and the released update"
+            " would then reveal that event, which the noise does not cover. Use precision='bf16-true' or"
+            " 'bf16-mixed' (or 32)."
         )

@@ -87,6 +87,11 @@ def test_fp16_grad_scaler_is_refused():
         fit(LongShieldStrategy(noise_multiplier=1.0), plugins=[plugin])
 
 
+def test_fp16_without_loss_scaling_is_refused():
+    with pytest.raises(ValueError, match="'16-true'.*Use precision='bf16-true'"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), precision="16-true")
+
+
 def test_unsupported_layer_is_refused_before_training():
     module = make_module(small_config(n_layers=1))
     module.model.extra = torch.nn.Conv1d(2, 2, 1)
