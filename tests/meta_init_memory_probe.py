@@ -52,7 +52,12 @@ def rank_main(rank: int, mode: str, out_dir: str, store: str) -> None:
         module, loader(RandomTokens(size=8, seq_len=16), 2)
     )
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_growth": probe.growth}))
-    dist.destroy_process_group()
+    dist.barrier()  # both ranks are done with the group
+    # Leave without interpreter teardown, which now and then aborted a rank after its result was written
+    # ("terminate called without an active exception": a C++ thread destroyed while joinable).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
