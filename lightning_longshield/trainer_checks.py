@@ -28,7 +28,6 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
     if isinstance(precision_plugin, HalfPrecision) and precision_plugin.precision == "16-true":
         raise ValueError(
             "precision='16-true' (fp16 without loss scaling) is not supported: per-sample gradients overflow fp16's"
-            " range to inf, a non-finite per-sample gradient makes the clipped sum NaN, and the released update"
-            " would then reveal that event, which the noise does not cover. Use precision='bf16-true' or"
-            " 'bf16-mixed' (or 32)."
+            " range to inf, and a sample with a non-finite gradient is dropped from the update (clip factor 0), so"
+            " training would silently lose samples. Use precision='bf16-true' or 'bf16-mixed' (or 32)."
         )

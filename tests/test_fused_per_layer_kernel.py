@@ -99,6 +99,27 @@ def test_half_precision_strided_and_higher_rank_inputs(kernel_device):
                                rtol=1e-5, atol=1e-3)
 
 
+def test_a_non_finite_sample_adds_nothing(kernel_device):
+    """A sample with inf inputs and one with NaN output gradients get non-finite norms, hence factor 0
+    (`clip_factors`), and then add exactly zero: the sum is the other samples' and finite."""
+    from lightning_longshield.privacy.clipping import clip_factors
+    from lightning_longshield.privacy.fused_linear_clip import add_clipped_linear_sum, linear_squared_norms
+
+    generator = torch.Generator().manual_seed(3)
+    activation = torch.randn(4, 20, 30, generator=generator)
+    grad_output = torch.randn(4, 20, 50, generator=generator)
+    activation[1, 3, 7], grad_output[2, 5, 0] = float("inf"), float("nan")
+    activation, grad_output = activation.to(kernel_device), grad_output.to(kernel_device)
+    factors = clip_factors(linear_squared_norms(activation, grad_output), 1.0)
+    assert factors.cpu()[1:3].tolist() == [0.0, 0.0] and factors.cpu()[[0, 3]].gt(0).all()
+    out = add_clipped_linear_sum(torch.zeros(50, 30, device=kernel_device), activation, grad_output, factors)
+    kept = [0, 3]
+    expected = torch.einsum("b,boi->oi", factors.cpu()[kept].double(),
+                            per_sample_weights(activation.cpu()[kept], grad_output.cpu()[kept]))
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("micro_batch_size", [2, 4])
 def test_fused_step_equals_the_pytorch_path_and_the_reference(kernel_device, micro_batch_size):
     """Whole DP steps with clipping active: every linear weight goes through the kernels."""

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_longshield.privacy.clipping import zero_non_finite_
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.shards import ParamShard, local_tensor
 
@@ -50,7 +51,8 @@ class ClippedGradientSum:
         above ``C``), never by a GEMM, whose TF32 or bf16 rounding could do the same. In whichever of two batched
         forms issues fewer ops: a sample at a time over all parameters (2 ops per sample: many parameters, as
         in flat clipping), or a parameter at a time over all samples (3 ops per fp32 parameter: few parameters, as in
-        per-layer clipping). The per-sample buffers are consumed: they belong to this micro-batch and die here.
+        per-layer clipping). The per-sample buffers are consumed: they belong to this micro-batch and die here. A
+        sample with factor 0 adds exactly zero even where its gradient holds inf or NaN (`clip_factors`).
         """
         if not grad_samples:
             return
@@ -65,7 +67,8 @@ class ClippedGradientSum:
     def _add_each_parameter(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
         """fp32 gradients scaled in place by the factors and summed over the samples, a parameter at a time."""
         for name, grad in grad_samples.items():
-            total = grad.mul_(factors.view(-1, *(1,) * (grad.dim() - 1))).sum(0)
+            # A sample with factor 0 may hold inf or NaN: its scaled values are 0 or NaN, and nansum skips the NaNs.
+            total = grad.mul_(factors.view(-1, *(1,) * (grad.dim() - 1))).nansum(0)
             if name in self.sums:
                 self.sums[name] += total
             else:
@@ -75,9 +78,12 @@ class ClippedGradientSum:
         """A sample at a time over all parameters: fp32 gradients are scaled in place by the (device) factor with one
         `torch._foreach_mul_` and added with one `torch._foreach_add_`; lower-precision gradients are scaled and added
         by one `torch._foreach_addcmul_`, computed in fp32 (the sums' dtype) without an fp32 copy of the sample's
-        gradient. With one sample and no sum yet, the scaled gradient (upcast if needed) becomes the sum itself."""
+        gradient. Before the loop, inf and NaN are zeroed in each tensor (only samples with factor 0 can
+        hold them). With one sample and no sum yet, the scaled gradient (upcast if needed) becomes the sum itself."""
         names = list(grad_samples)
         batch = factors.shape[0]
+        for grad in grad_samples.values():  # a sample with factor 0 may hold inf or NaN; 0 x inf would be NaN
+            zero_non_finite_(grad)
         missing = [name for name in names if name not in self.sums]
         if missing and batch > 1:
             device = grad_samples[missing[0]].device

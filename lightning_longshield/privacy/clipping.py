@@ -78,9 +78,22 @@ def clip_factors(
     ``max_grad_norm`` may be a tensor broadcasting against ``squared_norms`` (per-layer bounds). ``rounding``: per
     sample, a bound on how far what is added for a sample can be from ``c_i g_i`` per unit factor (book-kept sums);
     it is added to the norm, so the contribution as computed stays within ``C'``.
+
+    A sample whose norm is not finite (an inf or NaN in its gradient, or squares past fp64's range) gets factor 0:
+    its contribution is zero, a valid clipping (norm 0 <= C). Every path that adds ``factor x gradient`` makes that
+    product exactly zero even where the gradient holds inf or NaN (`zero_non_finite_`), so one sample cannot turn
+    the released sum into NaN, an event the noise would not cover.
     """
     norms = squared_norms.double().sqrt()
     if rounding is not None:
         norms = norms + rounding
     bound = max_grad_norm * (1 - margin)
-    return torch.where(norms > bound, bound / norms, torch.ones_like(norms)).float()
+    factors = torch.where(norms <= bound, torch.ones_like(norms), bound / norms)  # bound / inf = 0
+    return factors.nan_to_num_(nan=0.0).float()
+
+
+def zero_non_finite_(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with every inf and NaN set to 0, in place. Applied to per-sample values whose sample has factor 0
+    (`clip_factors`: only such samples can hold them), it makes that sample's contribution exactly zero, where
+    ``0 x inf`` would be NaN; finite samples are untouched."""
+    return tensor.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)

@@ -80,7 +80,9 @@ def _clipped_sum_kernel(
         tile = _sample_tile(a_ptr, g_ptr, sample, offs_out, offs_in, tokens, n_out, n_in,
                             stride_ab, stride_at, stride_ai, stride_gb, stride_gt, stride_go,
                             BLOCK_OUT, BLOCK_IN, BLOCK_TOKENS, PRECISION)
-        total += tl.load(factors_ptr + sample) * tile
+        factor = tl.load(factors_ptr + sample)
+        # A sample with factor 0 may have inf or NaN tiles (0 x inf is NaN): it adds exactly zero.
+        total += tl.where(factor > 0, factor * tile, 0.0)
     pointers = out_ptr + offs_out[:, None] * stride_oo + offs_in[None, :] * stride_oi
     mask = (offs_out[:, None] < n_out) & (offs_in[None, :] < n_in)
     tl.store(pointers, tl.load(pointers, mask=mask, other=0.0) + total, mask=mask)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_longshield.privacy.clipping import zero_non_finite_
 from lightning_longshield.privacy.grad_sample.layers import without_padding
 from lightning_longshield.privacy.shards import ParamShard, reduce_scatter_to_shard
 
@@ -138,7 +139,7 @@ class Use:
             out = torch.zeros(self.rows, width, dtype=torch.float32, device=self.right.device)
         if self.is_lookup:
             for table_rows, rows, samples in deduplicated_rows(self.left, self.right):
-                out.index_add_(0, table_rows, rows.float() * factors[samples, None].float())
+                out.index_add_(0, table_rows, zero_non_finite_(rows.float() * factors[samples, None].float()))
             return out
         left, right = self.left.flatten(0, 1), self.right.flatten(0, 1)
         row_factors = factors.double().repeat_interleave(self.tokens)
@@ -149,8 +150,10 @@ class Use:
             total = torch.zeros(min(out_block, self.rows - first), width, dtype=torch.float64, device=out.device)
             for start in range(0, left.shape[0], token_block):
                 tokens = slice(start, start + token_block)
-                scaled = left[tokens, outputs].double() * row_factors[tokens, None]
-                total.addmm_(scaled.transpose(0, 1), right[tokens].double())
+                # A sample with factor 0 may hold inf or NaN in either factor: both fp64 copies drop them.
+                scaled = zero_non_finite_(left[tokens, outputs].double() * row_factors[tokens, None])
+                inputs = zero_non_finite_(right[tokens].to(torch.float64, copy=True))
+                total.addmm_(scaled.transpose(0, 1), inputs)
             out[outputs] += total
         return out
 
