@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_longshield.activation_checkpointing import CheckpointPolicy
 from lightning_longshield.parallelize import DPParallelism
-from lightning_longshield.privacy.per_layer import triton_runs_on
+from lightning_longshield.privacy.per_layer import use_fused_kernel
 from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory
 from simulate.config import METHODS, longshield_config
 from simulate.throughput import estimate_step_time
@@ -303,9 +303,12 @@ def planned_per_layer_kernel(parallelism: DPParallelism, device: torch.device, c
     """The planner's ``per_layer_kernel`` for what the strategy runs: ``"auto"`` (fused) where linear weights go
     through the fused kernels (`use_fused_kernel`: CP 1, the model not sharded over data-parallel replicas, Triton on
     CUDA; off CUDA, where the check only logs, as on CUDA with Triton), else ``"torch"``."""
+    if parallelism.per_layer_kernel == "torch":
+        return "torch"
     sharded = cp > 1 or (parallelism.shard_over == "all" and world_size > cp)
-    runs = triton_runs_on(device) if is_cuda(device) else True
-    return "auto" if parallelism.per_layer_kernel != "torch" and runs and not sharded else "torch"
+    # "auto", not the setting: a "triton" that cannot run is the engine's error to raise, not the estimate's.
+    fused = use_fused_kernel("auto", device, sharded) if is_cuda(device) else not sharded
+    return "auto" if fused else "torch"
 
 
 def run_preflight(

@@ -98,17 +98,18 @@ def test_per_layer_clipping_is_planned_with_the_kernel_the_strategy_runs(monkeyp
     """Fused where `use_fused_kernel` takes linear weights (CP 1, not sharded over replicas, Triton on CUDA; off CUDA
     the logged estimate is CUDA's), the PyTorch path elsewhere; the fused plan holds fewer per-sample bytes."""
     from lightning_longshield.parallelize import DPParallelism
+    from lightning_longshield.privacy import per_layer
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     auto, forced = DPParallelism(clipping="per_layer"), DPParallelism(clipping="per_layer", per_layer_kernel="torch")
     everywhere = DPParallelism(clipping="per_layer", shard_over="all")
-    monkeypatch.setattr(preflight, "triton_runs_on", lambda device: True)
+    monkeypatch.setattr(per_layer, "triton_runs_on", lambda device: True)
     assert preflight.planned_per_layer_kernel(auto, cuda, 1, 4) == "auto"  # data-parallel replicas: whole models
     assert preflight.planned_per_layer_kernel(auto, cpu, 1, 1) == "auto"
     assert preflight.planned_per_layer_kernel(forced, cuda, 1, 1) == "torch"
     assert preflight.planned_per_layer_kernel(auto, cuda, 2, 2) == "torch"  # context parallelism
     assert preflight.planned_per_layer_kernel(everywhere, cuda, 1, 2) == "torch"  # sharded over the replicas
-    monkeypatch.setattr(preflight, "triton_runs_on", lambda device: False)
+    monkeypatch.setattr(per_layer, "triton_runs_on", lambda device: False)
     assert preflight.planned_per_layer_kernel(auto, cuda, 1, 1) == "torch"  # no Triton
     spec = get_model_spec("llama3.2-1b")
     fused, materialised = (preflight.predict(spec, "v2", 1, 1, 4, 1024, "bf16-mixed", 80 * GIB, clipping="per-layer",
