@@ -136,10 +136,10 @@ class TrainableParams:
 def trainable_params(spec: ModelSpec, lora_rank: int = 0) -> TrainableParams:
     """Everything (``lora_rank=0``), or LoRA adapters of ``lora_rank`` on every block projection (`LORA_TARGETS`)."""
     if lora_rank == 0:
-        block_linears = sum(lin.numel for lin in spec.block_linears())
+        linears = [lin.numel for lin in spec.block_linears()]
         untied_head = 0 if spec.tie_embeddings else spec.embedding_numel
-        return TrainableParams(spec.block_numel, spec.embedding_numel, max(lin.numel for lin in spec.block_linears()),
-                               spec.num_parameters, linear_weights=spec.n_layers * block_linears + untied_head,
+        return TrainableParams(spec.block_numel, spec.embedding_numel, max(linears), spec.num_parameters,
+                               linear_weights=spec.n_layers * sum(linears) + untied_head,
                                largest_other_in_block=spec.dim)  # the RMSNorm weights
     adapters = [lin for lin in spec.block_linears() if lin.name in LORA_TARGETS]
     total = lora_numel(spec, lora_rank)
