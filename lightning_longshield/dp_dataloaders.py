@@ -7,7 +7,7 @@ from typing import Any, Optional
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
 from lightning_longshield.privacy.poisson import CollateAllowingEmpty, PoissonBatchSampler
-from lightning_longshield.privacy.randomness import UniformSource
+from lightning_longshield.privacy.randomness import SecretKey
 
 
 def rebuild_dataloader(
@@ -37,7 +37,7 @@ def rebuild_dataloader(
 
 
 def poisson_dataloader(
-    dataloader: DataLoader, randomness: UniformSource, first_draw: int, data_parallel_rank: int, data_parallel_size: int
+    dataloader: DataLoader, randomness: SecretKey, first_draw: int, data_parallel_rank: int, data_parallel_size: int
 ) -> DataLoader:
     """Replace the sampling of ``dataloader``: every batch is a Poisson sample of expected size ``batch_size``."""
     dataset = dataloader.dataset
@@ -71,7 +71,7 @@ def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, da
 
 def training_dataloader(
     dataloader: DataLoader,
-    sampling: Optional[UniformSource],
+    sampling: Optional[SecretKey],
     first_draw: int,
     data_parallel_rank: int,
     data_parallel_size: int,

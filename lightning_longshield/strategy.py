@@ -115,15 +115,18 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         norm_estimator: ``"exact"`` (default) or randomized clipping (DP-SGD-RC): ``"hutchinson"`` / ``"hutchpp"``
             estimate each sample's squared norm over linear (and tied) weights with ``projection_dim`` Gaussian
             projections of its (input, output gradient) factors, ``O(k (T + d + p))`` memory per layer, drawn fresh
-            and secret every micro-batch; embedding and norm weights keep exact norms; the clipped sum is book-kept in
+            and secret every step (shared by the step's micro-batches, so a sample's factor never depends on which
+            others were drawn); embedding and norm weights keep exact norms; the clipped sum is book-kept in
             the same backward. The clip factor is then random, so the step is accounted by its own accountant
             (`lightning_longshield.privacy.randomized`, which also calibrates ``target_epsilon``); it needs slightly
             more noise than exact clipping for the same epsilon.
         projection_dim: ``k``, the projections per linear layer of a randomized estimator (default 32; Hutch++
             spends ``k // 3`` of them on its head and accounts the other ``k - k // 3``).
         accountant: ``"prv"`` (default; Opacus's PRV accountant with a bounded grid, tighter) or ``"rdp"``.
-        secure_mode: for a real deployment: Poisson masks from SHAKE-256 keyed by 256 bits of OS entropy, and each
-            noise tensor from fresh OS entropy with Opacus's hardened Gaussian sampler (sum of four draws).
+        secure_mode: for a real deployment: each noise tensor a ChaCha20 keystream keyed by 256 fresh bits of OS
+            entropy (cryptographic), turned into Gaussians with Opacus's four-draw hardening (hardened, not proven
+            against floating-point attacks). By default the noise comes from torch's generators with their whole
+            state keyed per step (fast; not a cryptographic generator). Poisson masks are SHAKE-256 in both modes.
         seed: seeds the global RNGs of every process (initialisation, dropout, order of non-private data), never
             the noise or the Poisson sampling: those come from OS entropy drawn at each ``fit``, never stored.
         noise_seed: opt-in, for tests only: reproducible noise and Poisson sampling from this seed; the guarantee
@@ -268,7 +271,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
                            per_layer_kernel=self.parallelism.per_layer_kernel,
                            norm_estimator=self.parallelism.norm_estimator,
                            projection_dim=self.parallelism.projection_dim,
-                           projection_seeds=self.privacy.projection_seeds)
+                           projection_key=self.privacy.projection_key)
 
     @override
     def model_to_device(self) -> None:

@@ -9,11 +9,11 @@ from torch.utils.data import default_collate
 from helpers import RandomTokens, loader, make_module, make_trainer, small_config
 from lightning_longshield import LongShieldStrategy
 from lightning_longshield.privacy import CollateAllowingEmpty, PoissonBatchSampler
-from lightning_longshield.privacy.randomness import SeededUniforms
+from lightning_longshield.privacy.randomness import SecretKey
 
 
 def test_inclusion_rate_and_epoch_length():
-    sampler = PoissonBatchSampler(200, 0.05, randomness=SeededUniforms(0))
+    sampler = PoissonBatchSampler(200, 0.05, randomness=SecretKey.from_seed(0))
     assert len(sampler) == 20
     counts = torch.zeros(200)
     batches = [b for _ in range(50) for b in sampler]
@@ -25,9 +25,9 @@ def test_inclusion_rate_and_epoch_length():
 
 
 def test_data_parallel_groups_are_disjoint_and_cover_the_draw():
-    whole = list(PoissonBatchSampler(100, 0.3, randomness=SeededUniforms(7)))
+    whole = list(PoissonBatchSampler(100, 0.3, randomness=SecretKey.from_seed(7)))
     parts = [
-        list(PoissonBatchSampler(100, 0.3, randomness=SeededUniforms(7), data_parallel_rank=g, data_parallel_size=3))
+        list(PoissonBatchSampler(100, 0.3, randomness=SecretKey.from_seed(7), data_parallel_rank=g, data_parallel_size=3))
         for g in range(3)
     ]
     for k, batch in enumerate(whole):
@@ -37,8 +37,8 @@ def test_data_parallel_groups_are_disjoint_and_cover_the_draw():
 
 
 def test_draws_are_addressable_for_resumption():
-    full = list(PoissonBatchSampler(50, 0.2, randomness=SeededUniforms(3)))
-    resumed = list(PoissonBatchSampler(50, 0.2, randomness=SeededUniforms(3), first_draw=2))
+    full = list(PoissonBatchSampler(50, 0.2, randomness=SecretKey.from_seed(3)))
+    resumed = list(PoissonBatchSampler(50, 0.2, randomness=SecretKey.from_seed(3), first_draw=2))
     assert resumed[:3] == full[2:5]
 
 
@@ -46,7 +46,7 @@ def test_empty_batches_collate_to_zero_length_tensors():
     dataset = RandomTokens(size=4, seq_len=6)
     batch = CollateAllowingEmpty(dataset, default_collate)([])
     assert batch["input_ids"].shape == (0, 6) and batch["labels"].shape == (0, 6)
-    assert any(len(b) == 0 for b in PoissonBatchSampler(1000, 0.0005, randomness=SeededUniforms(0)))
+    assert any(len(b) == 0 for b in PoissonBatchSampler(1000, 0.0005, randomness=SecretKey.from_seed(0)))
 
 
 def test_fit_through_empty_logical_batches():

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from helpers import RandomTokens, loader, make_module, make_trainer, reference_dp_sgd, samples, small_config, whole
 from lightning_longshield import LongShieldStrategy
 from lightning_longshield.privacy import GaussianNoise
+from lightning_longshield.privacy.randomness import SecretKey
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
 
 
@@ -45,7 +46,8 @@ def test_sums_and_noise_are_fp32_for_bf16_parameters():
         accumulator.add({"w": grad_samples}, torch.ones(2))
     assert accumulator.sums["w"].dtype == torch.float32
     torch.testing.assert_close(accumulator.sums["w"], torch.full((1000,), 0.6), rtol=1e-2, atol=0)
-    noise = GaussianNoise(torch.device("cpu"), seed=0)
+    noise = GaussianNoise(torch.device("cpu"), SecretKey.from_seed(0))
+    noise.start_step(0)
     accumulator.release(noise, noise_std=1e-3, expected_batch_size=1.0)
     assert param.grad.dtype == torch.bfloat16 and accumulator.sums == {}
     assert 0.5 < param.grad.float().mean().item() < 0.7

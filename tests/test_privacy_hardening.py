@@ -16,7 +16,7 @@ from helpers import RandomTokens, loader, make_module, make_trainer, small_confi
 from lightning_longshield import CausalLMModule, LongShieldStrategy
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
 from lightning_longshield.privacy.clipping import clip_factors, per_sample_squared_norms
-from lightning_longshield.privacy.randomness import CryptographicUniforms, SeededUniforms
+from lightning_longshield.privacy.randomness import SecretKey
 
 # ----------------------------------------------------------------------------------------------- checkpoints
 
@@ -44,12 +44,8 @@ def test_checkpoint_holds_no_seed_or_generator_state(tmp_path, mode):
     trainer.save_checkpoint(tmp_path / "dp.ckpt")
     checkpoint = torch.load(tmp_path / "dp.ckpt", weights_only=False)
 
-    secret_ints = {987_654_321, strategy.privacy.noise._seed}
-    secret_bytes = b""
-    if isinstance(strategy.privacy.sampling, SeededUniforms):
-        secret_ints.add(strategy.privacy.sampling._seed)
-    else:
-        secret_bytes = strategy.privacy.sampling._key
+    secret_ints = {987_654_321}
+    secret_keys = [strategy.privacy.noise._key._key, strategy.privacy.sampling._key]
     leaves = list(walk(checkpoint))
     assert len(leaves) > 20
     for path, leaf in leaves:
@@ -57,8 +53,8 @@ def test_checkpoint_holds_no_seed_or_generator_state(tmp_path, mode):
             assert not any(word in leaf.lower() for word in ("seed", "generator", "rng")), path
         if isinstance(leaf, int) and not isinstance(leaf, bool):
             assert leaf not in secret_ints, path
-        if isinstance(leaf, bytes) and secret_bytes:
-            assert secret_bytes not in leaf, path
+        if isinstance(leaf, bytes):
+            assert not any(key in leaf for key in secret_keys), path
         if isinstance(leaf, torch.Tensor):
             assert leaf.dtype != torch.uint8, f"{path}: a byte tensor (a generator state?)"
     assert checkpoint["longshield"]["accountant"]["history"] == [(1.0, 4 / 16, 2)]
@@ -246,20 +242,19 @@ def test_a_sample_contributes_at_most_c_in_every_precision(precision, micro_batc
 # ----------------------------------------------------------------------------------------------- secure sampling
 
 
-def test_cryptographic_uniforms_are_uniform_keyed_and_addressable():
+def test_keyed_uniforms_are_uniform_keyed_and_addressable():
     from scipy import stats
 
-    key = bytes(range(32))
-    source = CryptographicUniforms(key)
-    draw = source.uniforms(5, 100_000)
+    source = SecretKey(bytes(range(32)))
+    draw = source.uniforms(100_000, "poisson", 5)
     assert draw.dtype == torch.float64 and 0 <= draw.min() and draw.max() < 1
     assert stats.kstest(draw.numpy(), "uniform").pvalue > 1e-3
-    torch.testing.assert_close(source.uniforms(5, 100_000), draw, rtol=0, atol=0)
-    assert not torch.equal(source.uniforms(6, 100_000), draw)
-    assert not torch.equal(CryptographicUniforms(bytes(32)).uniforms(5, 100_000), draw)
-    assert "key=<secret>" in repr(source)
+    torch.testing.assert_close(source.uniforms(100_000, "poisson", 5), draw, rtol=0, atol=0)
+    assert not torch.equal(source.uniforms(100_000, "poisson", 6), draw)
+    assert not torch.equal(SecretKey(bytes(32)).uniforms(100_000, "poisson", 5), draw)
+    assert "<secret>" in repr(source) and "0, 1, 2" not in repr(source)
     with pytest.raises(ValueError, match="256 bits"):
-        CryptographicUniforms(b"short")
+        SecretKey(b"short")
 
 
 def test_secure_mode_trains_with_poisson_sampling():
@@ -267,7 +262,7 @@ def test_secure_mode_trains_with_poisson_sampling():
                                   target_delta=1e-3)
     trainer = make_trainer(strategy, max_steps=3)
     trainer.fit(make_module(small_config(n_layers=1)), loader(RandomTokens(size=16, seq_len=8), 4))
-    assert trainer.global_step == 3 and isinstance(strategy.privacy.sampling, CryptographicUniforms)
+    assert trainer.global_step == 3 and isinstance(strategy.privacy.sampling, SecretKey)
     assert strategy.privacy.noise.secure_mode
 
 

@@ -7,7 +7,7 @@ import torch
 from opacus.accountants import create_accountant
 
 from lightning_longshield.privacy.plan import PrivacyArguments
-from lightning_longshield.privacy.randomness import CryptographicUniforms, SeededUniforms
+from lightning_longshield.privacy.randomness import SecretKey
 from lightning_longshield.privacy.session import PrivacySession
 
 CPU = torch.device("cpu")
@@ -29,18 +29,18 @@ def test_every_fit_draws_fresh_secret_randomness_unless_a_noise_seed_is_given():
     privacy.open_fit(CPU, (0, 0), broadcast=lambda value: value)
     first_noise, first_sampling = privacy.noise, privacy.sampling
     privacy.open_fit(CPU, (0, 0), broadcast=lambda value: value)
-    assert privacy.noise._seed != first_noise._seed
-    assert privacy.sampling.uniforms(0, 8).tolist() != first_sampling.uniforms(0, 8).tolist()
+    assert privacy.noise._key._key != first_noise._key._key
+    assert privacy.sampling.uniforms(8, "poisson", 0).tolist() != first_sampling.uniforms(8, "poisson", 0).tolist()
 
     with pytest.warns(UserWarning, match="noise_seed=5"):
         seeded = [session(noise_multiplier=1.0, noise_seed=5) for _ in range(2)]
     for privacy in seeded:
         privacy.open_fit(CPU, (0, 0), broadcast=lambda value: value)
-    assert seeded[0].noise._seed == seeded[1].noise._seed
-    assert torch.equal(seeded[0].sampling.uniforms(3, 8), seeded[1].sampling.uniforms(3, 8))
+    assert seeded[0].noise._key._key == seeded[1].noise._key._key
+    assert torch.equal(seeded[0].sampling.uniforms(8, 3), seeded[1].sampling.uniforms(8, 3))
 
 
-def test_the_sampling_secret_is_broadcast_and_secure_mode_uses_a_cryptographic_stream():
+def test_the_sampling_key_is_broadcast_and_secure_mode_keeps_it():
     broadcast = []
 
     def from_rank_zero(value):
@@ -49,11 +49,12 @@ def test_the_sampling_secret_is_broadcast_and_secure_mode_uses_a_cryptographic_s
 
     privacy = session(noise_multiplier=1.0)
     privacy.open_fit(CPU, (1, 0), broadcast=from_rank_zero)
-    assert isinstance(privacy.sampling, SeededUniforms) and privacy.sampling._seed == broadcast[-1]
+    assert len(broadcast) == 1 and len(broadcast[-1]) == 32
+    assert privacy.sampling._key == SecretKey(broadcast[-1]).derive("sampling")._key
     secure = session(noise_multiplier=1.0, secure_mode=True)
     secure.open_fit(CPU, (1, 0), broadcast=from_rank_zero)
-    assert isinstance(secure.sampling, CryptographicUniforms) and secure.sampling._key == broadcast[-1]
-    assert len(broadcast[-1]) == 32 and secure.noise.secure_mode
+    assert secure.sampling._key == SecretKey(broadcast[-1]).derive("sampling")._key
+    assert secure.noise.secure_mode
     with pytest.raises(ValueError, match="remove noise_seed"):
         session(noise_multiplier=1.0, secure_mode=True, noise_seed=1)
 
@@ -106,8 +107,8 @@ def test_checkpoint_state_holds_plan_and_history_but_no_secret_and_fixes_the_res
         privacy.accountant.step(privacy.plan.noise_multiplier, privacy.plan.sample_rate)
     state = privacy.state_dict()
     assert set(state) == {"plan", "accountant"}
-    secrets = {str(privacy.noise._seed), str(privacy.sampling._seed)}
-    assert not any(secret in repr(state) for secret in secrets)
+    keys = [privacy.noise._key._key, privacy.sampling._key]
+    assert not any(repr(key) in repr(state) or key.hex() in repr(state) for key in keys)
 
     resumed = session(target_epsilon=4.0)
     resumed.open_fit(CPU, (0, 0), broadcast=lambda value: value)

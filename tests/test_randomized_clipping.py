@@ -12,9 +12,10 @@ import torch
 
 from helpers import RandomTokens, full_state, loader, make_module, make_trainer, reference_dp_sgd, samples, small_config
 from lightning_longshield import LongShieldStrategy
+from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
 from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier, epsilon
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
-from lightning_longshield.privacy.randomness import ProjectionSeeds
+from lightning_longshield.privacy.randomness import SecretKey
 
 CLIP = 0.05
 BATCH = 4
@@ -59,17 +60,42 @@ def test_many_projections_approach_the_exact_update_and_few_do_not(estimator):
     assert errors[4] > 3 * errors[1024], errors
 
 
-@pytest.mark.filterwarnings("ignore:noise_seed")
-def test_one_sample_micro_batches_use_exact_norms():
-    """A one-sample micro-batch's norm is read from its summed gradient: exact, so the update equals the
-    reference whatever k."""
-    config = small_config()
-    initial = make_module(config).model
-    module = make_module(config)
-    fit(module, norm_estimator="hutchinson", projection_dim=1, micro_batch_size=1)
-    dataset = RandomTokens(size=BATCH * STEPS, seq_len=16)
-    batches = [samples(dataset, range(k * BATCH, (k + 1) * BATCH)) for k in range(STEPS)]
-    assert relative_error(module.model, reference_dp_sgd(initial, batches, CLIP, BATCH), initial) < 1e-4
+def clipped_sums_over(model: torch.nn.Module, inputs: torch.Tensor, micro_batch_size: int, estimator: str):
+    """The engine's clipped sum of ``inputs`` (one logical batch, step 0) in micro-batches of ``micro_batch_size``,
+    projections keyed by one fixed key; loss per sample: the sum of squared outputs."""
+    model = copy.deepcopy(model)
+    engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
+                         norm_estimator=estimator, projection_dim=3, projection_key=SecretKey(b"p" * 32))
+    engine.begin_logical_batch()
+    for start in range(0, inputs.shape[0], micro_batch_size):
+        chunk = inputs[start:start + micro_batch_size]
+        engine.prepare_microbatch(chunk.shape[0])
+        model(chunk).square().sum().backward()
+        engine.accumulate_microbatch(chunk.shape[0])
+    return {name: total.double() for name, total in engine.accumulator.sums.items()}
+
+
+@pytest.mark.parametrize("estimator", ["hutchinson", "hutchpp"])
+def test_a_sample_is_clipped_alike_whoever_else_was_drawn(estimator):
+    """Adding a zero-gradient neighbour regroups the other samples into micro-batches (one of them alone): their
+    clipped sum must not change, so neither may any of their clip factors. Projections are keyed by (step,
+    parameter), shared by every micro-batch, and a one-sample micro-batch is estimated like the others. (Before,
+    projections were keyed by the micro-batch index and a lone sample got its exact norm: with k = 2 the sums
+    differed by 1-13%.) Equality is exact up to summation order, which implies equality in distribution
+    over the projections: a statistical test could only be weaker."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4, bias=False))
+    others = torch.randn(5, 6, 8)
+    with_neighbour = torch.cat([torch.zeros(1, 6, 8), others])
+    without = clipped_sums_over(model, others, 2, estimator)  # micro-batches {1,2} {3,4} {5}
+    regrouped = clipped_sums_over(model, with_neighbour, 2, estimator)  # {0,1} {2,3} {4,5}
+    alone = clipped_sums_over(model, others, 1, estimator)  # five one-sample micro-batches
+    assert set(without) == set(regrouped) == set(alone) == {"0.weight", "2.weight"}
+    for name, total in without.items():
+        assert total.norm() > 0
+        torch.testing.assert_close(regrouped[name], total, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(alone[name], total, rtol=1e-5, atol=1e-9)
 
 
 def test_accounted_and_calibrated_by_the_randomized_accountant():
@@ -91,16 +117,17 @@ def test_accounted_and_calibrated_by_the_randomized_accountant():
 
 
 def test_projections_are_fresh_secret_and_never_stored():
-    """Every (step, micro-batch) has its own seed; without noise_seed two fits draw unrelated keys; a checkpoint's
-    privacy state holds no key; with noise_seed the projections are reproducible."""
-    seeds = ProjectionSeeds(b"k" * 32)
-    drawn = {seeds.seed(step, micro) for step in range(3) for micro in range(3)}
+    """Every (step, parameter) has its own projections; without noise_seed two fits draw unrelated keys; a
+    checkpoint's privacy state holds no key; with noise_seed the projections are reproducible."""
+    key = SecretKey(b"k" * 32)
+    drawn = {torch.randn(4, generator=key.generators("cpu", "projection", step, name)[0]).sum().item()
+             for step in range(3) for name in ("a.weight", "b.weight", "c.weight")}
     assert len(drawn) == 9
     keys = []
     for _ in range(2):
         strategy = LongShieldStrategy(noise_multiplier=1.0, norm_estimator="hutchinson")
         strategy.privacy.open_fit(torch.device("cpu"), (0, 0), lambda value: value)
-        keys.append(strategy.privacy.projection_seeds.seed(0, 0))
+        keys.append(strategy.privacy.projection_key._key)
     assert keys[0] != keys[1]
     module = make_module(small_config(n_layers=1))
     with pytest.warns(UserWarning, match="noise_seed"):

@@ -27,7 +27,7 @@ from lightning_longshield.privacy.per_layer import (
     use_fused_kernel,
 )
 from lightning_longshield.privacy.randomized.estimator import RandomizedNorms, check_norm_estimator
-from lightning_longshield.privacy.randomness import ProjectionSeeds
+from lightning_longshield.privacy.randomness import SecretKey
 
 
 class DPSGDEngine:
@@ -53,10 +53,11 @@ class DPSGDEngine:
 
     ``norm_estimator`` ``"hutchinson"`` / ``"hutchpp"`` (randomized clipping, flat): linear and embedding weights are
     book-kept as under ``per_sample="ghost"``; the norms of linear (and tied) weights are estimated with
-    ``projection_dim`` Gaussian projections drawn fresh for every micro-batch from ``projection_seeds`` (keyed by the
-    DP step and the micro-batch), embeddings' and other parameters' norms are exact. The clipped sum is then formed
-    by book-keeping, in the same backward. A one-sample micro-batch is clipped with its exact norm, read from
-    ``.grad`` (an exact norm, ``Z = 1``, is within what the accountant assumes).
+    ``projection_dim`` Gaussian projections keyed by ``projection_key``, the DP step and the parameter: fresh at
+    every step, shared by all micro-batches and processes of the step, so no sample's factor depends on which other
+    samples were drawn. Embeddings' and other parameters' norms are exact. The clipped sum is then formed by
+    book-keeping, in the same backward; a one-sample micro-batch is book-kept too (never clipped with its exact
+    norm while the others get estimates).
     """
 
     def __init__(
@@ -73,19 +74,20 @@ class DPSGDEngine:
         per_layer_kernel: PerLayerKernel = "auto",
         norm_estimator: str = "exact",
         projection_dim: int = 32,
-        projection_seeds: Optional[ProjectionSeeds] = None,
+        projection_key: Optional[SecretKey] = None,
     ):
         check_clipping(clipping, thresholds, per_sample, per_layer_kernel)
         check_norm_estimator(norm_estimator, projection_dim, per_sample, clipping)
         self.norm_estimate: Optional[RandomizedNorms] = None
         if norm_estimator != "exact":
-            if projection_seeds is None:
-                raise ValueError(f"norm_estimator={norm_estimator!r} needs projection_seeds (the strategy's secret).")
+            if projection_key is None:
+                raise ValueError(f"norm_estimator={norm_estimator!r} needs projection_key (the strategy's secret).")
             self.norm_estimate = RandomizedNorms(norm_estimator, projection_dim)
-        self.projection_seeds = projection_seeds
-        self._microbatch_index = 0
+        self.projection_key = projection_key
         self.capture = PerSampleGradCapture(model, exchange, per_sample, self.norm_estimate)
         self.exchange = self.capture.exchange
+        if self.norm_estimate is not None:
+            self.exchange.always_capture = True
         replica_shards = {name: shard for name, shard in self.exchange.shards.items() if shard.replicas > 1}
         self.accumulator = ClippedGradientSum(self.capture.parameters, data_parallel_group, replica_shards)
         self.max_grad_norm = max_grad_norm
@@ -119,17 +121,14 @@ class DPSGDEngine:
         """Drop the previous step's gradients: until `release`, ``.grad`` only ever holds one micro-batch's."""
         for param in self.capture.parameters.values():
             param.grad = None
-        self._microbatch_index = 0
+        if self.norm_estimate is not None:
+            assert self.projection_key is not None
+            self.norm_estimate.start_step(self.projection_key, self.accountant.steps)
 
     def prepare_microbatch(self, batch_size: int) -> None:
         """Before a micro-batch's forward: the exchange decides whether its backward needs per-sample capture."""
         self.observer.microbatch_started()
         self.capture.start_microbatch(batch_size)
-        if self.norm_estimate is not None:
-            assert self.projection_seeds is not None
-            seed = self.projection_seeds.seed(self.accountant.steps, self._microbatch_index)
-            self.norm_estimate.reseed(seed, self.device)
-            self._microbatch_index += 1
         if self.per_layer is not None:
             self.per_layer.start_microbatch(batch_size, self.device)
 

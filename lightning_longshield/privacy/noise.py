@@ -1,4 +1,4 @@
-"""Gaussian noise for the DP-SGD release, from generators independent of the global RNG and seeded in secret."""
+"""Gaussian noise for the DP-SGD release, from secret keys independent of the global RNG (`privacy.randomness`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Optional
 
 import torch
 
-from lightning_longshield.privacy.randomness import derive_seed, fresh_seed
+from lightning_longshield.privacy.chacha20 import secure_gaussians
+from lightning_longshield.privacy.randomness import KEY_BYTES, SecretKey, standard_normal
 
 
 class GaussianNoise:
@@ -15,12 +16,15 @@ class GaussianNoise:
 
     Three sources, from the default to the explicit opt-in:
 
-    - default: a 63-bit secret drawn from OS entropy when the object is built (per process, never stored); step
-      ``k`` reseeds torch's generator with a hash of ``(secret, stream, k)``;
-    - ``secure_mode``: every tensor drawn reseeds the generator with 64 fresh bits of OS entropy, so no seed
-      covers more than one tensor of one step, and each draw is the scaled sum of four Gaussians, which hardens the
-      floating-point sampler against the precision attack of Mironov (2012), as Opacus does;
-    - ``seed`` given (``noise_seed`` of the strategy): as the default but from that seed, hence reproducible. The
+    - default: a 256-bit `SecretKey` from OS entropy when the object is built (per process, never stored); step
+      ``k``'s draws come from torch generators whose whole state is keyed by ``(key, stream, k)``
+      (`SecretKey.generators`: all of MT19937's state on CPU, 2 x 126 bits of Philox state on CUDA). Fast; keyed
+      far beyond any search, but MT19937 and Philox are not cryptographic generators.
+    - ``secure_mode``: every tensor drawn is ChaCha20 keyed by 256 fresh bits of OS entropy (`privacy.chacha20`), a
+      cryptographically secure stream, turned into Gaussians with the four-draw hardening (sum of four Box-Muller
+      normals over two), as Opacus hardens its sampler against Mironov's (2012) attack. That hardening is not a
+      proof against floating-point attacks (Jin et al., S&P 2022).
+    - ``key`` given (from ``noise_seed`` of the strategy): as the default but from that key, hence reproducible. The
       guarantee then holds only while the seed stays secret.
 
     ``stream`` separates processes (each draws the noise of its own shard and data-parallel replica), so noise is
@@ -30,30 +34,32 @@ class GaussianNoise:
     def __init__(
         self,
         device: torch.device,
-        seed: Optional[int] = None,
+        key: Optional[SecretKey] = None,
         stream: tuple[int, ...] = (),
         secure_mode: bool = False,
     ) -> None:
-        if secure_mode and seed is not None:
-            raise ValueError("secure_mode draws fresh OS entropy for every noise tensor; a seed cannot be combined.")
-        self.reproducible = seed is not None
+        if secure_mode and key is not None:
+            raise ValueError("secure_mode draws fresh OS entropy for every noise tensor; a key cannot be combined.")
+        self.reproducible = key is not None
         self.secure_mode = secure_mode
-        self._seed = fresh_seed() if seed is None else seed
+        self._key = SecretKey.fresh() if key is None else key
         self._stream = stream
-        self.generator = torch.Generator(device=device)
+        self._device = torch.device(device)
+        self._generators: tuple[torch.Generator, ...] = ()
 
     def start_step(self, step: int) -> None:
-        """Position the generator at the draws of DP step ``step`` (secure mode reseeds per tensor instead)."""
+        """Position the generators at the draws of DP step ``step`` (secure mode keys each tensor instead)."""
         if not self.secure_mode:
-            self.generator.manual_seed(derive_seed(self._seed, "noise", *self._stream, step))
+            self._generators = self._key.generators(self._device, "noise", *self._stream, step)
 
     def sample(self, shape: torch.Size, std: float, device: torch.device) -> torch.Tensor:
         """An fp32 tensor of shape ``shape`` with i.i.d. ``N(0, std^2)`` entries."""
-        if not self.secure_mode:
-            return torch.normal(0.0, std, shape, generator=self.generator, device=device, dtype=torch.float32)
-        self.generator.manual_seed(secrets.randbits(64))
-        draws = torch.normal(0.0, std, (4, *shape), generator=self.generator, device=device, dtype=torch.float32)
-        return draws.sum(0) / 2.0
+        if self.secure_mode:
+            count = int(torch.Size(shape).numel())
+            return secure_gaussians(secrets.token_bytes(KEY_BYTES), count, device).view(shape).mul_(std)
+        if not self._generators:
+            raise RuntimeError("GaussianNoise.start_step must position the generators before the first sample.")
+        return standard_normal(self._generators, shape, device, std=std)
 
     def __repr__(self) -> str:
         source = "secure" if self.secure_mode else "seeded (reproducible)" if self.reproducible else "secret"

@@ -9,14 +9,14 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.utils.data import Dataset, Sampler
 
-from lightning_longshield.privacy.randomness import UniformSource
+from lightning_longshield.privacy.randomness import SecretKey
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
     """Each batch includes every dataset index independently with probability ``sample_rate``.
 
-    Draw ``k`` (the ``k``-th DP step of the run) compares the uniforms of draw ``k`` of ``randomness`` (a secret
-    stream shared by all processes, see `privacy.randomness`) with the rate: every process draws the same Bernoulli
+    Draw ``k`` (the ``k``-th DP step of the run) compares the uniforms of draw ``k`` keyed by ``randomness`` (a
+    secret key shared by all processes; a SHAKE-256 stream, see `privacy.randomness`) with the rate: every process draws the same Bernoulli
     mask, and the sampler starts at ``first_draw = steps done`` however far the DataLoader prefetched before a
     checkpoint. Which samples were drawn is as secret as the noise: privacy amplification by sampling needs it.
     Data-parallel group ``g`` of ``D`` keeps the selected indices at positions ``g, g + D, ...`` of the selection,
@@ -28,7 +28,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self,
         num_samples: int,
         sample_rate: float,
-        randomness: UniformSource,
+        randomness: SecretKey,
         first_draw: int = 0,
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
@@ -53,7 +53,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.num_batches):
-            mask = self.randomness.uniforms(self.next_draw, self.num_samples) < self.sample_rate
+            mask = self.randomness.uniforms(self.num_samples, "poisson", self.next_draw) < self.sample_rate
             self.next_draw += 1
             selected = mask.nonzero().flatten()
             yield selected[self.data_parallel_rank :: self.data_parallel_size].tolist()

@@ -1,86 +1,149 @@
-"""Secret randomness of the privacy mechanism: where the Poisson sampling masks and the noise seeds come from.
+"""Secret randomness of the privacy mechanism: the key every draw of noise, Poisson masks and projections comes from.
 
-The guarantee holds only while the noise and the sampling are unpredictable to whoever sees the released model, so
-by default both come from OS entropy drawn when training starts, are never derived from the public ``seed`` and
-are never written to a checkpoint. A fixed seed exists only as the explicit opt-in ``noise_seed`` for tests.
+The guarantee holds only while the noise, the sampling and randomized clipping's projections are unpredictable to
+whoever sees the released model. Everything here derives from a `SecretKey`: 256 bits from the OS CSPRNG drawn when a
+fit starts, never derived from the public ``seed`` and never written to a checkpoint (``noise_seed``, for tests
+only, makes it reproducible). A draw is named by labels (what it is for, the DP step, the process, the parameter),
+and SHAKE-256 over ``key || labels`` gives its bytes, so draws are counter-based: any one can be regenerated on any
+process from its labels, and none reveals the key or another draw.
+
+What is cryptographic and what is not:
+
+- Poisson masks: SHAKE-256 output itself, turned into 53-bit uniforms: a cryptographically secure stream.
+- Default noise and projections come from torch's generators, whose *whole* state is set from SHAKE-256 for each
+  (step, process or parameter): on CPU all 19,937 bits of MT19937's state (never ``manual_seed``, which keeps 32
+  bits of a seed on CPU); on CUDA Philox's 64-bit seed and 64-bit offset (a multiple of 4: 126 secret bits), and two
+  such generators whose draws are summed, 252 bits. No search over seeds finds a step's noise; a different step's
+  generator is a fresh SHAKE output. MT19937 and Philox are not cryptographic generators: this is hardening, not a
+  proof that outputs of one generator never reveal its state.
+- ``secure_mode`` noise: ChaCha20 keyed by 256 fresh OS bits per tensor (`privacy.chacha20`), a cryptographically
+  secure stream; see `GaussianNoise` for how it becomes Gaussian and what that does not prove.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
+import struct
+import sys
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+KEY_BYTES = 32
+
+# torch's CPU generator state: seed (u64), left (i32), seeded (i32), next (u64), MT19937's 624 words (each in a u64
+# slot), then the cached normals (zeroed: a fresh state has none).
+_MT_WORDS = 624
+_MT_HEADER = 24
+_MT_STATE_BYTES = 5056
+# Philox offsets must be multiples of 4 (four 32-bit outputs per counter).
+_PHILOX_OFFSET_BITS = 62
+
 
 def derive_seed(base_seed: int, *keys: object) -> int:
-    """A 63-bit seed hashed from ``base_seed`` and ``keys``: distinct keys give unrelated streams."""
-    text = ":".join(str(part) for part in (base_seed, *keys))
-    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    """A 63-bit seed hashed from a *public* ``base_seed`` and ``keys`` (model initialisation per rank). Never for
+    the mechanism: torch's CPU generator would keep 32 bits of it."""
+    digest = hashlib.blake2b(":".join(str(part) for part in (base_seed, *keys)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def fresh_seed() -> int:
-    """63 bits from the OS CSPRNG."""
-    return secrets.randbits(63)
+def top_53_bits(stream: bytes) -> torch.Tensor:
+    """The top 53 bits of each little-endian 64-bit word of ``stream``, as int64."""
+    if sys.byteorder != "little":
+        raise RuntimeError("Keyed streams are read as little-endian words; this machine is big-endian.")
+    words = torch.frombuffer(bytearray(stream), dtype=torch.int64)
+    return (words >> 11) & (2**53 - 1)  # arithmetic shift: the mask drops the sign's copies
 
 
-class SeededUniforms:
-    """Uniforms in [0, 1) for draw ``k`` from torch's generator seeded by a hash of ``(seed, k)``.
-
-    Counter-based: any draw can be regenerated from its index, on every process alike. Unpredictable exactly as
-    long as ``seed`` is secret (the default draws it from OS entropy).
-    """
-
-    def __init__(self, seed: int) -> None:
-        self._seed = seed
-
-    def uniforms(self, draw: int, size: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(derive_seed(self._seed, "poisson", draw))
-        return torch.rand(size, generator=generator, dtype=torch.float64)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(seed=<secret>)"
+def _encode(labels: Sequence[object]) -> bytes:
+    """Length-prefixed labels: distinct label tuples never encode alike."""
+    parts = [str(label).encode() for label in labels]
+    return b"".join(len(part).to_bytes(4, "little") + part for part in parts)
 
 
-class CryptographicUniforms:
-    """Uniforms in [0, 1) (53-bit) for draw ``k`` from SHAKE-256 keyed by a 256-bit secret and ``k``.
+class SecretKey:
+    """256 secret bits and the streams keyed by them: ``SHAKE-256(key || labels)``.
 
-    An extendable-output hash keyed by a secret is a cryptographically secure stream: no observation of past masks
-    helps predict another draw. About 1 GB/s, i.e. a few milliseconds per step for a million samples.
+    Never stored, printed or checkpointed; `fresh` draws one from OS entropy, `from_seed` (tests only) derives one
+    from an integer of any size, all of whose bits matter.
     """
 
     def __init__(self, key: bytes) -> None:
-        if len(key) < 32:
-            raise ValueError("CryptographicUniforms needs a key of at least 256 bits.")
-        self._key = key
+        if len(key) < KEY_BYTES:
+            raise ValueError(f"A SecretKey needs at least {8 * KEY_BYTES} bits; got {8 * len(key)}.")
+        self._key = bytes(key)
 
-    def uniforms(self, draw: int, size: int) -> torch.Tensor:
-        stream = hashlib.shake_256(self._key + draw.to_bytes(8, "little")).digest(8 * size)
-        words = np.frombuffer(stream, dtype=np.uint64) >> np.uint64(11)
-        return torch.from_numpy(words.astype(np.float64) * 2.0**-53)
+    @classmethod
+    def fresh(cls) -> SecretKey:
+        """A key from the OS CSPRNG."""
+        return cls(secrets.token_bytes(KEY_BYTES))
+
+    @classmethod
+    def from_seed(cls, seed: int) -> SecretKey:
+        """A reproducible key hashed from ``seed`` (every bit of it): as secret as the seed, no more."""
+        return cls(hashlib.shake_256(b"longshield-seed" + _encode([seed])).digest(KEY_BYTES))
+
+    def stream(self, size: int, *labels: object) -> bytes:
+        """``size`` bytes of the stream named by ``labels``."""
+        return hashlib.shake_256(self._key + _encode(labels)).digest(size)
+
+    def derive(self, *labels: object) -> SecretKey:
+        """An independent key for one use of this one (noise, sampling, projections)."""
+        return SecretKey(self.stream(KEY_BYTES, "derive", *labels))
+
+    def uniforms(self, size: int, *labels: object) -> torch.Tensor:
+        """``size`` fp64 uniforms in [0, 1) with 53 random bits each, straight from the keyed SHAKE stream."""
+        return top_53_bits(self.stream(8 * size, "uniforms", *labels)).double().mul_(2.0**-53)
+
+    def generators(self, device: torch.device, *labels: object) -> tuple[torch.Generator, ...]:
+        """Torch generators on ``device`` whose whole state comes from the stream named by ``labels``.
+
+        CPU: one MT19937 generator, all 624 words of its state keyed. CUDA and other Philox devices: two generators,
+        each with a keyed 64-bit seed and 62-bit offset; `standard_normal` sums their draws (252 secret bits).
+        """
+        device = torch.device(device)
+        if device.type == "cpu":
+            return (_mt19937_generator(self.stream(4 * _MT_WORDS, "mt19937", *labels)),)
+        return tuple(_philox_generator(device, self.stream(16, "philox", index, *labels)) for index in range(2))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(key=<secret>)"
+        return f"{type(self).__name__}(<secret>)"
 
 
-class ProjectionSeeds:
-    """Seeds of randomized clipping's Gaussian projections, one per (DP step, micro-batch), from SHAKE-256 keyed by a
-    secret shared by every process: the ranks of a context-parallel group must project the shards of a sequence with
-    the same matrices. Fresh at every step, independent of the data, never stored (the accountant's assumptions).
+def _mt19937_generator(state_bytes: bytes) -> torch.Generator:
+    """A CPU generator whose MT19937 state is ``state_bytes`` (624 little-endian words), as if freshly seeded.
+
+    Built from bytes (``torch.frombuffer``), not from another generator's state, so it also works under a fake-tensor
+    trace; `set_state` refuses a state of the wrong size if torch's layout ever changes.
     """
-
-    def __init__(self, key: bytes) -> None:
-        self._key = key
-
-    def seed(self, step: int, microbatch: int) -> int:
-        stream = hashlib.shake_256(self._key + b"projection" + step.to_bytes(8, "little")
-                                   + microbatch.to_bytes(8, "little"))
-        return int.from_bytes(stream.digest(8), "little") & (2**63 - 1)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(key=<secret>)"
+    words = np.frombuffer(state_bytes, dtype="<u4").astype("<u8").tobytes()
+    state = bytearray(_MT_STATE_BYTES)
+    state[:_MT_HEADER] = struct.pack("<QiiQ", 0, 1, 1, 0)  # reported seed 0, left 1, seeded, next 0
+    state[_MT_HEADER:_MT_HEADER + len(words)] = words
+    generator = torch.Generator()
+    generator.set_state(torch.frombuffer(state, dtype=torch.uint8))
+    return generator
 
 
-UniformSource = SeededUniforms | CryptographicUniforms
+def _philox_generator(device: torch.device, stream: bytes) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(stream[:8], "little"))
+    offset = int.from_bytes(stream[8:], "little") & (2**_PHILOX_OFFSET_BITS - 1)
+    generator.set_offset(4 * offset)
+    return generator
+
+
+def standard_normal(
+    generators: Sequence[torch.Generator], shape: Sequence[int], device: torch.device,
+    dtype: torch.dtype = torch.float32, std: float = 1.0,
+) -> torch.Tensor:
+    """``N(0, std^2)`` entries: one generator's draws, or several generators' draws summed and scaled by
+    ``1 / sqrt(n)`` (the same distribution, keyed by all their states)."""
+    scale = std / math.sqrt(len(generators))
+    total = torch.normal(0.0, scale, tuple(shape), generator=generators[0], device=device, dtype=dtype)
+    for generator in generators[1:]:
+        total += torch.normal(0.0, scale, tuple(shape), generator=generator, device=device, dtype=dtype)
+    return total

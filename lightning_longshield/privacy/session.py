@@ -21,14 +21,7 @@ from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, resolve_plan
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
 from lightning_longshield.privacy.randomized.estimator import accountant_envelope
-from lightning_longshield.privacy.randomness import (
-    CryptographicUniforms,
-    ProjectionSeeds,
-    SeededUniforms,
-    UniformSource,
-    derive_seed,
-    fresh_seed,
-)
+from lightning_longshield.privacy.randomness import SecretKey
 
 T = TypeVar("T")
 
@@ -80,8 +73,8 @@ class PrivacySession:
             self.accountant = RandomizedClippingAccountant(envelope.estimator, envelope.projections)
         self.plan: Optional[PrivacyPlan] = None
         self.noise: Optional[GaussianNoise] = None
-        self.sampling: Optional[UniformSource] = None
-        self.projection_seeds: Optional[ProjectionSeeds] = None
+        self.sampling: Optional[SecretKey] = None
+        self.projection_key: Optional[SecretKey] = None
         self.dataset_size: Optional[int] = None
         self.dataloader_batch_size: Optional[int] = None
         self.steps_left_in_budget: Optional[int] = None
@@ -95,27 +88,22 @@ class PrivacySession:
     # ------------------------------------------------------------------ a fit's secret randomness
 
     def open_fit(self, device: torch.device, stream: tuple[int, ...], broadcast: Callable[[T], T]) -> None:
-        """Fresh secret randomness for a fit: this process's noise generator and the Poisson masks' stream.
+        """Fresh secret randomness for a fit: this process's noise generator, the Poisson masks' key and (randomized
+        clipping) the projections' key.
 
         Draws are keyed by the DP step, so with ``noise_seed`` a resumed or second fit continues the streams instead
         of replaying them. ``stream`` (data-parallel rank, context-parallel rank) separates the processes' noise;
-        ``broadcast`` (from rank 0) gives every process the same Poisson masks (and, for randomized clipping, the
-        projections' secret).
+        ``broadcast`` (from rank 0) gives every process the same Poisson masks and projections.
         """
-        self.sampling = self._sampling_randomness(broadcast)
-        noise_seed = None if self.noise_seed is None else derive_seed(self.noise_seed, "noise")
-        self.noise = GaussianNoise(device, noise_seed, stream, self.secure_mode)
-        if self.randomized:  # one secret for all processes: a sequence's shards are projected alike
-            key = (broadcast(secrets.token_bytes(32)) if self.noise_seed is None
-                   else derive_seed(self.noise_seed, "projection").to_bytes(8, "little"))
-            self.projection_seeds = ProjectionSeeds(key)
-
-    def _sampling_randomness(self, broadcast: Callable[[Any], Any]) -> UniformSource:
         if self.noise_seed is not None:
-            return SeededUniforms(derive_seed(self.noise_seed, "sampling"))
-        if self.secure_mode:
-            return CryptographicUniforms(broadcast(secrets.token_bytes(32)))
-        return SeededUniforms(broadcast(fresh_seed()))
+            seeded = SecretKey.from_seed(self.noise_seed)
+            shared, noise_key = seeded.derive("shared"), seeded.derive("noise")
+        else:
+            shared, noise_key = SecretKey(broadcast(secrets.token_bytes(32))), None
+        self.sampling = shared.derive("sampling")
+        self.noise = GaussianNoise(device, noise_key, stream, self.secure_mode)
+        if self.randomized:  # one key for all processes: a sequence's shards are projected alike
+            self.projection_key = shared.derive("projection")
 
     def record_training_data(self, dataset_size: int, batch_size: Optional[int]) -> None:
         """Note the training set's size and the DataLoader's batch size (the expected logical batch per DP group)."""
@@ -228,8 +216,24 @@ class PrivacySession:
             f"Privacy guarantee: (epsilon={self.get_epsilon():.3f}, delta={plan.delta:.3g})-DP after"
             f" {self.accountant.steps} steps (noise_multiplier={plan.noise_multiplier:.3f}, sampling rate"
             f" q={plan.sample_rate:.3g} = {plan.expected_batch_size}/{plan.dataset_size} samples); privacy unit:"
-            f" {privacy_unit}."
+            f" {privacy_unit}. {self.describe_randomness()}"
         )
+
+    def describe_randomness(self) -> str:
+        """What the mechanism's randomness is, and how much of it is cryptographic."""
+        sampling = ("Poisson sampling: SHAKE-256 keyed by 256 OS-entropy bits (cryptographic)" if self.poisson_sampling
+                    else "sampling: the DataLoader's own batches (not Poisson; epsilon is not a formal guarantee)")
+        if self.secure_mode:
+            noise = ("noise: ChaCha20 keyed per tensor by 256 OS-entropy bits (cryptographic stream; Gaussians"
+                     " four-draw hardened, not proven against floating-point attacks)")
+        elif self.noise_seed is not None:
+            noise = "noise: reproducible from noise_seed (private only while that seed is secret)"
+        else:
+            noise = ("noise: torch generators with their whole state keyed by 256 OS-entropy bits (hardened, not"
+                     " cryptographic; secure_mode=True for a cryptographic stream)")
+        if self.noise_seed is not None:
+            sampling = sampling.replace("256 OS-entropy bits", "noise_seed")
+        return f"Randomness: {sampling}; {noise}."
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -48,8 +48,8 @@ from lightning_longshield.privacy.shards import ParamShard, reduce_scatter_to_sh
 PerSampleMethod = Literal["materialize", "ghost", "mixed"]
 PER_SAMPLE_METHODS: tuple[str, ...] = ("materialize", "ghost", "mixed")
 NormMethod = Literal["ghost", "materialize"]
-# (uses of one parameter, reduce over the context-parallel group) -> complete estimated squared norms (B,) fp64.
-NormEstimate = Callable[[list["Use"], Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
+# (parameter name, its uses, reduce over the context-parallel group) -> complete estimated squared norms (B,) fp64.
+NormEstimate = Callable[[str, list["Use"], Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
 
 #: Elements of one fp64 block (a Gram block, an operand's token chunk, a clipped sum's row block): the fp64 working
 #: set stays a few such blocks whatever the sequence length and layer width.
@@ -388,7 +388,7 @@ class BookKeeper:
             partial = self._squared_norm(name, uses)
             self._squared_norms = partial if self._squared_norms is None else self._squared_norms + partial
             return
-        estimated = self.estimate(uses, self._all_reduce)
+        estimated = self.estimate(name, uses, self._all_reduce)
         self._estimated = estimated if self._estimated is None else self._estimated + estimated
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
@@ -409,7 +409,7 @@ class BookKeeper:
     def squared_norms(self, batch_size: int, device: torch.device) -> BookKeptNorms:
         """Complete per-sample squared norms of every book-kept parameter, summed over the group, as bounds that
         hold after rounding (see the module docstring)."""
-        for name in sorted(self.shared):  # one order on every rank: estimates draw projections in it
+        for name in sorted(self.shared):  # one order on every rank: the estimates' all-reduces follow it
             if name in self.uses:
                 self._add_norms(name, self.uses[name])
         self._shared_choices.clear()

@@ -24,7 +24,7 @@ applied to each such partial before anything non-linear (norms, QR) is computed 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Optional, Union
 
 import torch
@@ -36,6 +36,7 @@ from lightning_longshield.privacy.grad_sample.bookkeeping import (
     lookup_squared_norm,
 )
 from lightning_longshield.privacy.randomized.envelope import ScaleEnvelope, scale_envelope
+from lightning_longshield.privacy.randomness import SecretKey, standard_normal
 
 ESTIMATORS = ("exact", "hutchinson", "hutchpp")
 
@@ -47,6 +48,8 @@ ENVELOPE_NAMES = {"exact": "exact", "hutchinson": "hutchinson", "hutchpp": "hutc
 BLOCK_ELEMENTS = 2**21
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+#: One torch generator, or several whose draws are summed (a CUDA generator holds 126 secret bits).
+Generators = Union[torch.Generator, Sequence[torch.Generator]]
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
@@ -109,12 +112,13 @@ def accountant_envelope(estimator: str, projection_dim: int) -> ScaleEnvelope:
 
 
 def gaussian_projection(
-    rows: int, k: int, generator: torch.Generator, device: Union[torch.device, str, None] = None,
+    rows: int, k: int, generator: Generators, device: Union[torch.device, str, None] = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``(rows, k)`` with i.i.d. ``N(0, 1/k)`` entries drawn from ``generator`` (which must live on ``device``)."""
-    projection = torch.randn(rows, k, generator=generator, device=device, dtype=dtype)
-    return projection.mul_(k**-0.5)
+    """``(rows, k)`` with i.i.d. ``N(0, 1/k)`` entries drawn from ``generator`` (which must live on ``device``), or
+    from several generators (`SecretKey.generators`) whose draws are summed (`standard_normal`)."""
+    generators = (generator,) if isinstance(generator, torch.Generator) else tuple(generator)
+    return standard_normal(generators, (rows, k), torch.device(device or "cpu"), dtype, std=k**-0.5)
 
 
 def _token_blocks(use: Use) -> Iterator[slice]:
@@ -195,7 +199,7 @@ def _check_uses(uses: list[Use]) -> tuple[int, int, torch.device]:
 
 
 def hutchpp_squared_norms(
-    uses: list[Use], generator: torch.Generator, projection_dim: int, reduce: Reduce = _identity,
+    uses: list[Use], generator: Generators, projection_dim: int, reduce: Reduce = _identity,
 ) -> torch.Tensor:
     """``(B,)`` fp64 Hutch++ estimates of ``||W_i||_F^2``, ``W_i = sum_u left_u,i^T right_u,i``.
 
@@ -232,7 +236,7 @@ def hutchpp_squared_norms(
 
 
 def estimate_squared_norms(
-    estimator: str, uses: list[Use], generator: torch.Generator, projection_dim: int, reduce: Reduce = _identity,
+    estimator: str, uses: list[Use], generator: Generators, projection_dim: int, reduce: Reduce = _identity,
 ) -> torch.Tensor:
     """``(B,)`` fp64 estimates of ``||sum_u left_u,i^T right_u,i||_F^2`` for the uses of one parameter.
 
@@ -260,9 +264,11 @@ def estimate_squared_norms(
 
 
 class RandomizedNorms:
-    """The book-keeper's norm estimate under randomized clipping: `estimate_squared_norms` with projections drawn
-    from a generator that `reseed` positions at every micro-batch (the strategy's secret `ProjectionSeeds`), so every
-    step's projections are fresh, secret and the same on every rank of a context-parallel group."""
+    """The book-keeper's norm estimate under randomized clipping: `estimate_squared_norms` with each parameter's
+    projections drawn from generators keyed by ``(DP step, parameter name)`` (`start_step`, the strategy's secret
+    projection key): fresh and secret at every step, the same for every micro-batch, data-parallel group and
+    context-parallel rank of the step. So a sample's clip factor depends on its own gradient and the step's
+    projections only, never on which other samples were drawn or how they were grouped into micro-batches."""
 
     def __init__(self, estimator: str, projection_dim: int) -> None:
         check_estimator(estimator, projection_dim)
@@ -270,15 +276,15 @@ class RandomizedNorms:
             raise ValueError("RandomizedNorms estimates norms; exact norms need no projections.")
         self.estimator = estimator
         self.projection_dim = projection_dim
-        self.generator: Optional[torch.Generator] = None
+        self._key: Optional[SecretKey] = None
+        self._step = 0
 
-    def reseed(self, seed: int, device: torch.device) -> None:
-        """Draw this micro-batch's projections from ``seed``, on ``device``."""
-        if self.generator is None or self.generator.device != device:
-            self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+    def start_step(self, key: SecretKey, step: int) -> None:
+        """Key the projections of DP step ``step``."""
+        self._key, self._step = key, step
 
-    def __call__(self, uses: list[Use], reduce: Reduce) -> torch.Tensor:
-        if self.generator is None:
-            raise RuntimeError("RandomizedNorms.reseed must position the projections' generator before a backward.")
-        return estimate_squared_norms(self.estimator, uses, self.generator, self.projection_dim, reduce)
+    def __call__(self, name: str, uses: list[Use], reduce: Reduce) -> torch.Tensor:
+        if self._key is None:
+            raise RuntimeError("RandomizedNorms.start_step must key the projections before a backward.")
+        generators = self._key.generators(uses[0].right.device, "projection", self._step, name)
+        return estimate_squared_norms(self.estimator, uses, generators, self.projection_dim, reduce)
