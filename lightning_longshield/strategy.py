@@ -11,8 +11,10 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.plugins.precision import Precision
@@ -49,6 +51,21 @@ from lightning_longshield.privacy.session import PrivacySession
 from lightning_longshield.trainer_checks import check_trainer_for_dp_sgd
 
 CHECKPOINT_KEY = "longshield"
+
+
+@contextmanager
+def _logging_discarded(module: pl.LightningModule) -> Generator[None, None, None]:
+    """``module.log`` and ``module.log_dict`` do nothing inside (instance attributes shadow the methods)."""
+    names = ("log", "log_dict")
+    saved = {name: module.__dict__[name] for name in names if name in module.__dict__}
+    for name in names:
+        module.__dict__[name] = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for name in names:
+            del module.__dict__[name]
+        module.__dict__.update(saved)
 
 
 class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
@@ -97,7 +114,10 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             ``dp_shard_cp``): parameters, AdamW moments and the released gradient are ``1/world`` per rank; clipped
             sums are reduce-scattered over the data-parallel group once per step and each rank adds the noise of
             its own chunk. Every micro-batch then takes the per-sample path (FSDP2's one-sample ``.grad`` would
-            mix replicas' samples). With CP 1 and ``per_sample="mixed"`` this is the paper's ZeRO-DP+ baseline.
+            mix replicas' samples). FSDP2's collectives then span every rank, so a data-parallel group whose
+            Poisson batch has fewer micro-batches than another's (or none) runs zero-weight padding micro-batches
+            until all have run as many: they issue the same collectives and add exactly zero to the clipped sum.
+            With CP 1 and ``per_sample="mixed"`` this is the paper's ZeRO-DP+ baseline.
         clipping: ``"flat"`` (default): each sample's whole gradient is clipped to ``max_grad_norm``. ``"per_layer"``:
             each trainable parameter tensor (a layer, as in Opacus; a tied weight once) is clipped to its own bound
             ``C_l`` as soon as its per-sample gradients are complete in backward, then added to the clipped sum and
@@ -195,6 +215,10 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         self._engine: Optional[DPSGDEngine] = None
         self._all_ranks_mesh: Optional[DeviceMesh] = None  # FSDP2's mesh with shard_over="all" and data parallelism
         self._metric_guard = SampledBatchMetricGuard()
+        # How to build a padding micro-batch (`_padding_microbatch`): the training data's (dataset, collate_fn), and
+        # the one-sample batch made from them, on the device.
+        self._padding_source: Optional[tuple[Any, Callable[[list[Any]], Any]]] = None
+        self._padding_batch: Any = None
 
     # ------------------------------------------------------------------ topology and launch
 
@@ -305,6 +329,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         if not self.lightning_module.trainer.training:
             return data_parallel_dataloader(dataloader, rank, size)
         self.privacy.record_training_data(len(dataloader.dataset), dataloader.batch_size)  # type: ignore[arg-type]
+        self._padding_source, self._padding_batch = (dataloader.dataset, dataloader.collate_fn), None
         if self.preflight:
             _preflight.run_preflight(
                 module=self.lightning_module, dataset=dataloader.dataset, device=self.root_device,
@@ -355,13 +380,18 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One DP step's forward and backward: every micro-batch of the logical batch is run and back-propagated here
         (the one path into backward), its clipped per-sample gradients folded into the clipped sum. Returns the last
-        micro-batch's output with its loss detached: Lightning's closure finds nothing left to back-propagate."""
+        micro-batch's output with its loss detached: Lightning's closure finds nothing left to back-propagate. With
+        FSDP2 over every rank, padding micro-batches follow (`_padding_microbatches`)."""
         batch, rest = args[0], args[1:]
         self.dp_engine.begin_logical_batch()
-        if batch_size_of(batch) == 0:
-            return torch.zeros((), device=self.root_device)
-        for microbatch in split_into_microbatches(batch, self.micro_batch_size):
+        microbatches = split_into_microbatches(batch, self.micro_batch_size)
+        padding = self._padding_microbatches(len(microbatches))
+        for microbatch in microbatches:
             output = self._microbatch_step(microbatch, rest, kwargs)
+        for _ in range(padding):
+            self._padding_step(self._padding_microbatch(batch), rest, kwargs)
+        if not microbatches:
+            return torch.zeros((), device=self.root_device)
         self._metric_guard.check(self.lightning_module.trainer._results or {})
         return output
 
@@ -372,6 +402,52 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         loss = output["loss"] if isinstance(output, Mapping) else output
         self._backward_microbatch(loss, size)
         return {**output, "loss": loss.detach()} if isinstance(output, Mapping) else loss.detach()
+
+    def _padding_microbatches(self, count: int) -> int:
+        """How many zero-weight micro-batches this rank runs after its ``count`` own ones.
+
+        With FSDP2 over every rank (``shard_over="all"`` and data parallelism) each micro-batch's forward and backward
+        all-gather and reduce-scatter over every rank, but Poisson sampling gives each data-parallel group its own
+        number of samples (possibly none): every rank runs as many micro-batches as the group with the most (one
+        all-reduce of a count per step). Elsewhere FSDP2 and every per-micro-batch collective stay within a
+        context-parallel group, whose ranks share each batch: no padding.
+        """
+        if self._all_ranks_mesh is None:
+            return 0
+        most = torch.tensor([count], dtype=torch.int64, device=self.root_device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self._all_ranks_mesh.get_group())
+        return int(most.item()) - count
+
+    def _padding_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """One zero-weight micro-batch: the forward and backward of a one-sample batch issue every collective of a
+        real micro-batch, in the same order, while its contribution to the clipped sum is exactly zero (the engine's
+        ``padding``, and a loss weighted by 0). What ``training_step`` logs for it is dropped, and no backward hook
+        sees it: nothing about the padding sample is logged or released."""
+        self.dp_engine.prepare_microbatch(1, padding=True)
+        with _logging_discarded(self.lightning_module):
+            output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        self.precision_plugin.backward(loss * 0.0, self.lightning_module, None)
+        self.dp_engine.accumulate_microbatch(1)
+
+    def _padding_microbatch(self, batch: Any) -> Any:
+        """The one-sample batch of padding micro-batches: the training set's first sample, collated and moved to the
+        device like any batch (kept for the fit), or, for training data that is not a `DataLoader`, the first sample
+        of this step's batch. Its values never reach the clipped sum."""
+        if self._padding_batch is None:
+            if self._padding_source is not None:
+                dataset, collate = self._padding_source
+                self._padding_batch = self.batch_to_device(collate([dataset[0]]))
+            elif batch_size_of(batch) > 0:
+                return apply_to_collection(batch, torch.Tensor, lambda t: t[:1] if t.dim() else t)
+            else:
+                raise RuntimeError(
+                    "A padding micro-batch is needed (shard_over='all': every rank runs as many micro-batches as the"
+                    " data-parallel group with the most samples) but this group's batch is empty and the training data"
+                    " is not a DataLoader with a map-style dataset to take its shapes from. Use a DataLoader, or"
+                    " shard_over='context_parallel'."
+                )
+        return self._padding_batch
 
     def _backward_microbatch(self, loss: Tensor, size: int) -> None:
         """Back-propagate one micro-batch and fold its clipped per-sample gradients into the logical batch.

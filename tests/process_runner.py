@@ -12,19 +12,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any], args: tuple[Any, ...],
+            timeout: timedelta) -> None:
     # Lightning sees an externally launched process (like torchrun) and reuses the initialised group.
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_processes(world_size: int, tmp_path: Path, fn: Callable[..., Any], *args: Any) -> None:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; any rank's exception fails the caller.
+def run_processes(world_size: int, tmp_path: Path, fn: Callable[..., Any], *args: Any,
+                  timeout: timedelta = timedelta(seconds=120)) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; any rank's exception fails the caller, and a
+    collective that waits longer than ``timeout`` (a deadlock) fails its rank.
 
     The forkserver start method (where available) forks workers from a server that imported the test modules once,
     instead of re-importing torch and Lightning in every worker.
@@ -33,6 +36,6 @@ def run_processes(world_size: int, tmp_path: Path, fn: Callable[..., Any], *args
     if method == "forkserver":
         mp.get_context("forkserver").set_forkserver_preload(["lightning_longshield"])
     mp.start_processes(
-        _worker, args=(world_size, str(tmp_path / "store"), fn, args), nprocs=world_size, join=True,
+        _worker, args=(world_size, str(tmp_path / "store"), fn, args, timeout), nprocs=world_size, join=True,
         start_method=method,
     )

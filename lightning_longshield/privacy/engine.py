@@ -96,6 +96,7 @@ class DPSGDEngine:
         self.last_per_sample_norms: Optional[torch.Tensor] = None
         self.last_held_bytes = 0
         self.last_bookkept_bytes = 0
+        self.padding = False  # the current micro-batch is padding: its contribution is exactly zero
         self.observer = DPStepObserver()
         self.per_layer: Optional[PerLayerClipper] = None
         self.fused_weights: list[str] = []
@@ -105,7 +106,7 @@ class DPSGDEngine:
             self.exchange.deliver_each_parameter(self._clip_layers, self.capture.uses)
             context_parallel = type(self.exchange) is not LocalExchange or bool(self.exchange.shards)
             if use_fused_kernel(per_layer_kernel, self.device, context_parallel):
-                self.fused_weights = self.capture.fuse_linear_weights(self.per_layer.clip_linear)
+                self.fused_weights = self.capture.fuse_linear_weights(self._clip_linear)
 
     @property
     def device(self) -> torch.device:
@@ -125,8 +126,17 @@ class DPSGDEngine:
             assert self.projection_key is not None
             self.norm_estimate.start_step(self.projection_key, self.accountant.steps)
 
-    def prepare_microbatch(self, batch_size: int) -> None:
-        """Before a micro-batch's forward: the exchange decides whether its backward needs per-sample capture."""
+    def prepare_microbatch(self, batch_size: int, padding: bool = False) -> None:
+        """Before a micro-batch's forward: the exchange decides whether its backward needs per-sample capture.
+
+        ``padding``: a zero-weight micro-batch, run only so that this rank issues the collectives of one more
+        micro-batch (FSDP2 over every rank while its data-parallel group drew fewer samples than another). Its
+        backward takes the same path as a real one (every collective, in the same order), but its contribution to
+        the clipped sum is exactly zero: its clip factors are 0 (flat clipping; the sums drop inf and NaN at factor
+        0) or its per-sample gradients are zeroed before clipping (per-layer), and ``last_per_sample_norms`` keeps
+        the last real micro-batch's norms.
+        """
+        self.padding = padding
         self.observer.microbatch_started()
         self.capture.start_microbatch(batch_size)
         if self.per_layer is not None:
@@ -153,11 +163,14 @@ class DPSGDEngine:
             bookkept = bookkeeper.squared_norms(batch_size, device)
             squared_norms, rounding = squared_norms + bookkept.squared, bookkept.rounding
         factors = clip_factors(squared_norms, self.max_grad_norm, rounding=rounding)
+        if self.padding:
+            factors = torch.zeros_like(factors)
         self.accumulator.add(self.exchange.local_part(grad_samples), factors)
         if bookkeeper is not None:
             self.accumulator.add_sums(bookkeeper.clipped_sums(factors))
         self.observer.clipped_sums(self.accumulator.sums.values())
-        self.last_per_sample_norms = squared_norms.sqrt()
+        if not self.padding:
+            self.last_per_sample_norms = squared_norms.sqrt()
 
     def _accumulate_per_layer(self) -> None:
         """Per-layer clipping: the captured layers were clipped during backward; a one-sample micro-batch's ``.grad``
@@ -169,13 +182,21 @@ class DPSGDEngine:
         else:
             self.last_held_bytes = self.exchange.peak_held_bytes
         assert self.per_layer is not None
-        self.last_per_sample_norms = self.per_layer.squared_norms.sqrt()
+        if not self.padding:
+            self.last_per_sample_norms = self.per_layer.squared_norms.sqrt()
 
     def _clip_layers(self, grad_samples: dict[str, torch.Tensor]) -> None:
         assert self.per_layer is not None
         self.observer.microbatch_gradients(grad_samples.values())
+        if self.padding:  # norms 0, factors 1: adds exactly zero, through every collective of a real micro-batch
+            for grad in grad_samples.values():
+                grad.zero_()
         self.per_layer.clip(grad_samples)
         self.observer.clipped_sums(self.accumulator.sums.values())
+
+    def _clip_linear(self, name: str, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
+        assert self.per_layer is not None
+        self.per_layer.clip_linear(name, activation, torch.zeros_like(grad_output) if self.padding else grad_output)
 
     def per_sample_methods(self) -> dict[str, str]:
         """How each trainable parameter got its per-sample norm in the last captured micro-batch: ``"ghost"`` (Gram
