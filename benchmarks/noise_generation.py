@@ -30,7 +30,6 @@ from lightning_longshield.privacy.randomness import SecretKey, derive_seed, stan
 from simulate.specs import get_model_spec
 
 
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -78,8 +77,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     results: dict[str, Any] = {}
     for params in args.params or [get_model_spec(name).num_parameters for name in ("tiny", "llama3.2-1b")]:
         sizes = tensor_sizes(params, args.tensor_elements)
-        seeded = best_of(args.repeats, lambda: one_step_seeded(sizes, device), device)
-        keyed = best_of(args.repeats, lambda: one_step_keyed(sizes, device, key), device)
+        seeded = best_of(args.repeats, lambda sizes=sizes: one_step_seeded(sizes, device), device)
+        keyed = best_of(args.repeats, lambda sizes=sizes: one_step_keyed(sizes, device, key), device)
         results[str(params)] = {"seeded_32bit_s": seeded, "keyed_s": keyed, "keyed_over_seeded": keyed / seeded}
     secure = best_of(args.repeats, lambda: secure_gaussians(secrets.token_bytes(32), args.secure_elements, device),
                      device)

@@ -27,7 +27,8 @@ def test_inclusion_rate_and_epoch_length():
 def test_data_parallel_groups_are_disjoint_and_cover_the_draw():
     whole = list(PoissonBatchSampler(100, 0.3, randomness=SecretKey.from_seed(7)))
     parts = [
-        list(PoissonBatchSampler(100, 0.3, randomness=SecretKey.from_seed(7), data_parallel_rank=g, data_parallel_size=3))
+        list(PoissonBatchSampler(100, 0.3, randomness=SecretKey.from_seed(7), data_parallel_rank=g,
+                                 data_parallel_size=3))
         for g in range(3)
     ]
     for k, batch in enumerate(whole):

@@ -11,8 +11,8 @@ from lightning.pytorch.callbacks import Callback
 from helpers import RandomTokens, loader, make_module, make_trainer, reference_dp_sgd, samples, small_config, whole
 from lightning_longshield import LongShieldStrategy
 from lightning_longshield.privacy import GaussianNoise
-from lightning_longshield.privacy.randomness import SecretKey
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
+from lightning_longshield.privacy.randomness import SecretKey
 
 
 class RecordGradients(Callback):

@@ -16,12 +16,12 @@ class PoissonBatchSampler(Sampler[list[int]]):
     """Each batch includes every dataset index independently with probability ``sample_rate``.
 
     Draw ``k`` (the ``k``-th DP step of the run) compares the uniforms of draw ``k`` keyed by ``randomness`` (a
-    secret key shared by all processes; a SHAKE-256 stream, see `privacy.randomness`) with the rate: every process draws the same Bernoulli
-    mask, and the sampler starts at ``first_draw = steps done`` however far the DataLoader prefetched before a
-    checkpoint. Which samples were drawn is as secret as the noise: privacy amplification by sampling needs it.
-    Data-parallel group ``g`` of ``D`` keeps the selected indices at positions ``g, g + D, ...`` of the selection,
-    so the groups' batches are disjoint and together form one Poisson sample. Batches may be empty. An epoch has
-    ``round(1 / sample_rate)`` batches, the expected number of steps to visit every sample once.
+    secret key shared by all processes; a SHAKE-256 stream, see `privacy.randomness`) with the rate: every process
+    draws the same Bernoulli mask, and the sampler starts at ``first_draw = steps done`` however far the DataLoader
+    prefetched before a checkpoint. Which samples were drawn is as secret as the noise: privacy amplification by
+    sampling needs it. Data-parallel group ``g`` of ``D`` keeps the selected indices at positions ``g, g + D, ...``
+    of the selection, so the groups' batches are disjoint and together form one Poisson sample. Batches may be
+    empty. An epoch has ``round(1 / sample_rate)`` batches, the expected number of steps to visit every sample once.
     """
 
     def __init__(
