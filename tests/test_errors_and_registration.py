@@ -101,6 +101,17 @@ def test_unsupported_layer_is_refused_before_training():
     assert all(torch.equal(v, before[k]) for k, v in full_state(module).items())
 
 
+def test_embedding_with_max_norm_is_refused_before_training():
+    """nn.Embedding(max_norm=...) would renormalise the sampled batch's rows in place, without noise: refused before
+    the first forward, the weights untouched."""
+    module = make_module(small_config(n_layers=1))
+    module.model.tok_embeddings.max_norm = 0.01
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=r"model.tok_embeddings \(max_norm=0.01\).*without max_norm"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
+    assert all(torch.equal(v, before[k]) for k, v in full_state(module).items())
+
+
 def test_empty_dataset_is_refused():
     with pytest.raises(ValueError, match="training dataset is empty"):
         fit(LongShieldStrategy(noise_multiplier=1.0), data=DataLoader(RandomTokens(size=0), batch_size=2))

@@ -197,6 +197,33 @@ def test_each_sample_contributes_at_most_the_clipping_bound():
         assert contribution <= CLIP
 
 
+def test_book_kept_contributions_with_subnormal_factors_stay_within_c():
+    """4096 tokens whose inputs and output gradients have row norms ~1.8e19 (fp32's largest finite row norm) and
+    C = 1e-3: the factor C / ||G^T A|| (~1e-45) is an fp32 subnormal. Rounded to fp32 and handed to the fp64
+    book-kept sum, it gave contributions of up to 1.86 C; book-kept factors are fp64, rounded toward zero."""
+    max_grad_norm, tokens, width = 1e-3, 4096, 2
+    generator = torch.Generator().manual_seed(0)
+    for scale in (1.0, 0.43, 0.31, 0.77):
+        layer = nn.Linear(width, width, bias=False)
+        engine = DPSGDEngine(layer, max_grad_norm, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
+                             per_sample="ghost")
+        engine.begin_logical_batch()
+        # Sample 0: every token alike (norms add up); sample 1: zeros, so the sums are sample 0's contribution.
+        row = 1.8e19 / width**0.5 * torch.sign(torch.randn(width, generator=generator))
+        inputs = torch.zeros(2, tokens, width)
+        inputs[0] = row * scale
+        grad_outputs = torch.zeros(2, tokens, width)
+        grad_outputs[0] = row.flip(0)
+        engine.prepare_microbatch(2)
+        layer(inputs).backward(grad_outputs)
+        engine.accumulate_microbatch(2)
+        assert engine.last_per_sample_norms[0] > 1e41 * max_grad_norm  # an fp32-subnormal factor
+        assert engine.per_sample_methods() == {"weight": "ghost"}
+        contribution = torch.cat([t.flatten() for t in engine.accumulator.sums.values()]).double().norm()
+        assert contribution <= max_grad_norm, (contribution / max_grad_norm).item()
+        assert contribution >= max_grad_norm * (1 - 1e-4)
+
+
 @pytest.mark.parametrize("per_sample", ["ghost", "mixed"])
 @pytest.mark.parametrize("micro_batch_size", [1, 2])
 def test_training_matches_per_sample_loop(per_sample, micro_batch_size):

@@ -64,6 +64,23 @@ def test_unsupported_layers_are_listed():
     PerSampleGradCapture(model)  # frozen layers need no per-sample gradients
 
 
+@pytest.mark.parametrize("per_sample", ["materialize", "ghost", "mixed"])
+@pytest.mark.parametrize("option", [{"max_norm": 1.0}, {"scale_grad_by_freq": True}], ids=["max_norm", "freq"])
+def test_embedding_options_outside_dp_sgd_are_refused_on_every_path(per_sample, option):
+    """max_norm renormalises the looked-up rows in place, without noise (the released weights would depend on the
+    private batch); scale_grad_by_freq mixes samples' gradients. Both are refused when the capture is built, before
+    anything runs, whatever the per-sample method; a frozen embedding with max_norm too (its rows are released)."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, **option), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"0 \(.*\).*Construct the embeddings without max_norm and scale_grad_by_freq"):
+        PerSampleGradCapture(model, per_sample=per_sample)
+    model[0].requires_grad_(False)
+    if "max_norm" in option:
+        with pytest.raises(ValueError, match=r"0 \(max_norm=1.0\)"):
+            PerSampleGradCapture(model, per_sample=per_sample)
+    else:  # a frozen embedding's gradient is never formed
+        PerSampleGradCapture(model, per_sample=per_sample)
+
+
 def test_hooks_are_removable():
     model = Llama(small_config())
     capture = PerSampleGradCapture(model)

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 from helpers import RandomTokens, loader, make_module, make_trainer, small_config
 from lightning_longshield import CausalLMModule, LongShieldStrategy
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
-from lightning_longshield.privacy.clipping import clip_factors, per_sample_squared_norms
+from lightning_longshield.privacy.clipping import CLIP_MARGIN, clip_factors, per_sample_squared_norms
 from lightning_longshield.privacy.randomness import SecretKey
 
 # ----------------------------------------------------------------------------------------------- checkpoints
@@ -195,6 +195,39 @@ def test_norms_of_large_gradients_are_within_the_clip_margin(dtype):
     if dtype == torch.float32:  # not vacuous: the single reduction breaks the margin (CPU, this torch)
         whole = torch.stack(torch._foreach_norm(list(grad), 2)).double().square()
         assert ((whole - reference).abs() / reference).max() > 2.0**-18
+
+
+def test_clip_factors_never_round_up_in_the_subnormal_range():
+    """A factor ``C' / ||g||`` in fp32's subnormal range (norms above about 1e38 C) rounded to nearest is off by up to
+    2x: fp32 and fp64 factors are rounded toward zero, never above the fp64 quotient ``C' / ||g||``."""
+    max_grad_norm = 1e-3
+    generator = torch.Generator().manual_seed(0)
+    norms = torch.logspace(38, 45, 4001, dtype=torch.float64) * (1 + torch.rand(4001, generator=generator,
+                                                                               dtype=torch.float64))
+    squared = norms.square()
+    bound = max_grad_norm * (1 - CLIP_MARGIN)
+    exact = torch.clamp(bound / squared.sqrt(), max=1.0)
+    fp32 = clip_factors(squared, max_grad_norm)
+    assert fp32.dtype == torch.float32 and (fp32.double() <= exact).all()
+    assert (fp32 < torch.finfo(torch.float32).tiny).sum() > 1000 and (fp32 > 0).sum() > 1000  # subnormal cases
+    fp64 = clip_factors(squared, max_grad_norm, dtype=torch.float64)
+    assert fp64.dtype == torch.float64 and (fp64 <= exact).all() and (fp64 >= exact * (1 - 1e-15)).all()
+    per_layer = clip_factors(squared.expand(2, -1), torch.tensor([[max_grad_norm], [2 * max_grad_norm]],
+                                                                 dtype=torch.float64))
+    assert (per_layer[0].double() <= exact).all() and (per_layer[1].double() <= 2 * exact).all()
+
+
+def test_materialised_contributions_with_subnormal_factors_are_at_most_c():
+    """Per-sample gradients of norms 4e16 to 8e18 (finite fp32 squares) against C = 1e-26: factors from 1.3e-45 to
+    2e-43, fp32 subnormals. Rounded to nearest, half the samples contributed more than C, up to 1.27 C."""
+    generator = torch.Generator().manual_seed(0)
+    batch, max_grad_norm = 256, 1e-26
+    scales = 10 ** (16 + 2 * torch.rand(batch, 1, generator=generator, dtype=torch.float64))
+    grad_samples = {"w": (scales * (1 + torch.rand(batch, 16, generator=generator, dtype=torch.float64))).float()}
+    factors = clip_factors(per_sample_squared_norms(grad_samples.values(), batch), max_grad_norm)
+    assert (factors < torch.finfo(torch.float32).tiny).all() and (factors > 0).all()
+    norms = contribution_norms(grad_samples, max_grad_norm)
+    assert (norms <= max_grad_norm).all(), (norms.max() / max_grad_norm).item()
 
 
 class PairsWithSilentPartner(Dataset):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_longshield.privacy.clipping import zero_non_finite_
+from lightning_longshield.privacy.clipping import factors_toward_zero, zero_non_finite_
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.shards import ParamShard, local_tensor
 
@@ -52,11 +52,12 @@ class ClippedGradientSum:
         forms issues fewer ops: a sample at a time over all parameters (2 ops per sample: many parameters, as
         in flat clipping), or a parameter at a time over all samples (3 ops per fp32 parameter: few parameters, as in
         per-layer clipping). The per-sample buffers are consumed: they belong to this micro-batch and die here. A
-        sample with factor 0 adds exactly zero even where its gradient holds inf or NaN (`clip_factors`).
+        sample with factor 0 adds exactly zero even where its gradient holds inf or NaN (`clip_factors`). fp64
+        factors are rounded to fp32 toward zero, never up (`factors_toward_zero`).
         """
         if not grad_samples:
             return
-        factors = factors.float()
+        factors = factors_toward_zero(factors)
         if 3 * len(grad_samples) < 2 * factors.shape[0] and all(
             grad.dtype == torch.float32 for grad in grad_samples.values()
         ):

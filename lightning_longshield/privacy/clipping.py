@@ -8,9 +8,10 @@ from typing import Optional
 import torch
 
 # Clipped gradients are scaled to C * (1 - CLIP_MARGIN) rather than C: the margin absorbs the rounding of the
-# per-sample norms (blocked, below 2^-19 relative: see NORM_BLOCK) and of the fp32 factor and product (2^-24 each), so
-# every sample's contribution to the clipped sum, as computed, has norm <= C in every precision. The effect on the
-# update is a relative 4e-6, far below any training signal.
+# per-sample norms (blocked, below 2^-19 relative: see NORM_BLOCK) and of the fp32 product (2^-24), so every sample's
+# contribution to the clipped sum, as computed, has norm <= C in every precision. The factor itself is rounded toward
+# zero (`clip_factors`, `factors_toward_zero`), never up: a relative margin cannot absorb the rounding of a factor in
+# the subnormal range, which is up to 2x. The effect on the update is a relative 4e-6, far below any training signal.
 CLIP_MARGIN = 2.0**-18
 
 
@@ -72,8 +73,15 @@ def clip_factors(
     max_grad_norm: float | torch.Tensor,
     margin: float = CLIP_MARGIN,
     rounding: Optional[torch.Tensor] = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """fp32 ``min(1, C' / ||g_i||)`` per sample with ``C' = C (1 - margin)``: clipped norms are at most ``C``.
+    """``min(1, C' / ||g_i||)`` per sample with ``C' = C (1 - margin)``, in ``dtype`` (fp32, or fp64 for book-kept
+    sums, which scale in fp64): clipped norms are at most ``C``.
+
+    Every factor is rounded toward zero, never up: the quotient is formed in fp64 and stepped down one unit in the
+    last place (round-to-nearest is within half of one, also among subnormals), and the fp32 factor is the largest
+    fp32 value not above that (`factors_toward_zero`). A factor in fp32's subnormal range (a norm above about
+    ``10^38 C``) rounded to nearest could be up to twice the exact one, far beyond what ``margin`` absorbs.
 
     ``max_grad_norm`` may be a tensor broadcasting against ``squared_norms`` (per-layer bounds). ``rounding``: per
     sample, a bound on how far what is added for a sample can be from ``c_i g_i`` per unit factor (book-kept sums);
@@ -84,12 +92,26 @@ def clip_factors(
     product exactly zero even where the gradient holds inf or NaN (`zero_non_finite_`), so one sample cannot turn
     the released sum into NaN, an event the noise would not cover.
     """
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"Clip factors are fp32 or fp64, not {dtype}.")
     norms = squared_norms.double().sqrt()
     if rounding is not None:
         norms = norms + rounding
     bound = max_grad_norm * (1 - margin)
-    factors = torch.where(norms <= bound, torch.ones_like(norms), bound / norms)  # bound / inf = 0
-    return factors.nan_to_num_(nan=0.0).float()
+    quotients = (bound / norms).nan_to_num_(nan=0.0)  # bound / inf = 0
+    quotients = torch.nextafter(quotients, torch.zeros_like(quotients))  # toward zero: at most the exact quotient
+    factors = torch.where(norms <= bound, torch.ones_like(norms), quotients).nan_to_num_(nan=0.0)
+    return factors if dtype == torch.float64 else factors_toward_zero(factors)
+
+
+def factors_toward_zero(factors: torch.Tensor) -> torch.Tensor:
+    """fp32 ``factors`` (non-negative) with every value rounded toward zero: the largest fp32 value at most the given
+    one (fp64 or fp32). A plain conversion rounds to nearest, which for a subnormal can double the value."""
+    if factors.dtype == torch.float32:
+        return factors
+    rounded = factors.float()
+    above = rounded.double() > factors
+    return torch.where(above, torch.nextafter(rounded, torch.zeros_like(rounded)), rounded)
 
 
 def zero_non_finite_(tensor: torch.Tensor) -> torch.Tensor:

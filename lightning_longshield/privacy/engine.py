@@ -162,7 +162,8 @@ class DPSGDEngine:
             self.last_bookkept_bytes = bookkeeper.held_bytes()
             bookkept = bookkeeper.squared_norms(batch_size, device)
             squared_norms, rounding = squared_norms + bookkept.squared, bookkept.rounding
-        factors = clip_factors(squared_norms, self.max_grad_norm, rounding=rounding)
+        # fp64: book-kept sums scale in fp64; the materialised path rounds them to fp32 toward zero.
+        factors = clip_factors(squared_norms, self.max_grad_norm, rounding=rounding, dtype=torch.float64)
         if self.padding:
             factors = torch.zeros_like(factors)
         self.accumulator.add(self.exchange.local_part(grad_samples), factors)

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lightning_longshield.privacy.clipping import factors_toward_zero
+
 BLOCK_OUT = 64
 BLOCK_IN = 64  # = clipping.NORM_BLOCK: the fp32 row sums of squares are that long
 BLOCK_TOKENS = 32
@@ -118,7 +120,7 @@ def add_clipped_linear_sum(
     a, g, precision = _operands(activation, grad_output)
     batch, tokens, n_in = a.shape
     n_out = g.shape[-1]
-    factors = factors.to(device=g.device, dtype=torch.float32).contiguous()
+    factors = factors_toward_zero(factors).to(device=g.device).contiguous()  # fp32, never rounded up
     grid = (triton.cdiv(n_out, BLOCK_OUT), triton.cdiv(n_in, BLOCK_IN))
     _clipped_sum_kernel[grid](a, g, factors, out, batch, tokens, n_out, n_in, *a.stride(), *g.stride(), *out.stride(),
                               BLOCK_OUT=BLOCK_OUT, BLOCK_IN=BLOCK_IN, BLOCK_TOKENS=BLOCK_TOKENS, PRECISION=precision)

@@ -131,15 +131,18 @@ class Use:
     def clipped_sum(self, factors: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``sum_i factors[i] * left_i^T right_i`` added into ``out`` (fp32, the weight's shape; zeros when not given).
 
-        A linear use is summed over the tokens in fp64, a block of output rows at a time; an embedding use adds, per
-        sample, its rows summed by token in fp64 (`deduplicated_rows`), each rounded to fp32 once.
+        ``factors`` are used in fp64 (give them in fp64, `clip_factors` with ``dtype=torch.float64``: an fp32 factor
+        in the subnormal range is off by up to 2x). A linear use is summed over the tokens in fp64, a block of output
+        rows at a time; an embedding use adds, per sample, its rows summed by token in fp64 (`deduplicated_rows`) and
+        scaled in fp64, each rounded to fp32 once.
         """
         width = self.right.shape[-1]
         if out is None:
             out = torch.zeros(self.rows, width, dtype=torch.float32, device=self.right.device)
         if self.is_lookup:
+            row_factors = factors.double()
             for table_rows, rows, samples in deduplicated_rows(self.left, self.right):
-                out.index_add_(0, table_rows, zero_non_finite_(rows.float() * factors[samples, None].float()))
+                out.index_add_(0, table_rows, zero_non_finite_(rows.mul_(row_factors[samples, None]).float()))
             return out
         left, right = self.left.flatten(0, 1), self.right.flatten(0, 1)
         row_factors = factors.double().repeat_interleave(self.tokens)
@@ -441,8 +444,8 @@ class BookKeeper:
 
     def clipped_sums(self, factors: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's part of every book-kept parameter's clipped sum (fp32), one parameter at a time; forgets each
-        parameter's book-kept tensors once its sum is formed."""
-        factors = factors.float()
+        parameter's book-kept tensors once its sum is formed. ``factors`` are used in fp64 (see `Use.clipped_sum`)."""
+        factors = factors.double()
         while self.uses:
             name, uses = self.uses.popitem()
             total = uses[0].clipped_sum(factors)

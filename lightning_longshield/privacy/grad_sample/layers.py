@@ -46,7 +46,9 @@ def trainable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def check_supported_layers(model: nn.Module) -> None:
-    """Raise a `TypeError` listing every trainable layer whose per-sample gradient cannot be computed."""
+    """Raise a `TypeError` listing every trainable layer whose per-sample gradient cannot be computed, and a
+    `ValueError` for embeddings whose options break the guarantee (`check_embedding_options`)."""
+    check_embedding_options(model)
     unsupported = [
         f"{name or '<root>'} ({type(module).__name__})"
         for name, module in trainable_layers(model)
@@ -59,4 +61,33 @@ def check_supported_layers(model: nn.Module) -> None:
             + "; ".join(unsupported)
             + f". Supported layer types: {supported}. Freeze these layers (requires_grad=False) or rebuild them from"
             " the supported types."
+        )
+
+
+def check_embedding_options(model: nn.Module) -> None:
+    """Raise a `ValueError` naming every ``nn.Embedding`` built with an option that DP-SGD cannot cover.
+
+    ``max_norm``: the forward renormalises, in place and without noise, the table rows of the tokens it looks up, so
+    the released weights would depend on the sampled private batch outside the mechanism; this holds for a frozen
+    embedding too (its weights are released with the model). ``scale_grad_by_freq`` (trainable embeddings): the
+    gradient is divided by token counts over the whole micro-batch, mixing samples, so no per-sample gradient exists.
+    """
+    problems = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Embedding):
+            continue
+        options = []
+        if module.max_norm is not None:
+            options.append(f"max_norm={module.max_norm}")
+        if module.scale_grad_by_freq and module.weight.requires_grad:
+            options.append("scale_grad_by_freq=True")
+        if options:
+            problems.append(f"{name or '<root>'} ({', '.join(options)})")
+    if problems:
+        raise ValueError(
+            "DP-SGD cannot train with these embeddings: " + "; ".join(problems) + ". max_norm renormalises the rows"
+            " of the sampled batch's tokens in place, without noise (a change to the released model that depends on"
+            " the private batch); scale_grad_by_freq scales gradients by token counts over the whole micro-batch"
+            " (no per-sample gradient). Construct the embeddings without max_norm and scale_grad_by_freq (e.g."
+            " nn.Embedding(num_embeddings, dim))."
         )
