@@ -7,10 +7,12 @@ The model is loaded from ``--model-dir`` (``config.json`` + safetensors; its tok
 ``.jsonl`` line's ``text`` is one document, and ``--privacy-unit`` says what the guarantee protects: one document
 (truncated to ``--seq-len`` tokens) or one ``--seq-len``-token sequence of concatenated documents. Logical batches
 are Poisson-sampled, the noise is calibrated to ``--target-epsilon`` over ``--max-steps``, and only the LoRA
-adapters train when ``--lora-rank`` > 0. The script prints the guarantee with its privacy unit and the validation
-perplexity on held-out documents, then exports the model (adapters merged) to ``--export-to`` as a Hugging Face
-directory. Without ``--model-dir`` it writes a tiny random Llama (BPE tokenizer trained on the standard library's
-source) and a ``.jsonl`` of standard-library files under ``--work-dir``; that run takes a few minutes on 2 CPU cores.
+adapters train when ``--lora-rank`` > 0. The script prints the guarantee with its privacy unit and, given public
+validation documents (``--val-data``; the validation loss is released without noise, so never hold out private
+documents for it), the validation perplexity on them, then exports the model (adapters merged) to ``--export-to`` as
+a Hugging Face directory. Without ``--model-dir`` it writes a tiny random Llama (BPE tokenizer trained on the standard
+library's source), a ``.jsonl`` of standard-library files to train on and one of other standard-library files to
+validate on under ``--work-dir``; that run takes a few minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model-dir", type=Path, help="local Hugging Face Llama directory (default: a tiny demo)")
     parser.add_argument("--data", type=Path, nargs="+", help=".jsonl/.txt/.parquet files (default: demo text)")
+    parser.add_argument("--val-data", type=Path, nargs="+",
+                        help="public validation files, released un-noised (default: demo text with the demo data,"
+                             " else no validation)")
     parser.add_argument("--text-field", default="text", help="the text field of .jsonl/.parquet records")
     parser.add_argument("--privacy-unit", choices=("document", "sequence"), default="document")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
@@ -55,33 +60,39 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def demo_inputs(work_dir: Path, max_files: int = 120) -> tuple[Path, Path]:
-    """A tiny random Llama with a tokenizer, and a .jsonl with one standard-library file per line."""
-    sources = [p for p in python_stdlib_sources() if 2_000 < p.stat().st_size < 40_000][:max_files]
+def demo_inputs(work_dir: Path, max_files: int = 120, val_files: int = 12) -> tuple[Path, Path, Path]:
+    """A tiny random Llama with a tokenizer, a .jsonl with one standard-library file per line to train on, and one
+    of other (public) standard-library files to validate on."""
+    sources = [p for p in python_stdlib_sources() if 2_000 < p.stat().st_size < 40_000][:max_files + val_files]
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in sources]
-    data = work_dir / "stdlib.jsonl"
-    if not data.exists():
-        work_dir.mkdir(parents=True, exist_ok=True)
-        data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    texts, val_texts = texts[:max_files], texts[max_files:]
+    work_dir.mkdir(parents=True, exist_ok=True)
+    data, val_data = work_dir / "stdlib.jsonl", work_dir / "stdlib_val.jsonl"
+    for path, part in ((data, texts), (val_data, val_texts)):
+        if not path.exists():
+            path.write_text("".join(json.dumps({"text": text}) + "\n" for text in part))
     model_dir = work_dir / "tiny-llama"
     if not (model_dir / "config.json").exists():
         write_demo_llama(model_dir, texts)
-    return model_dir, data
+    return model_dir, data, val_data
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
-    model_dir, data_files = args.model_dir, args.data
+    model_dir, data_files, val_files = args.model_dir, args.data, args.val_data
     if model_dir is None or data_files is None:
-        demo_model, demo_data = demo_inputs(args.work_dir)
+        demo_model, demo_data, demo_val = demo_inputs(args.work_dir)
+        if data_files is None and val_files is None:
+            val_files = [demo_val]
         model_dir, data_files = model_dir or demo_model, data_files or [demo_data]
     if args.prepare_only:
-        print(f"Wrote {model_dir} and {data_files[0]}")
+        print(f"Wrote {model_dir} and {', '.join(str(path) for path in [*data_files, *(val_files or [])])}")
         return
     tokenizer = str(model_dir) if (model_dir / "tokenizer_config.json").exists() else None
     data = LocalTextDataModule(
         data_files=[str(path) for path in data_files], text_field=args.text_field, tokenizer=tokenizer,
-        seq_len=args.seq_len, batch_size=args.batch_size, privacy_unit=args.privacy_unit, val_fraction=0.1,
+        seq_len=args.seq_len, batch_size=args.batch_size, privacy_unit=args.privacy_unit,
+        val_files=None if val_files is None else [str(path) for path in val_files],
         val_batch_size=args.micro_batch_size, cache_dir=str(args.work_dir / "cache"),
     )
     data.setup("fit")
@@ -96,14 +107,15 @@ def main(argv: Optional[list[str]] = None) -> None:
                         check_val_every_n_epoch=None, val_check_interval=args.max_steps, log_every_n_steps=5)
     warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\).*")  # Lightning 2.6 on torch 2.13
     trainer.fit(module, datamodule=data)
-    (metrics,) = trainer.validate(module, datamodule=data, verbose=False)
 
     trained = "LoRA adapters" if lora else "all weights"
     print(strategy.privacy.describe_guarantee(data.describe_privacy_unit()))
     print(f"Trained: {trained} ({sum(p.numel() for p in module.parameters() if p.requires_grad):,} parameters)"
           f" of {model_dir}")
-    print(f"Validation perplexity: {math.exp(metrics['val_loss']):.2f} (loss {metrics['val_loss']:.3f}) on"
-          f" {len(data.val_dataset)} held-out samples")
+    if data.val_dataset is not None:
+        (metrics,) = trainer.validate(module, datamodule=data, verbose=False)
+        print(f"Validation perplexity: {math.exp(metrics['val_loss']):.2f} (loss {metrics['val_loss']:.3f}) on"
+              f" {len(data.val_dataset)} public validation samples")
     export_to = args.export_to or args.work_dir / "exported"
     module.save_pretrained(str(export_to))
     print(f"Exported (adapters merged) to {export_to}: transformers.AutoModelForCausalLM.from_pretrained loads it")

@@ -13,7 +13,9 @@ def batch_size_of(batch: Any) -> int:
     sizes: set[int] = set()
     apply_to_collection(batch, torch.Tensor, lambda t: sizes.add(t.shape[0]) if t.dim() else None)
     if len(sizes) != 1:
-        raise ValueError(f"Cannot infer the batch size: the batch's tensors have leading dimensions {sorted(sizes)}.")
+        # Sizes not quoted: under Poisson sampling a batch's size is a value of the private data.
+        raise ValueError("Cannot infer the batch size: the batch's tensors disagree on their leading (batch) dimension,"
+                         " or none has one.")
     return sizes.pop()
 
 

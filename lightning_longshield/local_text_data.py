@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Union
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_longshield.hf import require_hf
@@ -136,8 +137,12 @@ class LocalTextDataModule(L.LightningDataModule):
     - ``"document"``: one document is one sample (`PaddedDocumentDataset`), truncated to ``seq_len + 1`` tokens (the
       rest is not trained on) and padded with ``tokenizer.pad_token_id`` (else the EOS id, else 0) at -100 labels.
 
-    Validation: a public, seeded (``seed``) choice of ``val_fraction`` of the documents (at least one), for both
-    units, so no document straddles training and validation; ``val_fraction=0`` means no validation set.
+    Validation: none by default. The validation loss is logged without noise, so it must come from data that may
+    be released: pass public documents as ``val_files`` (files, globs or directories like ``data_files``, read,
+    tokenized and cut into samples the same way). ``val_fraction > 0`` instead holds out a seeded (``seed``)
+    choice of that fraction of the private documents (at least one; whole documents, for both units) and warns:
+    those documents are not trained on, so the DP guarantee, which covers the training set, does not protect them,
+    yet their un-noised validation loss is released. Use it only if the held-out documents may be disclosed.
     ``batch_size`` is the training DataLoader's batch size, which `LongShieldStrategy` uses as the expected logical
     (privacy) batch.
     """
@@ -150,8 +155,9 @@ class LocalTextDataModule(L.LightningDataModule):
         seq_len: int = 1024,
         batch_size: int = 8,
         privacy_unit: PrivacyUnit = "sequence",
-        val_fraction: float = 0.05,
+        val_fraction: float = 0.0,
         val_batch_size: Optional[int] = None,
+        val_files: Union[PathLike, Sequence[PathLike], None] = None,
         cache_dir: Optional[PathLike] = None,
         num_proc: Optional[int] = None,
         max_documents: Optional[int] = None,
@@ -169,9 +175,21 @@ class LocalTextDataModule(L.LightningDataModule):
                 raise ValueError(f"{name} must be >= 1{'' if name == 'batch_size' else ' or None'}, got {value}.")
         if not 0 <= val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1) (0: no validation set), got {val_fraction}.")
+        if val_fraction and val_files is not None:
+            raise ValueError("Pass val_files (public validation documents) or val_fraction (held out from data_files),"
+                             " not both.")
+        if val_fraction:
+            rank_zero_warn(
+                f"val_fraction={val_fraction} holds out that fraction of the private documents in data_files for"
+                " validation. Their validation loss is logged without noise, and they are not trained on, so they are"
+                " outside the training set that the DP guarantee covers: the released validation metrics are not"
+                " differentially private for those documents. Pass public validation documents as val_files=..."
+                " instead (and val_fraction=0), unless the held-out documents may be disclosed."
+            )
         if not text_field or not isinstance(text_field, str):
             raise ValueError(f"text_field must be a column name, got {text_field!r}.")
         self.files = resolve_data_files(data_files)
+        self.val_files = None if val_files is None else resolve_data_files(val_files)
         self.tokenizer = self._load_tokenizer(tokenizer)
         self.text_field, self.seq_len, self.privacy_unit = text_field, seq_len, privacy_unit
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
@@ -183,6 +201,7 @@ class LocalTextDataModule(L.LightningDataModule):
         self.train_documents: list[int] = []  # indices of documents in reading order
         self.val_documents: list[int] = []
         self._tokenized: Any = None
+        self._tokenized_val: Any = None
 
     @staticmethod
     def _load_tokenizer(tokenizer: Any) -> Any:
@@ -242,16 +261,27 @@ class LocalTextDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         self._tokenize()
+        self._tokenize_validation()
 
     def _tokenize(self) -> Any:
-        """All documents as a ``datasets.Dataset`` with one ``input_ids`` column (int32), in reading order."""
-        if self._tokenized is not None:
-            return self._tokenized
+        """All documents of ``data_files`` as a ``datasets.Dataset`` with one ``input_ids`` column (int32), in reading
+        order."""
+        if self._tokenized is None:
+            self._tokenized = self._tokenize_files(self.files, self.max_documents)
+        return self._tokenized
+
+    def _tokenize_validation(self) -> Any:
+        """The documents of ``val_files`` like `_tokenize`'s (None without ``val_files``)."""
+        if self._tokenized_val is None and self.val_files is not None:
+            self._tokenized_val = self._tokenize_files(self.val_files, None)
+        return self._tokenized_val
+
+    def _tokenize_files(self, files: list[Path], max_documents: Optional[int]) -> Any:
         datasets = require_hf("datasets")
         features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
         encode = _Encode(self.tokenizer, self.eos_token_id if self.add_eos else None)
-        parts, remaining = [], self.max_documents
-        for builder, group in itertools.groupby(self.files, key=lambda p: FORMATS[p.suffix.lower()][0]):
+        parts, remaining = [], max_documents
+        for builder, group in itertools.groupby(files, key=lambda p: FORMATS[p.suffix.lower()][0]):
             paths = [str(p) for p in group]
             raw = datasets.load_dataset(
                 builder, data_files=paths, split="train", cache_dir=self.cache_dir, num_proc=self.num_proc,
@@ -274,17 +304,13 @@ class LocalTextDataModule(L.LightningDataModule):
             ))
             if remaining == 0:
                 break
-        self._tokenized = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-        return self._tokenized
+        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_dataset is not None:
             return
-        import pyarrow.compute as pc
-
         tokenized = self._tokenize()
-        lengths = pc.list_value_length(tokenized.data.column("input_ids")).to_pylist()
-        documents = torch.tensor([i for i, n in enumerate(lengths) if n], dtype=torch.long)
+        documents = torch.tensor(_non_empty(tokenized), dtype=torch.long)
         if documents.numel() == 0:
             raise ValueError(
                 f"No text in {len(self.files)} file(s) ({self.files[0]}, ...): every document is empty. Check the"
@@ -302,6 +328,13 @@ class LocalTextDataModule(L.LightningDataModule):
         self.train_documents = sorted(order[val_count:].tolist())
         self.train_dataset = self._samples(tokenized.select(self.train_documents), "training")
         self.val_dataset = self._samples(tokenized.select(self.val_documents), "validation") if val_count else None
+        public = self._tokenize_validation()
+        if public is not None:
+            kept = _non_empty(public)
+            if not kept:
+                raise ValueError(f"No text in the {len(self.val_files)} val_files ({self.val_files[0]}, ...): every"
+                                 f" document is empty. Check the files and text_field={self.text_field!r}.")
+            self.val_dataset = self._samples(public.select(kept), "validation")
 
     def _samples(self, documents: Any, split: str) -> Dataset:
         if self.privacy_unit == "document":
@@ -311,9 +344,9 @@ class LocalTextDataModule(L.LightningDataModule):
         tokens = torch.tensor(pc.list_flatten(documents.with_format("arrow")[:].column("input_ids")).to_numpy())
         if tokens.numel() < self.seq_len + 1:
             raise ValueError(
-                f"The {split} documents hold {tokens.numel()} tokens, fewer than one window of seq_len + 1 ="
-                f" {self.seq_len + 1}: add text, lower seq_len"
-                + (", or raise val_fraction." if split == "validation" else ".")
+                f"The {split} documents hold fewer tokens than one window of seq_len + 1 = {self.seq_len + 1}: add"
+                " text, lower seq_len"
+                + (", or add validation documents." if split == "validation" else ".")
             )
         return PackedTokenDataset(tokens, self.seq_len)
 
@@ -323,7 +356,15 @@ class LocalTextDataModule(L.LightningDataModule):
         return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True)
 
     def val_dataloader(self) -> Union[DataLoader, list]:
-        """The validation DataLoader; an empty list (no validation) with ``val_fraction=0``."""
+        """The validation DataLoader; an empty list (no validation) without ``val_files`` or ``val_fraction``."""
         if self.train_dataset is None:
             raise RuntimeError("Call setup() before asking for a DataLoader.")
         return [] if self.val_dataset is None else DataLoader(self.val_dataset, batch_size=self.val_batch_size)
+
+
+def _non_empty(tokenized: Any) -> list[int]:
+    """Indices of the documents of a tokenized ``datasets.Dataset`` that hold at least one token."""
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(tokenized.data.column("input_ids")).to_pylist()
+    return [i for i, n in enumerate(lengths) if n]

@@ -27,13 +27,17 @@ warnings.filterwarnings("ignore", "You have overridden `on_before_batch_transfer
 
 def check_batch(batch: Any, vocab_size: Optional[int]) -> None:
     """Reject a batch that would crash deep inside torch: missing keys, mismatched shapes, ids outside the vocab
-    (``vocab_size=None`` skips the range checks)."""
+    (``vocab_size=None`` skips the range checks).
+
+    The errors say what is wrong without quoting values of the batch (its ids, their range, its size or sequence
+    length): the batch is a sample of the private data, and error messages end up in logs."""
     input_ids, labels, _, _ = unpack_batch(batch)
     if input_ids.shape != labels.shape or input_ids.dim() != 2:
+        found = ("labels differ in shape from input_ids" if input_ids.dim() == labels.dim() == 2
+                 else f"got a {input_ids.dim()}-D input_ids and a {labels.dim()}-D labels")
         raise ValueError(
-            f"labels must have the shape of input_ids, (batch, T); got input_ids {tuple(input_ids.shape)} and labels"
-            f" {tuple(labels.shape)}. Shift labels without dropping a position: labels[t] is the token after"
-            " input_ids[t], and the last position (or any) can be -100."
+            f"labels must have the shape of input_ids, (batch, T); {found}. Shift labels without dropping a position:"
+            " labels[t] is the token after input_ids[t], and the last position (or any) can be -100."
         )
     if input_ids.dtype.is_floating_point or labels.dtype.is_floating_point:
         raise ValueError(f"input_ids and labels must be integer tensors; got {input_ids.dtype} and {labels.dtype}.")
@@ -41,15 +45,14 @@ def check_batch(batch: Any, vocab_size: Optional[int]) -> None:
         return
     if input_ids.min() < 0 or input_ids.max() >= vocab_size:
         raise ValueError(
-            f"input_ids hold token ids in [{int(input_ids.min())}, {int(input_ids.max())}] but the model's"
-            f" vocab_size is {vocab_size}: use a tokenizer that matches the model, or a config with a larger"
-            " vocab_size."
+            f"input_ids hold token ids outside [0, vocab_size) with the model's vocab_size {vocab_size}: use a"
+            " tokenizer that matches the model, or a config with a larger vocab_size."
         )
     labelled = labels[labels != IGNORE_INDEX]
     if labelled.numel() and (labelled.min() < 0 or labelled.max() >= vocab_size):
         raise ValueError(
-            f"labels hold ids in [{int(labelled.min())}, {int(labelled.max())}] outside the model's vocab_size"
-            f" {vocab_size} (only {IGNORE_INDEX} may lie outside, to ignore a position)."
+            f"labels hold ids outside [0, vocab_size) with the model's vocab_size {vocab_size} (only {IGNORE_INDEX}"
+            " may lie outside, to ignore a position)."
         )
 
 

@@ -44,8 +44,10 @@ class Alternative:
     memory: MemoryBreakdown
     gpus: Optional[int] = None  # ``None``: the GPUs the run already has
 
-    def describe(self) -> str:
+    def describe(self, show_memory: bool = True) -> str:
         where = "" if self.gpus is None else f" on {self.gpus} GPUs (Trainer devices x num_nodes)"
+        if not show_memory:  # computed from a sequence length read from the private data
+            return f"LongShieldStrategy({', '.join(self.arguments)}){where}"
         return (
             f"LongShieldStrategy({', '.join(self.arguments)}){where}: predicted peak"
             f" {self.memory.reserved / GIB:.1f} GiB per GPU"
@@ -60,18 +62,22 @@ class PreflightResult:
     memory: MemoryBreakdown
     world_size: int
     notes: tuple[str, ...] = ()
+    #: The sequence length was read from a training sample (no public ``seq_len``): neither it nor the memory
+    #: figures computed from it are shown.
+    private_length: bool = False
 
     @property
     def fits(self) -> bool:
         return self.memory.fits
 
     def describe_run(self) -> str:
-        """The run as the planner saw it."""
+        """The run as the planner saw it (the sequence length only where it is public)."""
         cfg = self.config
+        length = "the first training sample's length" if self.private_length else f"sequence length {cfg.seq_len}"
         return (
             f"model {cfg.model_name}, method {cfg.method.name}, {self.world_size} GPU{'s' * (self.world_size != 1)},"
             f" context_parallel_size={cfg.cp_size}, micro_batch_size={cfg.micro_batch_size},"
-            f" sequence length {cfg.seq_len}, {cfg.precision.name}"
+            f" {length}, {cfg.precision.name}"
         )
 
     def peak(self) -> str:
@@ -97,21 +103,31 @@ class PreflightResult:
         """Why the run stops and what fits instead."""
         capacity = f"{self.memory.capacity / GIB:.1f} GiB capacity of the {self.config.gpu.name}"
         fix = (
-            f"Fits instead: {alternative.describe()}."
+            f"Fits instead: {alternative.describe(show_memory=not self.private_length)}."
             if alternative is not None
             else "Nothing the planner tried fits (activation checkpointing, smaller micro-batches, context-parallel"
             f" groups of up to {MAX_CP_SIZE} GPUs): shorten the sequences or use GPUs with more memory."
         )
+        if self.private_length:
+            head = [f"LongShield pre-flight: the run does not fit in GPU memory: the predicted peak exceeds the"
+                    f" {capacity}, for {self.describe_run()}.", PRIVATE_LENGTH_NOTE]
+        else:
+            head = [f"LongShield pre-flight: the run does not fit in GPU memory: {self.peak()} vs {capacity},"
+                    f" for {self.describe_run()}.", self.breakdown()]
         lines = [
-            f"LongShield pre-flight: the run does not fit in GPU memory: {self.peak()} vs {capacity},"
-            f" for {self.describe_run()}.",
-            self.breakdown(),
+            *head,
             fix,
             *self.notes,
             DISABLE_HINT,
         ]
         return "\n".join(lines)
 
+
+PRIVATE_LENGTH_NOTE = (
+    "The sequence length, the predicted peak and its breakdown are not shown: the training dataset has no public"
+    " `seq_len` attribute, so the plan uses the length of its first sample, a value of the private data. Give the"
+    " dataset a `seq_len` attribute (the configured sequence length) to plan with it and see them."
+)
 
 RANDOMIZED_CLIPPING_NOTE = (
     "Note: randomized clipping (norm_estimator) keeps every linear and embedding layer's inputs and output gradients"
@@ -164,8 +180,17 @@ def model_spec_of(config: object) -> Optional[ModelSpec]:
     return ModelSpec(**{f.name: getattr(config, f.name) for f in fields(ModelSpec)})
 
 
+def public_sequence_length(dataset: object) -> Optional[int]:
+    """The dataset's configured tokens per sample, its ``seq_len`` attribute (`PackedTokenDataset`,
+    `PaddedDocumentDataset`): a public value, which the pre-flight may log; ``None`` if it has none."""
+    seq_len = getattr(dataset, "seq_len", None)
+    return seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0 else None
+
+
 def sequence_length(dataset: object) -> Optional[int]:
-    """Tokens per training sample, from the first sample's ``input_ids`` (``None`` if samples are not such dicts)."""
+    """Tokens per training sample, from the first sample's ``input_ids`` (``None`` if samples are not such dicts).
+
+    A value of the private data: plan with it, never log it (`PreflightResult.private_length`)."""
     try:
         return len(dataset[0]["input_ids"])  # type: ignore[index]
     except (AttributeError, IndexError, KeyError, NotImplementedError, TypeError):
@@ -206,9 +231,11 @@ def predict(
     notes: tuple[str, ...] = (),
     clipping: str = "flat",
     per_layer_kernel: str = "auto",
+    private_length: bool = False,
 ) -> PreflightResult:
     """The planner's peak memory per GPU for a run of ``gpus`` processes in context-parallel groups of ``cp``
-    (``clipping``: the planner's ``"flat"`` or ``"per-layer"``; ``per_layer_kernel``: its ``"auto"`` or ``"torch"``).
+    (``clipping``: the planner's ``"flat"`` or ``"per-layer"``; ``per_layer_kernel``: its ``"auto"`` or ``"torch"``;
+    ``private_length``: ``seq_len`` was read from the data and is not to be shown, see `PreflightResult`).
 
     ``seq_len`` is rounded up to a multiple of ``2 x cp`` (the planner's load-balanced sharding needs it). ZeRO-DP+
     (``"zero-dp"``) is planned as the strategy runs it (`longshield_config`): data parallelism over all ``gpus``,
@@ -219,11 +246,11 @@ def predict(
     gpu = gpu_spec_for(gpu_name, capacity_bytes)
     if method == "zero-dp":
         config = longshield_config(model, method, 1, mbs, seq_len, precision, gpu, data_parallel=gpus)
-        return PreflightResult(config, estimate_memory(config), gpus, notes)
+        return PreflightResult(config, estimate_memory(config), gpus, notes, private_length)
     padded = -(-seq_len // (2 * cp)) * (2 * cp)
     config = longshield_config(model, method, cp, mbs, padded, precision, gpu, clipping=clipping,
                                per_layer_kernel=per_layer_kernel)
-    return PreflightResult(config, estimate_memory(config), gpus, notes)
+    return PreflightResult(config, estimate_memory(config), gpus, notes, private_length)
 
 
 def find_alternative(config: RunConfig, world_size: int) -> Optional[Alternative]:
@@ -325,10 +352,13 @@ def run_preflight(
     """The strategy's pre-flight: on CUDA, raise :class:`PreflightMemoryError` if the run will not fit; else log.
 
     Skipped (with a log line) when the module has no `LlamaConfig` ``config``, the samples have no ``input_ids``,
-    or the precision is one the planner does not model.
+    or the precision is one the planner does not model. The sequence length is the dataset's public ``seq_len``
+    attribute where it has one; else the first sample's length is used for planning but never logged, nor are the
+    memory figures computed from it (a value of the private data).
     """
     model = model_spec_of(getattr(module, "config", None))
-    seq_len = sequence_length(dataset)
+    public_length = public_sequence_length(dataset)
+    seq_len = public_length if public_length is not None else sequence_length(dataset)
     planner_precision = simulate_precision(precision)
     reason = _skip_reason(model, seq_len, planner_precision, precision)
     if reason is not None:
@@ -342,21 +372,29 @@ def run_preflight(
     run = (model, method, world_size, cp, mbs, seq_len, planner_precision)
     clipping = parallelism.clipping.replace("_", "-")  # the strategy's "per_layer" is the planner's "per-layer"
     options = dict(notes=notes, clipping=clipping,
-                   per_layer_kernel=planned_per_layer_kernel(parallelism, device, cp, world_size))
+                   per_layer_kernel=planned_per_layer_kernel(parallelism, device, cp, world_size),
+                   private_length=public_length is None)
     if not is_cuda(device):
         result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, **options)
+        prediction = "planned" if result.private_length else f"on CUDA, {result.peak()}"
         rank_zero_info(
-            f"LongShield pre-flight ({device.type}: logged, not checked): on CUDA, {result.peak()} for"
-            f" {result.describe_run()}. {result.breakdown()}{_joined(notes)}"
+            f"LongShield pre-flight ({device.type}: logged, not checked): {prediction} for"
+            f" {result.describe_run()}. {_details(result)}{_joined(notes)}"
         )
         return result
     name, capacity = device_properties(device)
     result = predict(*run, capacity, gpu_name=name, **options).check()
+    fits = "fits in" if result.private_length else f"fits, {result.peak()} of"
     rank_zero_info(
-        f"LongShield pre-flight: fits, {result.peak()} of {capacity / GIB:.1f} GiB ({name}) for"
-        f" {result.describe_run()}. {result.breakdown()}{_joined(notes)}"
+        f"LongShield pre-flight: {fits} {capacity / GIB:.1f} GiB ({name}) for {result.describe_run()}."
+        f" {_details(result)}{_joined(notes)}"
     )
     return result
+
+
+def _details(result: PreflightResult) -> str:
+    """The breakdown of the peak, or why it is not shown."""
+    return PRIVATE_LENGTH_NOTE if result.private_length else result.breakdown()
 
 
 def _joined(notes: tuple[str, ...]) -> str:

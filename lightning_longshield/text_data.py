@@ -41,12 +41,11 @@ class PackedTokenDataset(Dataset):
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}.")
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
-            raise ValueError(f"tokens must be a 1-D integer tensor, got {tokens.dtype} of shape {tuple(tokens.shape)}.")
+            raise ValueError(f"tokens must be a 1-D integer tensor, got a {tokens.dim()}-D {tokens.dtype} tensor.")
         window = seq_len + 1
         if tokens.numel() < window:
-            raise ValueError(
-                f"{tokens.numel()} tokens are fewer than one window of seq_len + 1 = {window}: use more text or a"
-                " shorter seq_len."
+            raise ValueError(  # the token count is not quoted: a value of the (private) corpus
+                f"The tokens are fewer than one window of seq_len + 1 = {window}: use more text or a shorter seq_len."
             )
         self.seq_len = seq_len
         self.windows = tokens[: tokens.numel() // window * window].long().view(-1, window)

@@ -39,12 +39,15 @@ def test_print_config_shows_the_strategy_and_lora(capsys):
 
 
 def test_lora_fine_tune_from_flags_exports_a_checkpoint_transformers_loads(tmp_path):
-    texts = [p.read_text(encoding="utf-8") for p in python_stdlib_sources() if 2_000 < p.stat().st_size < 8_000][:30]
+    texts = [p.read_text(encoding="utf-8") for p in python_stdlib_sources() if 2_000 < p.stat().st_size < 8_000][:34]
+    texts, public = texts[:30], texts[30:]  # validation on public documents, not held out from the private ones
     write_demo_llama(tmp_path / "hf", texts, vocab_size=300, hidden_size=32, intermediate_size=64)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in public))
     cli = main(["fit", "--config", str(CONFIGS / "finetune_lora.yaml"), *QUICK,
                 "--trainer.default_root_dir", str(tmp_path),
                 "--model.config", str(tmp_path / "hf"), "--data.init_args.data_files", str(tmp_path / "docs.jsonl"),
+                "--data.init_args.val_files", str(tmp_path / "val.jsonl"),
                 "--data.init_args.tokenizer", str(tmp_path / "hf"), "--data.init_args.seq_len", "64",
                 "--data.init_args.cache_dir", str(tmp_path / "cache"), "--export_to", str(tmp_path / "out")])
     assert all(".lora_" in name for name, p in cli.model.named_parameters() if p.requires_grad)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -95,9 +97,10 @@ def test_sharded_loss_pieces_sum_to_the_sample_loss() -> None:
 @pytest.mark.parametrize("seq_len, cp_size", [(6, 2), (12, 4), (10, 4)])
 def test_sequence_length_must_divide_into_2n_chunks(seq_len: int, cp_size: int) -> None:
     with pytest.raises(
-        ValueError, match=rf"T={seq_len} is not divisible by 2 x context_parallel_size = {2 * cp_size}.*Pad"
-    ):
+        ValueError, match=rf"length T is not divisible by 2 x context_parallel_size = {2 * cp_size}.*Pad"
+    ) as error:
         shard_batch({"input_ids": torch.zeros(1, seq_len, dtype=torch.long)}, 0, cp_size)
+    assert not re.search(rf"\b{seq_len}\b", str(error.value))  # the batch's length is not quoted
     with pytest.raises(ValueError, match="not divisible"):
         shard_sequence(torch.zeros(1, seq_len), 0, cp_size)
 

@@ -135,6 +135,42 @@ def test_document_split_is_seeded_disjoint_and_drops_empty_documents(texts, tmp_
     assert dm.vocab_size == 256 and dm.describe_privacy_unit().startswith("one document (a .jsonl line)")
 
 
+def test_validation_never_comes_from_the_private_documents_by_default(texts, tmp_path):
+    """The validation loss is logged without noise: by default no validation set is carved from data_files (every
+    private document is trained on), public documents come in through val_files, and val_fraction > 0 warns that
+    its held-out documents are released un-noised and outside the guarantee."""
+    data = write(tmp_path / "data", texts, "jsonl")
+    dm = LocalTextDataModule(data, seq_len=64, privacy_unit="document", cache_dir=tmp_path / "cache")
+    dm.setup("fit")
+    assert dm.val_fraction == 0 and dm.val_dataset is None and dm.val_dataloader() == []
+    assert dm.train_documents == list(range(len(texts))) and dm.val_documents == []
+
+    public = write(tmp_path / "public", texts[:3] + [""], "jsonl")  # the empty document is dropped
+    for unit in ("document", "sequence"):
+        dm = module(data, tmp_path, privacy_unit=unit, seq_len=32, val_files=public, val_batch_size=2)
+        assert dm.train_documents == list(range(len(texts))) and dm.val_documents == []
+        if unit == "document":
+            assert len(dm.val_dataset) == 3
+            for k in range(3):
+                assert_document_sample(dm.val_dataset[k], expected_tokens(texts[k], None), 32, BYTE_EOS)
+        else:
+            stream = [token for text in texts[:3] for token in expected_tokens(text, None)]
+            assert len(dm.val_dataset) == len(stream) // 33
+            assert dm.val_dataset[0]["input_ids"].tolist() == stream[:32]
+        assert len(next(iter(dm.val_dataloader()))["input_ids"]) == 2
+
+    with pytest.warns(UserWarning, match=r"(?s)val_fraction=0.2 holds out .* private documents.*logged without"
+                                         r" noise.*outside the training set that the DP guarantee covers"):
+        dm = module(data, tmp_path, privacy_unit="document", val_fraction=0.2)
+    assert len(dm.val_documents) == 2
+    with pytest.raises(ValueError, match="val_files .* or val_fraction .* not both"):
+        LocalTextDataModule(data, val_files=public, val_fraction=0.1)
+    with pytest.raises(FileNotFoundError, match="No .* files match"):
+        LocalTextDataModule(data, val_files=tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="No text in the 1 val_files"):
+        module(data, tmp_path, val_files=write(tmp_path / "blank", ["", ""], "jsonl"))
+
+
 def test_files_directories_globs_and_max_documents(texts, tmp_path):
     directory = write(tmp_path / "txt", texts[:3], "txt")
     (directory / "README.md").write_text("not data")  # a directory means its supported files only
@@ -191,7 +227,7 @@ def test_errors_name_the_fix(texts, tokenizer_dir, tmp_path):
         module(tmp_path / "numbers.jsonl", tmp_path)
     with pytest.raises(ValueError, match="No text in 1 file"):
         module(write(tmp_path / "empty", ["", ""], "jsonl"), tmp_path)
-    with pytest.raises(ValueError, match="training documents hold 7 tokens, fewer than one window"):
+    with pytest.raises(ValueError, match="training documents hold fewer tokens than one window of seq_len"):
         module(write(tmp_path / "short", ["x = 1\n"], "txt"), tmp_path)
     with pytest.raises(ValueError, match="1 document.* cannot be split .* val_fraction=0"):
         module(write(tmp_path / "one", texts[:1], "txt"), tmp_path, val_fraction=0.1)

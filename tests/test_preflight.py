@@ -139,15 +139,59 @@ def fit(strategy: LongShieldStrategy, module: L.LightningModule | None = None) -
     return module
 
 
+class PublicLengthTokens(RandomTokens):
+    """`RandomTokens` that state their configured length, as `PackedTokenDataset` and `PaddedDocumentDataset` do."""
+
+    def __init__(self, size: int, seq_len: int) -> None:
+        super().__init__(size=size, seq_len=seq_len)
+        self.seq_len = seq_len
+
+
 def test_cpu_run_logs_the_prediction_and_trains(monkeypatch):
     messages = []
     monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
     strategy = LongShieldStrategy(noise_multiplier=1.0)
-    fit(strategy)
+    module = make_module(small_config(n_layers=1))
+    make_trainer(strategy, max_steps=1).fit(module, loader(PublicLengthTokens(size=8, seq_len=16), 2))
     assert strategy.lightning_module.trainer.global_step == 1
     (message,) = [m for m in messages if "pre-flight" in m]
     assert "logged, not checked" in message and "predicted peak" in message and "sequence length 16" in message
     assert "Breakdown at the peak" in message
+
+
+class OddLengthRecords(torch.utils.data.Dataset):
+    """Samples of a distinctive length (1234 tokens) and no public ``seq_len``: a length read from the data."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.arange(1234) % 64
+        return {"input_ids": ids, "labels": ids.roll(-1)}
+
+
+def test_a_length_read_from_the_data_is_planned_with_but_never_shown(monkeypatch):
+    """Without a public ``seq_len`` the pre-flight plans with record 0's length but neither logs it nor the memory
+    figures computed from it (nor puts them in the error when the run does not fit)."""
+    from lightning_longshield.parallelize import DPParallelism
+
+    messages = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    arguments = dict(module=make_module(small_config(n_layers=1)), dataset=OddLengthRecords(),
+                     device=torch.device("cpu"), world_size=1, cp=1, mbs=2, precision="32-true",
+                     parallelism=DPParallelism())
+    result = preflight.run_preflight(**arguments)
+    (message,) = messages
+    assert "1234" not in message and "GiB" not in message and "first training sample's length" in message
+    assert "seq_len` attribute" in message
+    assert result.config.seq_len == 1234 and result.private_length  # planned with it
+
+    monkeypatch.setattr(preflight, "is_cuda", lambda device: True)
+    monkeypatch.setattr(preflight, "device_properties", lambda device: ("NVIDIA H100 80GB HBM3", GIB // 1000))
+    with pytest.raises(PreflightMemoryError) as error:
+        preflight.run_preflight(**arguments)
+    assert "1234" not in str(error.value) and "per GPU" not in str(error.value)
+    assert "does not fit" in str(error.value) and "capacity of the NVIDIA H100 80GB HBM3" in str(error.value)
 
 
 def test_randomized_clipping_is_planned_with_a_note(monkeypatch):
@@ -190,7 +234,7 @@ def test_cuda_device_that_is_too_small_stops_before_the_first_forward(monkeypatc
     forwards = []
     module.model.register_forward_pre_hook(lambda *args: forwards.append(1))
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    with pytest.raises(PreflightMemoryError, match=r"vs 1.0 GiB capacity of the NVIDIA H100 80GB HBM3"):
+    with pytest.raises(PreflightMemoryError, match=r"exceeds the 1.0 GiB capacity of the NVIDIA H100 80GB HBM3"):
         fit(LongShieldStrategy(noise_multiplier=1.0), module)
     assert forwards == []
     assert all(torch.equal(v, before[k]) for k, v in full_state(module).items())
@@ -204,4 +248,4 @@ def test_cuda_device_that_is_large_enough_trains(monkeypatch):
     strategy = LongShieldStrategy(noise_multiplier=1.0)
     fit(strategy)
     assert strategy.lightning_module.trainer.global_step == 1
-    assert any("pre-flight: fits" in m and "of 80.0 GiB" in m for m in messages)
+    assert any("pre-flight: fits in 80.0 GiB" in m for m in messages)

@@ -350,11 +350,38 @@ class Broken(Dataset):
     "kind, match",
     [
         ("short_labels", "labels must have the shape of input_ids"),
-        ("token_out_of_vocab", "input_ids hold token ids in \\[0, 64\\] but the model's vocab_size is 64"),
-        ("label_out_of_vocab", "labels hold ids .* outside the model's vocab_size 64"),
+        ("token_out_of_vocab", "input_ids hold token ids outside \\[0, vocab_size\\) with the model's vocab_size 64"),
+        ("label_out_of_vocab", "labels hold ids outside \\[0, vocab_size\\) with the model's vocab_size 64"),
     ],
 )
 def test_bad_batches_are_refused_at_the_batch_boundary(kind, match):
     strategy = LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False, target_delta=1e-3)
     with pytest.raises(ValueError, match=match):
         fit(strategy, 1, data=Broken(kind))
+
+
+def test_batch_errors_quote_no_value_of_the_batch():
+    """A batch is a sample of the private data and error messages end up in logs: the errors say what is wrong and
+    quote public values (the vocab size) but not the offending ids, their range, or the batch's size or length."""
+    from lightning_longshield.batching import batch_size_of
+    from lightning_longshield.module import check_batch
+
+    ids = torch.arange(13 * 1234).view(13, 1234) % 64
+    bad_ids = ids.clone()
+    bad_ids[3, 5], bad_ids[7, 9] = 9137, -4177
+    with pytest.raises(ValueError) as error:
+        check_batch({"input_ids": bad_ids, "labels": ids}, 64)
+    message = str(error.value)
+    assert "outside [0, vocab_size)" in message and "64" in message
+    assert not any(value in message for value in ("9137", "4177", "13", "1234"))
+    bad_labels = ids.clone()
+    bad_labels[0, 0] = 8191
+    with pytest.raises(ValueError) as error:
+        check_batch({"input_ids": ids, "labels": bad_labels}, 64)
+    assert "outside [0, vocab_size)" in str(error.value) and "8191" not in str(error.value)
+    with pytest.raises(ValueError, match="labels must have the shape of input_ids") as error:
+        check_batch({"input_ids": ids, "labels": ids[:, :-1]}, 64)
+    assert "1234" not in str(error.value) and "1233" not in str(error.value) and "13" not in str(error.value)
+    with pytest.raises(ValueError, match="Cannot infer the batch size") as error:
+        batch_size_of({"input_ids": ids, "labels": ids[:11]})
+    assert "13" not in str(error.value) and "11" not in str(error.value)

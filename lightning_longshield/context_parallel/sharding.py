@@ -22,14 +22,14 @@ def head_tail_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
 
 
 def check_shardable(seq_len: int, cp_size: int) -> None:
-    """Raise a `ValueError` naming the fix when ``seq_len`` cannot be split into ``2 * cp_size`` equal chunks."""
+    """Raise a `ValueError` naming the fix when ``seq_len`` cannot be split into ``2 * cp_size`` equal chunks (without
+    quoting ``seq_len``: a batch's length can be a value of the private data)."""
     if cp_size > 1 and seq_len % (2 * cp_size):
         multiple = 2 * cp_size
         raise ValueError(
-            f"Sequence length T={seq_len} is not divisible by 2 x context_parallel_size = {multiple}: context"
+            f"The sequence length T is not divisible by 2 x context_parallel_size = {multiple}: context"
             f" parallelism cuts every sequence into {multiple} equal chunks. Pad (labels -100) or truncate the"
-            f" sequences to a multiple of {multiple} (e.g. {seq_len + (-seq_len) % multiple}), or change"
-            " context_parallel_size."
+            f" sequences to a multiple of {multiple}, or change context_parallel_size."
         )
 
 
@@ -53,7 +53,7 @@ def unshard_sequence(shards: Sequence[torch.Tensor], cp_size: int, dim: int = 1)
     pieces: list[Optional[torch.Tensor]] = [None] * (2 * cp_size)
     for rank, shard in enumerate(shards):
         if shard.shape[dim] % 2:
-            raise ValueError(f"Shard {rank} has odd length {shard.shape[dim]} along dim {dim}; not a head-tail shard.")
+            raise ValueError(f"Shard {rank} has an odd length along dim {dim}; not a head-tail shard.")
         head, tail = head_tail_chunks(rank, cp_size)
         pieces[head], pieces[tail] = shard.chunk(2, dim=dim)
     return torch.cat(pieces, dim=dim)  # type: ignore[arg-type]
@@ -81,7 +81,7 @@ def shard_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int) -> dict[st
         raise ValueError(f"shard_batch needs 'input_ids' or 'labels' in the batch, got keys {sorted(batch)}.")
     reference = batch[key]
     if reference.dim() < 2:
-        raise ValueError(f"batch[{key!r}] must be (B, T), got shape {tuple(reference.shape)}.")
+        raise ValueError(f"batch[{key!r}] must be (B, T), got a {reference.dim()}-D tensor.")
     bsz, seq_len = reference.shape[:2]
     check_shardable(seq_len, cp_size)
     out: dict[str, Any] = {}
