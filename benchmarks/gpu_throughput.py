@@ -7,7 +7,9 @@ The grid is the one LongShield's GPU targets are stated on: ``llama3.2-1b``, bf1
 peak memory is its own; a run that runs out of memory is reported as ``"out_of_memory"``. Ratios:
 ``longshield_over_nondp`` = LongShield tokens/s / non-DP tokens/s (target >= 0.95 / 0.92 / 0.97),
 ``longshield_over_opacus`` (target >= 1.3) and ``longshield_peak_over_nondp`` (peak reserved, target <= 1.03 at
-MBS 1). Needs CUDA; ``--device cpu --preset tiny --points 64x1`` runs the same code at a toy size.
+MBS 1), and ``noise``: the per-step cost of the mechanism's keyed noise against the old seeding and secure mode's
+noise throughput (``benchmarks/noise_generation.py``). Needs CUDA; ``--device cpu --preset tiny --points 64x1`` runs
+the same code at a toy size.
 
     python benchmarks/gpu_throughput.py                 # the grid above, on cuda
 """
@@ -24,6 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dp_overhead import WorkerFailed, measure, ratio  # noqa: E402
+from noise_generation import measure_noise  # noqa: E402
+
+from simulate.specs import get_model_spec  # noqa: E402
 
 METHODS = ("nondp_lightning", "longshield", "longshield_v3", "opacus")
 DEFAULT_POINTS = ("4096x1", "4096x2", "16384x1")
@@ -89,10 +94,13 @@ def main(argv: Optional[list[str]] = None) -> None:
             "longshield_over_opacus": _ratio(runs, "longshield", "opacus", "tokens_per_s"),
             "longshield_peak_over_nondp": _ratio(runs, "longshield", "nondp_lightning", memory_key),
         })
+    # The mechanism's randomness at the preset's size: keyed default vs the old seeding, and secure mode's ChaCha20.
+    noise = measure_noise([get_model_spec(args.preset).num_parameters], torch.device(args.device),
+                          secure_elements=2**26 if args.device == "cuda" else 2**20, repeats=2)
     config = {"preset": args.preset, "accumulation": args.accumulation, "precision": args.precision,
               "warmup_steps": args.warmup, "timed_steps": args.steps, "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "torch": torch.__version__}
-    print(json.dumps({"config": config, "results": results}, indent=2))
+    print(json.dumps({"config": config, "results": results, "noise": noise}, indent=2))
 
 
 if __name__ == "__main__":

@@ -70,29 +70,34 @@ def one_step_keyed(sizes: list[int], device: torch.device, key: SecretKey) -> No
         standard_normal(generators, (size,), device)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    args = parse_args(argv)
-    device = torch.device(args.device)
+def measure_noise(params_list: list[int], device: torch.device, tensor_elements: int = 2**24,
+                  secure_elements: int = 2**24, repeats: int = 3) -> dict[str, Any]:
+    """Per-step noise time of the old seeding, the keyed default and secure mode for each model size, on ``device``."""
     key = SecretKey.fresh()
     results: dict[str, Any] = {}
-    for params in args.params or [get_model_spec(name).num_parameters for name in ("tiny", "llama3.2-1b")]:
-        sizes = tensor_sizes(params, args.tensor_elements)
-        seeded = best_of(args.repeats, lambda sizes=sizes: one_step_seeded(sizes, device), device)
-        keyed = best_of(args.repeats, lambda sizes=sizes: one_step_keyed(sizes, device, key), device)
+    for params in params_list:
+        sizes = tensor_sizes(params, tensor_elements)
+        seeded = best_of(repeats, lambda sizes=sizes: one_step_seeded(sizes, device), device)
+        keyed = best_of(repeats, lambda sizes=sizes: one_step_keyed(sizes, device, key), device)
         results[str(params)] = {"seeded_32bit_s": seeded, "keyed_s": keyed, "keyed_over_seeded": keyed / seeded}
-    secure = best_of(args.repeats, lambda: secure_gaussians(secrets.token_bytes(32), args.secure_elements, device),
-                     device)
-    secure_rate = args.secure_elements / secure
+    secure = best_of(repeats, lambda: secure_gaussians(secrets.token_bytes(32), secure_elements, device), device)
+    secure_rate = secure_elements / secure
     for params, row in results.items():
         row["secure_s_extrapolated"] = int(params) / secure_rate
         row["secure_over_keyed"] = row["secure_s_extrapolated"] / row["keyed_s"]
-    setup = best_of(20, lambda: key.generators(device, "noise", 0), device)
-    print(json.dumps({
+    return {
         "device": str(device), "threads": torch.get_num_threads(),
-        "keyed_generator_setup_s": setup,
+        "keyed_generator_setup_s": best_of(20, lambda: key.generators(device, "noise", 0), device),
         "secure_noise_gb_per_s": 4 * secure_rate / 1e9,
         "per_step": results,
-    }, indent=2))
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    params = args.params or [get_model_spec(name).num_parameters for name in ("tiny", "llama3.2-1b")]
+    print(json.dumps(measure_noise(params, torch.device(args.device), args.tensor_elements, args.secure_elements,
+                                   args.repeats), indent=2))
 
 
 if __name__ == "__main__":

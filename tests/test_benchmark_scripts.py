@@ -31,6 +31,19 @@ def test_gpu_throughput_benchmark_runs_and_reports_ratios():
     assert row["longshield"]["tokens_per_s"] > 0 and row["nondp_lightning"]["tokens_per_s"] > 0
     assert row["longshield_over_nondp"] == round(
         row["longshield"]["tokens_per_s"] / row["nondp_lightning"]["tokens_per_s"], 3)
+    noise = json.loads(result.stdout)["noise"]
+    assert noise["secure_noise_gb_per_s"] > 0 and set(noise["per_step"]) == {"3279104"}
+
+
+def test_noise_generation_benchmark_reports_the_keyed_and_secure_costs():
+    command = [sys.executable, str(BENCHMARKS / "noise_generation.py"), "--params", "100000", "300000",
+               "--secure-elements", "65536", "--repeats", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert set(report["per_step"]) == {"100000", "300000"} and report["secure_noise_gb_per_s"] > 0
+    for row in report["per_step"].values():
+        assert row["keyed_over_seeded"] == row["keyed_s"] / row["seeded_32bit_s"]
 
 
 def test_gpu_throughput_benchmark_refuses_without_cuda():
