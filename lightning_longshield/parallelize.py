@@ -87,12 +87,15 @@ def parallelize(
 ) -> LocalExchange:
     """Prepare ``module`` for DP training on its context-parallel group; returns the exchange for its layout.
 
-    The same steps at every group size (a one-rank group at CP 1, as TorchTitan applies FSDP at degree 1):
-    activation checkpointing (DP-safe, LongShield-V3); attention that all-gathers K/V over the group (the model's own
-    attention on one rank); FSDP2 sharding (`shard_with_fsdp`, with the precision's `gather_policy`) over the group,
-    or over ``sharding_mesh`` (``shard_over="all"``: every rank, in rank order, as TorchTitan's ``dp_shard_cp``;
-    `build_all_ranks_mesh`); the materialisation of a meta-device model shard by shard on ``device``; and the
-    exchange that completes per-sample gradients over the group (V1 / V2, or local when the group is one rank).
+    The same steps at every group size: activation checkpointing (DP-safe, LongShield-V3); attention that
+    all-gathers K/V over the group (the model's own attention on one rank); FSDP2 sharding (`shard_with_fsdp`, with
+    the precision's `gather_policy`) over the group, or over ``sharding_mesh`` (``shard_over="all"``: every rank, in
+    rank order, as TorchTitan's ``dp_shard_cp``; `build_all_ranks_mesh`); the materialisation of a meta-device model
+    shard by shard on ``device``; and the exchange that completes per-sample gradients over the group (V1 / V2, or
+    local when the group is one rank). Where that mesh is one rank, FSDP2 is not applied: its all-gathers and
+    reduce-scatters over one rank are copies, and AdamW over its DTensors pays the tensor subclass's dispatch (about
+    0.15 of a tiny MBS-1 step on CPU); the parameters stay plain tensors, the local exchange takes ``.grad`` and the
+    per-sample gradients as they are, as on a sharded layout's one-rank view.
     """
     if parallelism.activation_checkpointing is not False:
         apply_activation_checkpointing(module, parallelism.activation_checkpointing)
@@ -101,7 +104,10 @@ def parallelize(
         apply_context_parallel_attention(module, group)
     fsdp_mesh = sharding_mesh if sharding_mesh is not None else context_parallel_mesh
     replicas = fsdp_mesh.size() // context_parallel_mesh.size()
-    fsdp_shards = shard_with_fsdp(module, fsdp_mesh, parallelism.output_stationary, mp_policy=gather_policy(precision))
+    fsdp_shards: dict[str, ParamShard] = {}
+    if fsdp_mesh.size() > 1:
+        fsdp_shards = shard_with_fsdp(module, fsdp_mesh, parallelism.output_stationary,
+                                      mp_policy=gather_policy(precision))
     materialize_meta_parameters(module, device, fsdp_mesh.get_local_rank())
     cp_rank, cp_size = context_parallel_mesh.get_local_rank(), context_parallel_mesh.size()
     shards = {name: ParamShard(shard.dim, cp_rank, cp_size, shard.size, replicas)
