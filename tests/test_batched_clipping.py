@@ -36,14 +36,14 @@ def test_fold_issues_batched_ops():
     assert large_params > 4 * small_params
     for batch in (1, 3, 5):
         small, large = ops[1, batch][0], ops[6, batch][0]
-        for fold in (small, large):  # per sample: one scale over all parameters, and one add (the first is adopted)
-            assert fold.count("aten::_foreach_mul_") == batch
-            assert fold.count("aten::_foreach_add_") <= batch
+        for fold in (small, large):  # per sample: one scale-and-add over all parameters (or, first, a scale adopted)
+            assert fold.count("aten::_foreach_addcmul_") + fold.count("aten::_foreach_mul_") == batch
+            assert fold.count("aten::_foreach_add_") == 0
             assert not {"aten::mm", "aten::bmm", "aten::tensordot", "aten::addmm"} & set(fold)
         # norms: a fixed number of reductions per parameter tensor (blocked: see clipping.NORM_BLOCK)
         assert large.count("aten::linalg_vector_norm") <= 2 * large_params
         assert len(large) - len(small) <= 8 * (large_params - small_params)
     without_accumulation = {
-        batch: len(ops[6, batch][0]) - 2 * batch for batch in (3, 5)  # no op but the per-sample scale and add grows
+        batch: len(ops[6, batch][0]) - batch for batch in (3, 5)  # no op but the per-sample scale-and-add grows
     }
     assert without_accumulation[3] == without_accumulation[5], without_accumulation

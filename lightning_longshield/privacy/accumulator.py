@@ -45,7 +45,7 @@ class ClippedGradientSum:
 
     @torch.no_grad()
     def add(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
-        """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter, in fp32, without a host sync.
+        """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter, in fp32.
 
         Every sample's scaled gradient is formed in fp32 (a bf16 product or sum could round a clipped contribution
         above ``C``), never by a GEMM, whose TF32 or bf16 rounding could do the same. In whichever of two batched
@@ -76,15 +76,16 @@ class ClippedGradientSum:
                 self.sums[name] = total
 
     def _add_each_sample(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
-        """A sample at a time over all parameters: fp32 gradients are scaled in place by the (device) factor with one
-        `torch._foreach_mul_` and added with one `torch._foreach_add_`; lower-precision gradients are scaled and added
-        by one `torch._foreach_addcmul_`, computed in fp32 (the sums' dtype) without an fp32 copy of the sample's
-        gradient. Before the loop, inf and NaN are zeroed in each tensor (only samples with factor 0 can
-        hold them). With one sample and no sum yet, the scaled gradient (upcast if needed) becomes the sum itself."""
+        """A sample at a time over all parameters: each sample's gradients are scaled and added by one
+        `torch._foreach_addcmul_` (one pass over each tensor), computed in fp32 (the sums' dtype) without an fp32 copy
+        of a lower-precision gradient. Before the loop, inf and NaN are zeroed in each tensor if any factor is 0 (only
+        such samples can hold them; one host sync per micro-batch decides, instead of a pass over every tensor). With
+        one sample and no sum yet, the scaled gradient (upcast if needed) becomes the sum itself."""
         names = list(grad_samples)
         batch = factors.shape[0]
-        for grad in grad_samples.values():  # a sample with factor 0 may hold inf or NaN; 0 x inf would be NaN
-            zero_non_finite_(grad)
+        if _any_zero(factors):  # only a sample with factor 0 may hold inf or NaN; 0 x inf would be NaN
+            for grad in grad_samples.values():
+                zero_non_finite_(grad)
         missing = [name for name in names if name not in self.sums]
         if missing and batch > 1:
             device = grad_samples[missing[0]].device
@@ -94,12 +95,11 @@ class ClippedGradientSum:
             missing = []
         for i in range(batch):
             rows = [grad_samples[name][i] for name in names]
-            low_precision = any(row.dtype != torch.float32 for row in rows)
-            if low_precision and not missing:
+            if not missing:  # one pass per tensor: sums += factor x gradient, formed in fp32
                 sums = [self.sums[name] for name in names]
                 torch._foreach_addcmul_(sums, rows, [factors[i]] * len(rows))
                 continue
-            if low_precision:  # one sample, first sums: the fp32 copies become the sums
+            if any(row.dtype != torch.float32 for row in rows):  # one sample, first sums: fp32 copies become the sums
                 rows = [row.float() for row in rows]
             torch._foreach_mul_(rows, factors[i])
             scaled = dict(zip(names, rows))
@@ -137,12 +137,12 @@ class ClippedGradientSum:
                 continue
             if total is None:
                 total = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
-            if noise_std > 0:
-                total = total + noise.sample(total.shape, noise_std / replicas**0.5, total.device)
+            if noise_std > 0:  # in place: the sums are this object's, and are forgotten below
+                total = total.add_(noise.sample(total.shape, noise_std / replicas**0.5, total.device))
             if self.data_parallel_group is not None:
                 total = total.contiguous()
                 dist.all_reduce(total, group=self.data_parallel_group)
-            param.grad = _like_parameter(param, (total / expected_batch_size).to(param.dtype))
+            param.grad = _like_parameter(param, total.div_(expected_batch_size).to(param.dtype))
         self.sums.clear()
 
     def _release_chunk(
@@ -161,6 +161,15 @@ class ClippedGradientSum:
         if noise_std > 0:
             mine += noise.sample(mine.shape, noise_std, mine.device)
         return mine
+
+
+def _any_zero(factors: torch.Tensor) -> bool:
+    """Whether some sample has factor 0 (a host sync); ``True`` where the value cannot be read (a fake-tensor trace,
+    which then counts the zeroing pass)."""
+    try:
+        return bool((factors == 0).any())
+    except RuntimeError:  # data-dependent output of a fake tensor
+        return True
 
 
 def _like_parameter(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:

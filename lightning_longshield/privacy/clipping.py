@@ -58,14 +58,16 @@ def _squared_norms(rows: torch.Tensor) -> torch.Tensor:
 def _squared_norms_fp32(rows: torch.Tensor) -> torch.Tensor:
     batch, numel = rows.shape
     whole = numel - numel % NORM_BLOCK
-    total = torch.zeros(batch, dtype=torch.float64, device=rows.device)
+    parts = []
     if whole:
         blocks = rows[:, :whole].reshape(batch, whole // NORM_BLOCK, NORM_BLOCK)
         block_norms = torch.linalg.vector_norm(blocks, dim=2, dtype=torch.float32)
-        total += block_norms.double().square_().sum(1)
+        parts.append(block_norms.double().square_().sum(1))
     if whole < numel:
-        total += torch.linalg.vector_norm(rows[:, whole:], dim=1, dtype=torch.float32).double().square_()
-    return total
+        parts.append(torch.linalg.vector_norm(rows[:, whole:], dim=1, dtype=torch.float32).double().square_())
+    if not parts:  # an empty tensor
+        return torch.zeros(batch, dtype=torch.float64, device=rows.device)
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
 def clip_factors(
