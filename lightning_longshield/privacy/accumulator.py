@@ -45,44 +45,51 @@ class ClippedGradientSum:
 
     @torch.no_grad()
     def add(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
-        """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter, in fp32.
+        """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter, in fp32. ``factors`` is ``(B,)``
+        (one factor a sample: flat clipping) or ``(P, B)``, one row per tensor of ``grad_samples`` in its order
+        (per-layer clipping: each layer has its own).
 
         Every sample's scaled gradient is formed in fp32 (a bf16 product or sum could round a clipped contribution
         above ``C``), never by a GEMM, whose TF32 or bf16 rounding could do the same. In whichever of two batched
-        forms issues fewer ops: a sample at a time over all parameters (2 ops per sample: many parameters, as
-        in flat clipping), or a parameter at a time over all samples (3 ops per fp32 parameter: few parameters, as in
-        per-layer clipping). The per-sample buffers are consumed: they belong to this micro-batch and die here. A
-        sample with factor 0 adds exactly zero even where its gradient holds inf or NaN (`clip_factors`). fp64
-        factors are rounded to fp32 toward zero, never up (`factors_toward_zero`).
+        forms issues fewer ops: a sample at a time over all parameters (1 op per sample: many parameters, as in flat
+        clipping), or a parameter at a time over all samples (2 ops per fp32 parameter: few parameters). The
+        per-sample buffers are consumed: they belong to this micro-batch and die here. A sample with factor 0 adds
+        exactly zero even where its gradient holds inf or NaN (`clip_factors`). fp64 factors are rounded to fp32
+        toward zero, never up (`factors_toward_zero`).
         """
         if not grad_samples:
             return
         factors = factors_toward_zero(factors)
-        if 3 * len(grad_samples) < 2 * factors.shape[0] and all(
+        rows = factors.expand(len(grad_samples), -1) if factors.dim() == 1 else factors
+        if rows.shape[0] != len(grad_samples):
+            raise ValueError(f"{rows.shape[0]} rows of factors for {len(grad_samples)} per-sample gradients.")
+        if 2 * len(grad_samples) < rows.shape[1] and all(
             grad.dtype == torch.float32 for grad in grad_samples.values()
         ):
-            self._add_each_parameter(grad_samples, factors)
+            self._add_each_parameter(grad_samples, rows)
         else:
-            self._add_each_sample(grad_samples, factors)
+            self._add_each_sample(grad_samples, rows)
 
     def _add_each_parameter(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
-        """fp32 gradients scaled in place by the factors and summed over the samples, a parameter at a time."""
-        for name, grad in grad_samples.items():
+        """fp32 gradients scaled in place by their row of factors and summed over the samples, a parameter at a
+        time."""
+        for (name, grad), row in zip(grad_samples.items(), factors):
             # A sample with factor 0 may hold inf or NaN: its scaled values are 0 or NaN, and nansum skips the NaNs.
-            total = grad.mul_(factors.view(-1, *(1,) * (grad.dim() - 1))).nansum(0)
+            total = grad.mul_(row.view(-1, *(1,) * (grad.dim() - 1))).nansum(0)
             if name in self.sums:
                 self.sums[name] += total
             else:
                 self.sums[name] = total
 
     def _add_each_sample(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
-        """A sample at a time over all parameters: each sample's gradients are scaled and added by one
-        `torch._foreach_addcmul_` (one pass over each tensor), computed in fp32 (the sums' dtype) without an fp32 copy
-        of a lower-precision gradient. Before the loop, inf and NaN are zeroed in each tensor if any factor is 0 (only
-        such samples can hold them; one host sync per micro-batch decides, instead of a pass over every tensor). With
-        one sample and no sum yet, the scaled gradient (upcast if needed) becomes the sum itself."""
+        """A sample at a time over all parameters: each sample's gradients are scaled by their factors (column ``i``
+        of ``factors``, one per tensor) and added by one `torch._foreach_addcmul_` (one pass over each tensor),
+        computed in fp32 (the sums' dtype) without an fp32 copy of a lower-precision gradient. Before the loop, inf
+        and NaN are zeroed in each tensor if any factor is 0 (only such samples can hold them; one host sync per call
+        decides, instead of a pass over every tensor). With one sample and no sum yet, the scaled gradient (upcast if
+        needed) becomes the sum itself."""
         names = list(grad_samples)
-        batch = factors.shape[0]
+        batch = factors.shape[1]
         if _any_zero(factors):  # only a sample with factor 0 may hold inf or NaN; 0 x inf would be NaN
             for grad in grad_samples.values():
                 zero_non_finite_(grad)
@@ -93,15 +100,16 @@ class ClippedGradientSum:
             torch._foreach_zero_(fresh)
             self.sums.update(zip(missing, fresh))
             missing = []
+        shared = factors.stride(0) == 0  # one factor per sample (flat clipping): the same scalar for every tensor
         for i in range(batch):
             rows = [grad_samples[name][i] for name in names]
+            scales = [factors[0, i]] * len(rows) if shared else list(factors[:, i].unbind())
             if not missing:  # one pass per tensor: sums += factor x gradient, formed in fp32
-                sums = [self.sums[name] for name in names]
-                torch._foreach_addcmul_(sums, rows, [factors[i]] * len(rows))
+                torch._foreach_addcmul_([self.sums[name] for name in names], rows, scales)
                 continue
             if any(row.dtype != torch.float32 for row in rows):  # one sample, first sums: fp32 copies become the sums
                 rows = [row.float() for row in rows]
-            torch._foreach_mul_(rows, factors[i])
+            torch._foreach_mul_(rows, scales)
             scaled = dict(zip(names, rows))
             self.sums.update((name, scaled.pop(name)) for name in missing)
             if scaled:

@@ -158,8 +158,8 @@ class PerLayerClipper:
         bounds = squared.new_tensor([self.thresholds[name] for name in names]).unsqueeze(1)
         factors = clip_factors(squared, bounds)
         parts = self.exchange.local_part(grad_samples)
-        for name, layer_factors in zip(names, factors):
-            self.accumulator.add({name: parts.pop(name)}, layer_factors)
+        self.accumulator.add({name: parts[name] for name in names}, factors)  # one batched add, a row per layer
+        del parts
 
     @torch.no_grad()
     def clip_linear(self, name: str, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
