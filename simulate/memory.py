@@ -29,7 +29,7 @@ each phase is summed by category; the peak is the largest phase. What is alive w
   book-kept layer's fp32 clipped sum at a time. The accumulator is the whole model (CP 1);
 * communication: the gathered dK/dV being reduce-scattered over CP (the gathered K/V themselves are saved
   activations);
-* context-parallel methods at CP size 1 take the same path on a one-rank group (FSDP2 over one rank, as the
+* context-parallel methods at CP size 1 take the same path on a one-rank group (no FSDP2 on one rank, as the
   strategy runs them): the formulas above with ``N = 1``.
 
 Reserved memory (what TorchTitan reports) adds allocator fragmentation; the fit check adds the CUDA context and
