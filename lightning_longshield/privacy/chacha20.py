@@ -23,9 +23,8 @@ _CONSTANTS = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte
 #: Blocks per batch of the torch block function: its working set is 16 int64 words a block plus temporaries.
 _BLOCKS_PER_BATCH = {"cpu": 2**16}
 _DEFAULT_BLOCKS_PER_BATCH = 2**21
-#: Uniforms per Gaussian coordinate (two Box-Muller pairs) and keystream bytes they take.
+#: Uniforms per Gaussian coordinate (two Box-Muller pairs), 8 keystream bytes each.
 UNIFORMS_PER_COORDINATE = 4
-BYTES_PER_COORDINATE = 8 * UNIFORMS_PER_COORDINATE
 
 
 def _words(data: bytes) -> list[int]:

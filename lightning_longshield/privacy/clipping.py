@@ -102,7 +102,7 @@ def clip_factors(
     bound = max_grad_norm * (1 - margin)
     quotients = (bound / norms).nan_to_num_(nan=0.0)  # bound / inf = 0
     quotients = torch.nextafter(quotients, torch.zeros_like(quotients))  # toward zero: at most the exact quotient
-    factors = torch.where(norms <= bound, torch.ones_like(norms), quotients).nan_to_num_(nan=0.0)
+    factors = torch.where(norms <= bound, torch.ones_like(norms), quotients)  # a NaN norm is not <= bound: 0
     return factors if dtype == torch.float64 else factors_toward_zero(factors)
 
 

@@ -21,7 +21,7 @@ from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, resolve_plan
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
 from lightning_longshield.privacy.randomized.estimator import accountant_envelope
-from lightning_longshield.privacy.randomness import SecretKey
+from lightning_longshield.privacy.randomness import KEY_BYTES, SecretKey
 
 T = TypeVar("T")
 
@@ -99,7 +99,7 @@ class PrivacySession:
             seeded = SecretKey.from_seed(self.noise_seed)
             shared, noise_key = seeded.derive("shared"), seeded.derive("noise")
         else:
-            shared, noise_key = SecretKey(broadcast(secrets.token_bytes(32))), None
+            shared, noise_key = SecretKey(broadcast(secrets.token_bytes(KEY_BYTES))), None
         self.sampling = shared.derive("sampling")
         self.noise = GaussianNoise(device, noise_key, stream, self.secure_mode)
         if self.randomized:  # one key for all processes: a sequence's shards are projected alike
@@ -221,7 +221,8 @@ class PrivacySession:
 
     def describe_randomness(self) -> str:
         """What the mechanism's randomness is, and how much of it is cryptographic."""
-        sampling = ("Poisson sampling: SHAKE-256 keyed by 256 OS-entropy bits (cryptographic)" if self.poisson_sampling
+        key = "noise_seed" if self.noise_seed is not None else "256 OS-entropy bits"
+        sampling = (f"Poisson sampling: SHAKE-256 keyed by {key} (cryptographic)" if self.poisson_sampling
                     else "sampling: the DataLoader's own batches (not Poisson; epsilon is not a formal guarantee)")
         if self.secure_mode:
             noise = ("noise: ChaCha20 keyed per tensor by 256 OS-entropy bits (cryptographic stream; Gaussians"
@@ -231,8 +232,6 @@ class PrivacySession:
         else:
             noise = ("noise: torch generators with their whole state keyed by 256 OS-entropy bits (hardened, not"
                      " cryptographic; secure_mode=True for a cryptographic stream)")
-        if self.noise_seed is not None:
-            sampling = sampling.replace("256 OS-entropy bits", "noise_seed")
         return f"Randomness: {sampling}; {noise}."
 
     # ------------------------------------------------------------------ checkpoints
