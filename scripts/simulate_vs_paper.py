@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "planner")]
-
-from paper_tables import MEMORY_TOLERANCE, TABLE2, TABLE3, TABLE4, THROUGHPUT_TOLERANCE  # noqa: E402
+sys.path.insert(0, str(ROOT))
 
 from simulate import max_seq_len, plan  # noqa: E402
+from tests.planner.paper_tables import MEMORY_TOLERANCE, TABLE2, TABLE3, TABLE4, THROUGHPUT_TOLERANCE  # noqa: E402
 
 SHORT = {"llama3.2-1b": "1B", "llama3.1-8b": "8B"}
 

@@ -15,7 +15,7 @@ PyTorch with FSDP2 bf16 mixed precision:
   ``MBS x T / N``. At CP size 1 K/V are counted repeated as well (an upper bound where SDPA's ``enable_gqa``
   keeps them at ``n_kv_heads``).
 * ``wo`` saves the contiguous copy of the attention output, counted separately. Flash kernels that lay their
-  output out as (B, T, H, D) (torch's CPU flash kernel; checked in ``tests/test_model_spec_matches_module.py``)
+  output out as (B, T, H, D) (torch's CPU flash kernel; checked in ``tests/memory/test_model_spec_matches_module.py``)
   make that copy a view of the output, so the count is ``dim`` elements per token per block high there.
 * SwiGLU saves ``w1``'s output (silu), the silu output and ``w3``'s output (the product) and the product
   (``w2``'s input).

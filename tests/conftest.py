@@ -1,13 +1,11 @@
 import os
 import random
 import socket
-import sys
 import warnings
 
 import pytest
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*`isinstance\\(treespec, LeafSpec\\)`.*")
 

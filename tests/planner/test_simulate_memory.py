@@ -115,7 +115,7 @@ def test_cp_size_one_counts_the_micro_batch_gradient_once_as_fsdps_gradient() ->
 
 def test_lora_keeps_states_and_per_sample_gradients_of_the_adapters_only() -> None:
     """Under LoRA the fp32 weights stay whole, while AdamW moments, the clipped sum and the per-sample gradients
-    shrink to the adapters' share (`lora_numel`, checked against the real module in tests/test_lora.py)."""
+    shrink to the adapters' share (`lora_numel`, checked against the real module in tests/hf/test_lora.py)."""
     full = make_config(model="tiny", gpus=4, method="v2", cp=4, mbs=2, seq_len=4096)  # the peak in a block
     lora = full.replace(lora_rank=16)
     share = lora_numel(full.model, 16) / full.model.num_parameters

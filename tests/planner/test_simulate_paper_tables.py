@@ -8,7 +8,10 @@ and flip to failures if the model starts matching them.
 from __future__ import annotations
 
 import pytest
-from paper_tables import (
+
+from simulate import max_seq_len, plan
+from simulate.memory import uses_ghost_norm
+from tests.planner.paper_tables import (
     EIGHT_B,
     MEMORY_TOLERANCE,
     ONE_B,
@@ -20,9 +23,6 @@ from paper_tables import (
     FsdpThroughputRow,
     MaxSeqRow,
 )
-
-from simulate import max_seq_len, plan
-from simulate.memory import uses_ghost_norm
 
 _ZERO_DP_8B_SHORT_T = (
     "ZeRO-DP+ 8B at T <= 2k: the paper measures 1.8-2.6x slowdowns that it attributes to unoptimised DP "

@@ -1,0 +1,1 @@
+"""Tests of lightning_longshield and the simulate planner, grouped by subject (one folder each)."""

@@ -1,0 +1,1 @@
+"""Text data modules: the byte tokenizer, packed windows, local text files."""

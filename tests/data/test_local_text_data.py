@@ -1,0 +1,250 @@
+"""LocalTextDataModule: local files -> causal-LM samples for each privacy unit, the split, the cache, the errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_longshield.hf.demo import train_bpe_tokenizer
+from lightning_longshield.local_text_data import BYTE_EOS, LocalTextDataModule, resolve_data_files
+from lightning_longshield.loss import IGNORE_INDEX
+from lightning_longshield.module import check_batch
+from lightning_longshield.text_data import ByteTokenizer, python_stdlib_sources
+
+pytest.importorskip("datasets")
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+SHORT = ["x = 1\n", "def f():\n    return 2\n"]  # shorter than any window below: padded in "document" samples
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    """Ten documents: eight small standard-library sources and two one-liners."""
+    sources = [p for p in python_stdlib_sources() if 1_000 < p.stat().st_size < 6_000][:8]
+    assert len(sources) == 8
+    return [p.read_text(encoding="utf-8") for p in sources] + SHORT
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory, texts) -> Path:
+    """A byte-level BPE tokenizer trained on the documents and saved like a Hugging Face tokenizer."""
+    directory = tmp_path_factory.mktemp("tokenizer")
+    train_bpe_tokenizer(texts, directory, vocab_size=400)
+    return directory
+
+
+def write(directory: Path, texts: list[str], kind: str, field: str = "text") -> Path:
+    """``texts`` as one .txt file each, or as the lines / rows of one .jsonl / .parquet file; returns the path
+    that names them all (the directory of .txt files, or the file)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if kind == "txt":
+        for i, text in enumerate(texts):
+            (directory / f"doc{i:02d}.txt").write_text(text, encoding="utf-8")
+        return directory
+    path = directory / f"docs.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps({"id": i, field: t}) + "\n" for i, t in enumerate(texts)), encoding="utf-8")
+    else:
+        pq.write_table(pa.table({"id": list(range(len(texts))), field: texts}), path)
+    return path
+
+
+def module(data_files, tmp_path: Path, **kwargs) -> LocalTextDataModule:
+    kwargs = {"seq_len": 64, "val_fraction": 0.0, "cache_dir": tmp_path / "cache", **kwargs}
+    dm = LocalTextDataModule(data_files, **kwargs)
+    dm.setup("fit")
+    return dm
+
+
+def expected_tokens(text: str, tokenizer_dir: Path | None) -> list[int]:
+    """A document's tokens computed apart from the module: bytes then NUL, or the tokenizer's ids then EOS."""
+    if tokenizer_dir is None:
+        return ByteTokenizer().encode(text) + [BYTE_EOS]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    return tokenizer.encode(text) + [tokenizer.eos_token_id]
+
+
+def assert_document_sample(sample: dict[str, torch.Tensor], tokens: list[int], seq_len: int, pad_id: int) -> None:
+    """One document -> one sample: its first seq_len + 1 tokens, input padded with pad_id, labels -100 beyond."""
+    kept = tokens[: seq_len + 1]
+    n = min(len(kept), seq_len)
+    input_ids, labels = sample["input_ids"].tolist(), sample["labels"].tolist()
+    assert len(input_ids) == len(labels) == seq_len
+    assert input_ids == kept[:n] + [pad_id] * (seq_len - n)
+    assert labels == kept[1:] + [IGNORE_INDEX] * (seq_len - len(kept) + 1)
+    for t in range(seq_len - 1):
+        if labels[t] != IGNORE_INDEX:
+            assert labels[t] == input_ids[t + 1]
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet"])
+def test_each_format_gives_one_sample_per_document(kind, texts, tokenizer_dir, tmp_path):
+    dm = module(write(tmp_path / "data", texts, kind), tmp_path, tokenizer=str(tokenizer_dir),
+                privacy_unit="document")
+    assert dm.train_documents == list(range(len(texts))) and dm.val_dataset is None
+    assert len(dm.train_dataset) == len(texts)
+    pad = dm.tokenizer.pad_token_id
+    for i, text in enumerate(texts):
+        assert_document_sample(dm.train_dataset[i], expected_tokens(text, tokenizer_dir), 64, pad)
+    assert dm.vocab_size == len(dm.tokenizer)
+    kind_name = {"txt": "a .txt file", "jsonl": "a .jsonl line", "parquet": "a .parquet row"}[kind]
+    assert dm.describe_privacy_unit() == f"one document ({kind_name}), truncated to 65 tokens"
+
+
+@pytest.mark.parametrize("use_tokenizer", [False, True], ids=["bytes", "bpe"])
+def test_sequence_windows_are_disjoint_and_cover_the_training_documents(use_tokenizer, texts, tokenizer_dir,
+                                                                         tmp_path):
+    tokenizer = tokenizer_dir if use_tokenizer else None
+    dm = module(write(tmp_path / "data", texts, "jsonl"), tmp_path, tokenizer=tokenizer, seq_len=32,
+                val_fraction=0.2)
+    assert len(dm.val_documents) == 2 and sorted(dm.train_documents + dm.val_documents) == list(range(len(texts)))
+    for documents, dataset in ((dm.train_documents, dm.train_dataset), (dm.val_documents, dm.val_dataset)):
+        stream = [token for i in documents for token in expected_tokens(texts[i], tokenizer)]
+        assert len(dataset) == len(stream) // 33
+        for k in range(len(dataset)):
+            window = stream[k * 33 : (k + 1) * 33]
+            assert dataset[k]["input_ids"].tolist() == window[:-1] and dataset[k]["labels"].tolist() == window[1:]
+    check_batch(next(iter(dm.train_dataloader())), dm.vocab_size)
+    assert len(next(iter(dm.train_dataloader()))["input_ids"]) == dm.batch_size == 8
+    assert dm.describe_privacy_unit() == (
+        "one sequence of 33 tokens of concatenated documents; a document spanning several sequences is"
+        " protected only per sequence"
+    )
+
+
+def test_document_split_is_seeded_disjoint_and_drops_empty_documents(texts, tmp_path):
+    data = write(tmp_path / "data", texts[:4] + [""] + texts[4:], "jsonl")  # document 4 has no text
+    dm = module(data, tmp_path, privacy_unit="document", val_fraction=0.3, val_batch_size=2)
+    assert len(dm.val_documents) == 3 and 4 not in dm.train_documents + dm.val_documents
+    assert not set(dm.train_documents) & set(dm.val_documents)
+    assert len(dm.train_dataset) + len(dm.val_dataset) == len(texts)
+    with_empty = texts[:4] + [""] + texts[4:]
+    for documents, dataset in ((dm.train_documents, dm.train_dataset), (dm.val_documents, dm.val_dataset)):
+        for k, i in enumerate(documents):
+            assert_document_sample(dataset[k], expected_tokens(with_empty[i], None), 64, BYTE_EOS)
+    assert len(next(iter(dm.val_dataloader()))["input_ids"]) == 2
+    same = module(data, tmp_path, privacy_unit="document", val_fraction=0.3)
+    other = module(data, tmp_path, privacy_unit="document", val_fraction=0.3, seed=1)
+    assert same.val_documents == dm.val_documents and other.val_documents != dm.val_documents
+    assert dm.vocab_size == 256 and dm.describe_privacy_unit().startswith("one document (a .jsonl line)")
+
+
+def test_validation_never_comes_from_the_private_documents_by_default(texts, tmp_path):
+    """The validation loss is logged without noise: by default no validation set is carved from data_files (every
+    private document is trained on), public documents come in through val_files, and val_fraction > 0 warns that
+    its held-out documents are released un-noised and outside the guarantee."""
+    data = write(tmp_path / "data", texts, "jsonl")
+    dm = LocalTextDataModule(data, seq_len=64, privacy_unit="document", cache_dir=tmp_path / "cache")
+    dm.setup("fit")
+    assert dm.val_fraction == 0 and dm.val_dataset is None and dm.val_dataloader() == []
+    assert dm.train_documents == list(range(len(texts))) and dm.val_documents == []
+
+    public = write(tmp_path / "public", texts[:3] + [""], "jsonl")  # the empty document is dropped
+    for unit in ("document", "sequence"):
+        dm = module(data, tmp_path, privacy_unit=unit, seq_len=32, val_files=public, val_batch_size=2)
+        assert dm.train_documents == list(range(len(texts))) and dm.val_documents == []
+        if unit == "document":
+            assert len(dm.val_dataset) == 3
+            for k in range(3):
+                assert_document_sample(dm.val_dataset[k], expected_tokens(texts[k], None), 32, BYTE_EOS)
+        else:
+            stream = [token for text in texts[:3] for token in expected_tokens(text, None)]
+            assert len(dm.val_dataset) == len(stream) // 33
+            assert dm.val_dataset[0]["input_ids"].tolist() == stream[:32]
+        assert len(next(iter(dm.val_dataloader()))["input_ids"]) == 2
+
+    with pytest.warns(UserWarning, match=r"(?s)val_fraction=0.2 holds out .* private documents.*logged without"
+                                         r" noise.*outside the training set that the DP guarantee covers"):
+        dm = module(data, tmp_path, privacy_unit="document", val_fraction=0.2)
+    assert len(dm.val_documents) == 2
+    with pytest.raises(ValueError, match="val_files .* or val_fraction .* not both"):
+        LocalTextDataModule(data, val_files=public, val_fraction=0.1)
+    with pytest.raises(FileNotFoundError, match="No .* files match"):
+        LocalTextDataModule(data, val_files=tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="No text in the 1 val_files"):
+        module(data, tmp_path, val_files=write(tmp_path / "blank", ["", ""], "jsonl"))
+
+
+def test_files_directories_globs_and_max_documents(texts, tmp_path):
+    directory = write(tmp_path / "txt", texts[:3], "txt")
+    (directory / "README.md").write_text("not data")  # a directory means its supported files only
+    jsonl = write(tmp_path / "jsonl", texts[3:], "jsonl")
+    files = resolve_data_files([directory, str(tmp_path / "jsonl" / "*.jsonl"), directory / "doc00.txt"])
+    assert [p.name for p in files] == ["doc00.txt", "doc01.txt", "doc02.txt", "docs.jsonl"]
+    dm = module([directory, jsonl], tmp_path, privacy_unit="document")
+    assert len(dm.train_dataset) == len(texts)
+    assert dm.describe_privacy_unit().startswith("one document (a .txt file or a .jsonl line)")
+    assert len(module([directory, jsonl], tmp_path, privacy_unit="document", max_documents=4).train_dataset) == 4
+
+
+class CountingTokenizer(ByteTokenizer):
+    """Bytes, counting the texts encoded (in a module-level list, so the tokenizer's own state never changes)."""
+
+    def encode(self, text: str) -> list[int]:
+        ENCODED.append(text)
+        return super().encode(text)
+
+
+ENCODED: list[str] = []
+
+
+def test_second_setup_reuses_the_cached_tokens(texts, tokenizer_dir, tmp_path):
+    data = write(tmp_path / "data", texts, "jsonl")
+    ENCODED.clear()
+    first = module(data, tmp_path, tokenizer=CountingTokenizer())
+    assert len(ENCODED) == len(texts)
+    ENCODED.clear()
+    second = module(data, tmp_path, tokenizer=CountingTokenizer())
+    assert ENCODED == [] and torch.equal(first.train_dataset.windows, second.train_dataset.windows)
+
+    cache = tmp_path / "cache"
+    module(data, tmp_path, tokenizer=tokenizer_dir)
+    files = {p: p.stat().st_mtime_ns for p in cache.rglob("cache-*.arrow")}
+    module(data, tmp_path, tokenizer=tokenizer_dir)
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("cache-*.arrow")} == files
+
+
+def test_errors_name_the_fix(texts, tokenizer_dir, tmp_path):
+    data = write(tmp_path / "data", texts, "jsonl", field="content")
+    with pytest.raises(FileNotFoundError, match="No .* files match data_files entry"):
+        LocalTextDataModule(tmp_path / "missing" / "*.jsonl")
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"Unsupported file type\(s\) \['notes.csv'\]"):
+        LocalTextDataModule(tmp_path / "notes.csv")
+    with pytest.raises(ValueError, match="privacy_unit must be 'sequence' or 'document', got 'user'"):
+        LocalTextDataModule(data, privacy_unit="user")
+    with pytest.raises(ValueError, match=r"has no field 'text'; its fields are \['id', 'content'\]: pass text_field"):
+        module(data, tmp_path)
+    assert len(module(data, tmp_path, text_field="content").train_dataset) > 0
+    (tmp_path / "numbers.jsonl").write_text('{"text": 5}\n')
+    with pytest.raises(ValueError, match="Field 'text' of .*numbers.jsonl holds Value\\('int64'\\), not text"):
+        module(tmp_path / "numbers.jsonl", tmp_path)
+    with pytest.raises(ValueError, match="No text in 1 file"):
+        module(write(tmp_path / "empty", ["", ""], "jsonl"), tmp_path)
+    with pytest.raises(ValueError, match="training documents hold fewer tokens than one window of seq_len"):
+        module(write(tmp_path / "short", ["x = 1\n"], "txt"), tmp_path)
+    with pytest.raises(ValueError, match="1 document.* cannot be split .* val_fraction=0"):
+        module(write(tmp_path / "one", texts[:1], "txt"), tmp_path, val_fraction=0.1)
+    with pytest.raises(TypeError, match="object with encode"):
+        LocalTextDataModule(data, tokenizer=object())
+    dm = LocalTextDataModule(data, tokenizer=tokenizer_dir)
+    dm.check_vocab(dm.vocab_size)
+    with pytest.raises(ValueError, match=f"tokenizer has {dm.vocab_size} tokens but the model's embedding has 256"):
+        dm.check_vocab(256)
+
+
+def test_fit_refuses_a_tokenizer_larger_than_the_models_embedding(texts, tokenizer_dir, tmp_path):
+    from lightning_longshield import CausalLMModule, LongShieldStrategy
+    from tests.support.helpers import make_trainer, small_config
+
+    data = LocalTextDataModule(write(tmp_path / "data", texts, "jsonl"), tokenizer=str(tokenizer_dir), seq_len=32,
+                               val_fraction=0.0, cache_dir=tmp_path / "cache")
+    model = CausalLMModule(small_config())  # vocab_size 64
+    with pytest.raises(ValueError, match="tokenizer has 400 tokens but the model's embedding has 64 rows"):
+        make_trainer(LongShieldStrategy(noise_multiplier=1.0), max_steps=1).fit(model, datamodule=data)

@@ -1,0 +1,49 @@
+"""Clipping and accumulation are batched: accumulation issues a constant number of ops per sample whatever the number
+of parameter tensors, norms a fixed number of row-wise reductions per tensor whatever the micro-batch size (counted
+with the profiler on CPU, where CUDA would launch the same ops as kernels)."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lightning_longshield.loss import causal_lm_loss
+from lightning_longshield.models import Llama
+from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
+from tests.support.helpers import small_config
+
+# Ops that only make views or allocate (no kernel, no memory traffic).
+METADATA_OPS = {"aten::select", "aten::unsqueeze", "aten::view", "aten::empty", "aten::as_strided", "aten::slice",
+                "aten::detach", "aten::alias", "aten::_unsafe_view", "aten::reshape", "aten::lift_fresh"}
+
+
+def compute_ops_of_one_fold(layers: int, batch: int) -> tuple[list[str], int]:
+    torch.manual_seed(0)
+    model = Llama(small_config(n_layers=layers))
+    engine = DPSGDEngine(model, 0.05, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"))
+    ids = torch.randint(0, 64, (batch, 16))
+    engine.prepare_microbatch(batch)
+    (causal_lm_loss(model(ids), ids) * batch).backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.accumulate_microbatch(batch)
+    top_level = [event.name for event in prof.events() if event.cpu_parent is None]
+    return sorted(name for name in top_level if name not in METADATA_OPS), len(list(model.parameters()))
+
+
+def test_fold_issues_batched_ops():
+    ops = {(layers, batch): compute_ops_of_one_fold(layers, batch) for layers in (1, 6) for batch in (1, 3, 5)}
+    small_params, large_params = ops[1, 1][1], ops[6, 1][1]
+    assert large_params > 4 * small_params
+    for batch in (1, 3, 5):
+        small, large = ops[1, batch][0], ops[6, batch][0]
+        for fold in (small, large):  # per sample: one scale-and-add over all parameters (or, first, a scale adopted)
+            assert fold.count("aten::_foreach_addcmul_") + fold.count("aten::_foreach_mul_") == batch
+            assert fold.count("aten::_foreach_add_") == 0
+            assert not {"aten::mm", "aten::bmm", "aten::tensordot", "aten::addmm"} & set(fold)
+        # norms: a fixed number of reductions per parameter tensor (blocked: see clipping.NORM_BLOCK)
+        assert large.count("aten::linalg_vector_norm") <= 2 * large_params
+        assert len(large) - len(small) <= 8 * (large_params - small_params)
+    without_accumulation = {
+        batch: len(ops[6, batch][0]) - batch for batch in (3, 5)  # no op but the per-sample scale-and-add grows
+    }
+    assert without_accumulation[3] == without_accumulation[5], without_accumulation

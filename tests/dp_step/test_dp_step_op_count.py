@@ -1,0 +1,80 @@
+"""The ops a DP step adds to the same non-DP step, counted (not timed): a regression in the hot path (a parallel
+wrapper on one rank, a pass per tensor per micro-batch) shows up here in CI. Both sides run the same Lightning loop
+on the same micro-batches; the count is per micro-batch of one optimizer step, after warm-up."""
+
+from __future__ import annotations
+
+import collections
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_longshield import LongShieldStrategy
+from tests.support.helpers import RandomTokens, loader, make_module, small_config
+
+ACCUMULATION = 4
+#: Ops that compute nothing (views, aliases, dtype dispatch, allocation): not counted.
+METADATA_OPS = {
+    "aten::as_strided", "aten::view", "aten::reshape", "aten::_unsafe_view", "aten::select", "aten::slice",
+    "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::t", "aten::transpose", "aten::permute", "aten::alias",
+    "aten::detach", "aten::result_type", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::to",
+    "aten::_to_copy", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::contiguous",
+}
+PROFILED_STEP = 2  # optimizer steps 0 and 1 warm up (optimizer state, lazy buffers)
+
+
+class CountOps(Callback):
+    """Self counts of the aten ops run during optimizer step ``PROFILED_STEP`` (every micro-batch and the update)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._profile = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_) -> None:
+        if trainer.global_step == PROFILED_STEP and self._profile is None:
+            self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._profile.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_) -> None:
+        if self._profile is not None and trainer.global_step == PROFILED_STEP + 1 and not self.counts:
+            self._profile.__exit__(None, None, None)
+            self.counts.update({e.key: e.count for e in self._profile.key_averages()
+                                if e.key.startswith("aten::") and e.key not in METADATA_OPS})
+
+
+def op_counts(private: bool) -> tuple[collections.Counter[str], int]:
+    """Computing aten op counts of one optimizer step of ``ACCUMULATION`` one-sample micro-batches, and the number of
+    trainable parameters."""
+    module = make_module(small_config(), optimizer="adamw", learning_rate=1e-3)
+    counter = CountOps()
+    if private:
+        strategy = LongShieldStrategy(noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
+                                      micro_batch_size=1, preflight=False)
+        data, accumulate = loader(RandomTokens(size=32), ACCUMULATION), 1
+    else:
+        strategy, data, accumulate = "auto", loader(RandomTokens(size=32), 1), ACCUMULATION
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=PROFILED_STEP + 1,
+                        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[counter])
+    trainer.fit(module, data)
+    return counter.counts, sum(1 for p in module.parameters() if p.requires_grad)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_one_sample_micro_batch_adds_a_bounded_number_of_ops():
+    """At micro-batch 1 the DP step adds, per micro-batch, one blocked norm per parameter (norm, cast, square, sum),
+    the clip factor, one scale-and-add per parameter, and once per step the noise and the division per parameter.
+    Measured on this model (21 parameters): 178 computing ops per micro-batch beyond non-DP (8.5 per parameter);
+    bounded at 10 per parameter + 20. Before: 399 (19 per parameter), of which FSDP2 on the one-rank mesh (its
+    all-gather and reduce-scatter copies, ~74 `aten::copy_` per micro-batch beyond non-DP) and a per-tensor
+    `aten::nan_to_num_` pass (23 per micro-batch)."""
+    private, parameters = op_counts(True)
+    baseline, _ = op_counts(False)
+    assert private["aten::mm"] == baseline["aten::mm"] > 0  # the same forward and backward passes
+    added = (sum(private.values()) - sum(baseline.values())) / ACCUMULATION
+    assert added <= 10 * parameters + 20, (added, parameters)
+    assert (private["aten::copy_"] - baseline["aten::copy_"]) / ACCUMULATION <= 2 * parameters
+    assert private["aten::nan_to_num_"] <= 2 * ACCUMULATION  # the clip factors' own, not one per tensor
+    assert private["aten::normal_"] == parameters  # noise: one draw per parameter per step

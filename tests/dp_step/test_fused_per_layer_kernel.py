@@ -1,0 +1,162 @@
+"""The fused per-layer clipping kernels for linear weights (Triton): per-sample squared norms and the clipped sum
+equal an explicit per-sample einsum, and a DP step through them equals the PyTorch path and the per-sample loop.
+
+They run on CUDA; without CUDA but with Triton installed, `test_kernels_under_the_interpreter` runs them again in a
+process where Triton's interpreter executes the same kernels on CPU tensors (``TRITON_INTERPRET=1``, which must be set
+before Triton is imported; it mis-reads bf16, so the CPU cases use fp32 and fp16). Without Triton they are skipped;
+when the fused path is and is not taken is tested everywhere."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_longshield import LongShieldStrategy
+from lightning_longshield.privacy.per_layer import use_fused_kernel
+from tests.support.helpers import (
+    RandomTokens,
+    assert_models_close,
+    layer_bounds,
+    loader,
+    make_module,
+    make_trainer,
+    reference_dp_sgd,
+    samples,
+    small_config,
+)
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+CLIP = 0.05
+BATCH = 4
+
+
+@pytest.fixture
+def kernel_device() -> torch.device:
+    """CUDA if present, else CPU in a process running Triton's interpreter."""
+    if torch.cuda.is_available() and HAS_TRITON:
+        return torch.device("cuda")
+    if HAS_TRITON and INTERPRETED:
+        return torch.device("cpu")
+    pytest.skip("needs CUDA and Triton, or Triton's interpreter (test_kernels_under_the_interpreter starts it)")
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available() or INTERPRETED,
+                    reason="the kernels run directly here, or Triton is missing")
+def test_kernels_under_the_interpreter():
+    """This file's kernel tests in a fresh process with ``TRITON_INTERPRET=1``."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " 1 skipped" in result.stdout.splitlines()[-1], result.stdout[-2000:]  # only this test itself
+
+
+def per_sample_weights(activation: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """Reference: every per-sample gradient ``G_i^T A_i`` in fp64."""
+    a = activation.double().flatten(1, -2)
+    g = grad_output.double().flatten(1, -2)
+    return torch.einsum("bto,bti->boi", g, a)
+
+
+@pytest.mark.parametrize("shape", [(3, 37, 70, 90), (2, 64, 64, 128), (1, 5, 3, 200)], ids=str)
+def test_norms_and_clipped_sum_equal_the_per_sample_einsum(kernel_device, shape):
+    from lightning_longshield.privacy.fused_linear_clip import add_clipped_linear_sum, linear_squared_norms
+
+    batch, tokens, n_in, n_out = shape
+    generator = torch.Generator().manual_seed(sum(shape))
+    activation = torch.randn(batch, tokens, n_in, generator=generator).to(kernel_device)
+    grad_output = torch.randn(batch, tokens, n_out, generator=generator).to(kernel_device)
+    weights = per_sample_weights(activation, grad_output)
+    expected_norms = weights.flatten(1).square().sum(1)
+    torch.testing.assert_close(linear_squared_norms(activation, grad_output).cpu(), expected_norms.cpu(),
+                               rtol=1e-5, atol=0)
+    factors = torch.rand(batch, generator=generator).to(kernel_device)
+    start = torch.randn(n_out, n_in, generator=generator).to(kernel_device)
+    out = add_clipped_linear_sum(start.clone(), activation, grad_output, factors)
+    expected = start.double() + torch.einsum("b,boi->oi", factors.double(), weights)
+    torch.testing.assert_close(out.double().cpu(), expected.cpu(), rtol=1e-5, atol=1e-4)
+
+
+def test_half_precision_strided_and_higher_rank_inputs(kernel_device):
+    """fp16 factors (products formed in fp32), a transposed (non-contiguous) input and (B, x, T, F) inputs."""
+    from lightning_longshield.privacy.fused_linear_clip import add_clipped_linear_sum, linear_squared_norms
+
+    generator = torch.Generator().manual_seed(0)
+    activation = torch.randn(2, 3, 40, 24, generator=generator).half().to(kernel_device)
+    grad_output = torch.randn(2, 3, 24, 40, generator=generator).half().to(kernel_device).transpose(-1, -2)
+    weights = per_sample_weights(activation, grad_output)
+    torch.testing.assert_close(linear_squared_norms(activation, grad_output).cpu(),
+                               weights.flatten(1).square().sum(1).cpu(), rtol=1e-5, atol=0)
+    factors = torch.tensor([0.25, 1.0], device=kernel_device)
+    out = add_clipped_linear_sum(torch.zeros(24, 24, device=kernel_device), activation, grad_output, factors)
+    torch.testing.assert_close(out.double().cpu(), torch.einsum("b,boi->oi", factors.double(), weights).cpu(),
+                               rtol=1e-5, atol=1e-3)
+
+
+def test_a_non_finite_sample_adds_nothing(kernel_device):
+    """A sample with inf inputs and one with NaN output gradients get non-finite norms, hence factor 0
+    (`clip_factors`), and then add exactly zero: the sum is the other samples' and finite."""
+    from lightning_longshield.privacy.clipping import clip_factors
+    from lightning_longshield.privacy.fused_linear_clip import add_clipped_linear_sum, linear_squared_norms
+
+    generator = torch.Generator().manual_seed(3)
+    activation = torch.randn(4, 20, 30, generator=generator)
+    grad_output = torch.randn(4, 20, 50, generator=generator)
+    activation[1, 3, 7], grad_output[2, 5, 0] = float("inf"), float("nan")
+    activation, grad_output = activation.to(kernel_device), grad_output.to(kernel_device)
+    factors = clip_factors(linear_squared_norms(activation, grad_output), 1.0)
+    assert factors.cpu()[1:3].tolist() == [0.0, 0.0] and factors.cpu()[[0, 3]].gt(0).all()
+    out = add_clipped_linear_sum(torch.zeros(50, 30, device=kernel_device), activation, grad_output, factors)
+    kept = [0, 3]
+    expected = torch.einsum("b,boi->oi", factors.cpu()[kept].double(),
+                            per_sample_weights(activation.cpu()[kept], grad_output.cpu()[kept]))
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("micro_batch_size", [2, 4])
+def test_fused_step_equals_the_pytorch_path_and_the_reference(kernel_device, micro_batch_size):
+    """Whole DP steps with clipping active: every linear weight goes through the kernels."""
+    if kernel_device.type == "cuda":
+        pytest.skip("the trainers of these tests run on CPU: the interpreted kernels cover this step")
+    config = small_config()
+    dataset = RandomTokens(size=BATCH * 2, seq_len=16)
+    updated = {}
+    for kernel in ("triton", "torch"):
+        module = make_module(config)
+        if kernel == "triton":
+            initial = copy.deepcopy(module.model)
+        strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=CLIP, poisson_sampling=False, seed=0,
+                                      clipping="per_layer", per_layer_kernel=kernel,
+                                      micro_batch_size=micro_batch_size)
+        make_trainer(strategy, max_steps=2).fit(module, loader(dataset, BATCH))
+        fused = strategy.dp_engine.fused_weights
+        assert (len(fused) == 7 * config.n_layers + 1) if kernel == "triton" else not fused  # 7 per block, head
+        updated[kernel] = module.model
+    assert_models_close(updated["triton"], updated["torch"])
+    batches = [samples(dataset, range(k * BATCH, (k + 1) * BATCH)) for k in range(2)]
+    expected = reference_dp_sgd(initial, batches, CLIP, BATCH, layer_thresholds=layer_bounds(initial, CLIP))
+    assert_models_close(updated["triton"], expected)
+
+
+def test_when_the_fused_kernel_is_used(monkeypatch):
+    """'auto' takes it only where it runs and never under context parallelism; 'triton' where it cannot run is an
+    error naming the fix; 'torch' never takes it."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    assert not use_fused_kernel("auto", cpu, context_parallel=False)
+    assert not use_fused_kernel("torch", cpu, context_parallel=False)
+    with pytest.raises(ValueError, match="needs CUDA and Triton. Use per_layer_kernel='auto'"):
+        use_fused_kernel("triton", cpu, context_parallel=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_fused_kernel("auto", cpu, context_parallel=False) == HAS_TRITON
+    assert not use_fused_kernel("auto", cpu, context_parallel=True)
+    if HAS_TRITON:  # without Triton the "needs CUDA and Triton" reason is the one given
+        with pytest.raises(ValueError, match="context-parallel size 1"):
+            use_fused_kernel("triton", cpu, context_parallel=True)

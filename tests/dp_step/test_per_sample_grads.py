@@ -1,0 +1,88 @@
+"""Per-sample gradients of the capture equal torch.func per-sample gradients of an unsharded copy."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.func import functional_call, grad, vmap
+
+from lightning_longshield.loss import per_sample_token_loss
+from lightning_longshield.models import Llama
+from lightning_longshield.privacy import PerSampleGradCapture
+from tests.support.helpers import small_config
+
+
+@pytest.mark.parametrize("tie_embeddings", [False, True])
+def test_capture_matches_torch_func(tie_embeddings):
+    torch.manual_seed(0)
+    model = Llama(small_config(tie_embeddings=tie_embeddings))
+    reference = copy.deepcopy(model)
+    input_ids = torch.randint(0, 64, (3, 12))
+    labels = torch.randint(0, 64, (3, 12))
+    labels[0, :5] = -100
+
+    capture = PerSampleGradCapture(model)
+    capture.enabled = True
+    per_sample_token_loss(model(input_ids), labels).sum().backward()
+    captured = capture.collect()
+    assert all(p.grad is None for p in model.parameters()), "no summed gradient may be formed"
+
+    params = {n: p.detach() for n, p in reference.named_parameters()}  # tied weights appear once
+
+    def sample_loss(params, ids, lab):
+        logits = functional_call(reference, params, (ids[None],))
+        return per_sample_token_loss(logits, lab[None])[0]
+
+    expected = vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, input_ids, labels)
+    assert set(captured) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(captured[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_disabled_capture_leaves_autograd_untouched():
+    torch.manual_seed(0)
+    model = Llama(small_config())
+    reference = copy.deepcopy(model)
+    capture = PerSampleGradCapture(model)
+    ids = torch.randint(0, 64, (1, 8))
+    model(ids).sum().backward()
+    reference(ids).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    grads = capture.collect()
+    assert all(g.shape[0] == 1 for g in grads.values()) and all(p.grad is None for p in model.parameters())
+
+
+def test_unsupported_layers_are_listed():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv1d(4, 4, 1), torch.nn.GRU(4, 4))
+    with pytest.raises(TypeError, match=r"1 \(Conv1d\); 2 \(GRU\).*Supported layer types: Linear, Embedding"):
+        PerSampleGradCapture(model)
+    model[1].requires_grad_(False)
+    model[2].requires_grad_(False)
+    PerSampleGradCapture(model)  # frozen layers need no per-sample gradients
+
+
+@pytest.mark.parametrize("per_sample", ["materialize", "ghost", "mixed"])
+@pytest.mark.parametrize("option", [{"max_norm": 1.0}, {"scale_grad_by_freq": True}], ids=["max_norm", "freq"])
+def test_embedding_options_outside_dp_sgd_are_refused_on_every_path(per_sample, option):
+    """max_norm renormalises the looked-up rows in place, without noise (the released weights would depend on the
+    private batch); scale_grad_by_freq mixes samples' gradients. Both are refused when the capture is built, before
+    anything runs, whatever the per-sample method; a frozen embedding with max_norm too (its rows are released)."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, **option), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"0 \(.*\).*Construct the embeddings without max_norm and scale_grad_by_freq"):
+        PerSampleGradCapture(model, per_sample=per_sample)
+    model[0].requires_grad_(False)
+    if "max_norm" in option:
+        with pytest.raises(ValueError, match=r"0 \(max_norm=1.0\)"):
+            PerSampleGradCapture(model, per_sample=per_sample)
+    else:  # a frozen embedding's gradient is never formed
+        PerSampleGradCapture(model, per_sample=per_sample)
+
+
+def test_hooks_are_removable():
+    model = Llama(small_config())
+    capture = PerSampleGradCapture(model)
+    capture.remove()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

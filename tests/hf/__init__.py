@@ -1,0 +1,1 @@
+"""Hugging Face models: checkpoint import/export, LoRA, the longshield-train CLI."""

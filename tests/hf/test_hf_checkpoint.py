@@ -1,0 +1,237 @@
+"""Hugging Face Llama checkpoints: import into `Llama` and export from it give transformers' logits exactly (fp32)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from lightning_longshield.hf import checkpoint, require_hf
+from lightning_longshield.models import Llama, LlamaConfig
+from simulate.specs import RopeScaling
+from tests.support import hf_workers
+from tests.support.helpers import RandomTokens, assert_models_close, full_state, loader, make_trainer
+from tests.support.process_runner import run_processes
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=16)
+SIZES = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=64, max_position_embeddings=64)
+SEQ = 24  # beyond original_max_position_embeddings, so Llama-3 scaling matters
+CLOSE = dict(rtol=1e-5, atol=1e-5)
+VARIANTS = {"untied": (False, None), "tied": (True, None), "llama3": (False, LLAMA3), "tied-llama3": (True, LLAMA3)}
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights everywhere, norms included (around 1), so that no tensor can be mixed up unnoticed."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
+
+
+def write_hf_llama(
+    directory: Path, tie: bool = False, rope_scaling: Optional[dict] = None, max_shard_size: Any = "5GB", **sizes: Any
+) -> Any:
+    """Save a tiny random transformers `LlamaForCausalLM` in ``directory``; returns it (eval mode)."""
+    rope_scaling = dict(rope_scaling) if rope_scaling else None  # transformers adds keys to the dict it is given
+    config = transformers.LlamaConfig(**{**SIZES, **sizes}, tie_word_embeddings=tie, rope_scaling=rope_scaling,
+                                      attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config).eval()
+    randomize_(model)
+    model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
+    return model
+
+
+def hf_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def our_logits(model: Llama, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids)
+
+
+@pytest.fixture
+def ids() -> torch.Tensor:
+    return torch.randint(0, SIZES["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(("tie", "rope_scaling"), list(VARIANTS.values()), ids=list(VARIANTS))
+def test_import_gives_transformers_logits(tmp_path: Path, ids: torch.Tensor, tie: bool, rope_scaling: Any) -> None:
+    hf = write_hf_llama(tmp_path, tie, rope_scaling)
+    model = Llama.from_pretrained(tmp_path)
+    assert model.config.tie_embeddings == tie and (model.output.weight is model.tok_embeddings.weight) == tie
+    assert model.config.rope_scaling.factor == (8.0 if rope_scaling else 1.0)
+    torch.testing.assert_close(our_logits(model, ids), hf_logits(hf, ids), **CLOSE)
+
+
+def test_llama3_scaling_changes_the_logits(tmp_path: Path, ids: torch.Tensor) -> None:
+    write_hf_llama(tmp_path, rope_scaling=LLAMA3)
+    model = Llama.from_pretrained(tmp_path)
+    scaled = our_logits(model, ids)
+    model.config = dataclasses.replace(model.config, rope_scaling=RopeScaling())
+    assert (our_logits(model, ids)[:, 16:] - scaled[:, 16:]).abs().max() > 1e-2
+
+
+def test_loading_without_the_rope_permutation_differs(
+    tmp_path: Path, ids: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hf = write_hf_llama(tmp_path)
+    monkeypatch.setattr(checkpoint, "to_interleaved", lambda weight, head_dim: weight)
+    assert (our_logits(Llama.from_pretrained(tmp_path), ids) - hf_logits(hf, ids)).abs().max() > 1e-2
+
+
+def test_permutations_are_inverse() -> None:
+    weight = torch.randn(24, 5)
+    interleaved = checkpoint.to_interleaved(weight, 8)
+    assert torch.equal(interleaved[:2, 0], weight[[0, 4], 0])  # pair (x[0], x[4]) of head 0 becomes adjacent
+    assert torch.equal(checkpoint.to_halves(interleaved, 8), weight)
+
+
+def test_sharded_checkpoint_loads(tmp_path: Path, ids: torch.Tensor) -> None:
+    hf = write_hf_llama(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / checkpoint.WEIGHTS_INDEX_FILE).read_text())
+    assert not (tmp_path / checkpoint.WEIGHTS_FILE).exists() and len(set(index["weight_map"].values())) > 1
+    torch.testing.assert_close(our_logits(Llama.from_pretrained(tmp_path), ids), hf_logits(hf, ids), **CLOSE)
+
+
+@pytest.mark.parametrize(("tie", "rope_scaling"), list(VARIANTS.values()), ids=list(VARIANTS))
+def test_export_gives_transformers_logits(tmp_path: Path, ids: torch.Tensor, tie: bool, rope_scaling: Any) -> None:
+    scaling = RopeScaling(8.0, 1.0, 4.0, 16) if rope_scaling else RopeScaling()
+    config = LlamaConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64,
+                         rope_theta=10000.0, tie_embeddings=tie, rope_scaling=scaling)
+    torch.manual_seed(0)
+    model = Llama(config)
+    randomize_(model)
+    model.save_pretrained(tmp_path)
+    with safetensors_torch.safe_open(tmp_path / checkpoint.WEIGHTS_FILE, "pt") as handle:
+        assert ("lm_head.weight" in handle.keys()) != tie
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert hf.dtype == torch.float32
+    torch.testing.assert_close(hf_logits(hf, ids), our_logits(model, ids), **CLOSE)
+    assert Llama.read_pretrained_config(tmp_path) == config
+    reloaded = dict(Llama.from_pretrained(tmp_path).named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(reloaded[name], param, rtol=0, atol=0)
+
+
+def test_dtypes_on_load_and_export(tmp_path: Path) -> None:
+    write_hf_llama(tmp_path / "hf")
+    model = Llama.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    model.float().save_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "out" / checkpoint.CONFIG_FILE).read_text())["dtype"] == "bfloat16"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert hf.dtype == torch.bfloat16
+
+
+def test_legacy_rope_fields_read_like_rope_parameters() -> None:
+    common = dict(model_type="llama", **SIZES)
+    legacy = dict(common, rope_theta=5e5, rope_scaling={**LLAMA3, "type": "llama3", "rope_type": None})
+    current = dict(common, rope_parameters={**LLAMA3, "rope_theta": 5e5})
+    config = checkpoint.config_from_hf(current)
+    assert checkpoint.config_from_hf(legacy) == config
+    assert config.rope_theta == 5e5 and config.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 16)
+    assert checkpoint.config_from_hf(checkpoint.hf_config_dict(config)) == config
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type='gpt2'.*only Llama"),
+        (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "RoPE type 'yarn'"),
+        (dict(rope_theta=1e4, rope_scaling=dict(type="linear", factor=2.0)), "RoPE type 'linear'"),
+        (dict(head_dim=16), "head_dim=16"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ],
+)
+def test_unsupported_configs_are_refused(override: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        checkpoint.config_from_hf({"model_type": "llama", **SIZES, **override})
+
+
+def test_a_gpt2_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"])))
+    with pytest.raises(ValueError, match="only Llama checkpoints"):
+        Llama.from_pretrained(tmp_path)
+
+
+def test_missing_files_and_tensors_are_named(tmp_path: Path) -> None:
+    write_hf_llama(tmp_path)
+    tensors = safetensors_torch.load_file(tmp_path / checkpoint.WEIGHTS_FILE)
+    tensors["extra.weight"] = tensors.pop("model.layers.1.mlp.up_proj.weight")
+    safetensors_torch.save_file(tensors, tmp_path / checkpoint.WEIGHTS_FILE, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.1.mlp.up_proj.weight'\].*'extra.weight'"):
+        Llama.from_pretrained(tmp_path)
+    (tmp_path / checkpoint.WEIGHTS_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}.*model.safetensors and model.safetensors.index.json"):
+        Llama.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="No config.json"):
+        Llama.from_pretrained(tmp_path / "nowhere")
+
+
+def test_require_hf_names_the_fix() -> None:
+    assert require_hf("json") is json
+    with pytest.raises(ImportError, match=r'pip install "lightning-longshield\[hf\]"'):
+        require_hf("lightning_longshield_missing_dependency")
+
+
+def test_core_modules_do_not_import_hf_packages_at_import_time() -> None:
+    root = Path(checkpoint.__file__).parents[1]
+    for path in (root / "models" / "llama.py", root / "hf" / "__init__.py"):
+        tree = ast.parse(path.read_text())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name for n in top for a in n.names} | {n.module for n in top if isinstance(n, ast.ImportFrom)}
+        assert not {name for name in names if name and name.split(".")[0] in ("transformers", "safetensors")}
+        assert "lightning_longshield.hf.checkpoint" not in names
+
+
+@pytest.mark.slow
+def test_fsdp_sharded_meta_model_loads_its_shards_on_two_ranks(tmp_path: Path) -> None:
+    # 3 kv heads of 8 over 2 ranks: a row shard of wk ends inside a head; vocab 97 shards unevenly
+    write_hf_llama(tmp_path / "hf", vocab_size=97, hidden_size=48, num_attention_heads=6, num_key_value_heads=3,
+                   intermediate_size=80)
+    run_processes(2, tmp_path, hf_workers.check_sharded_load, str(tmp_path / "hf"), str(tmp_path / "export"))
+
+
+@pytest.mark.slow
+def test_fine_tuning_a_checkpoint_under_cp_equals_one_process(tmp_path: Path) -> None:
+    """The strategy builds `CausalLMModule(config=directory)` on the meta device under CP 2 and each rank loads
+    its shards: two DP steps end where the same steps on one process end."""
+    write_hf_llama(tmp_path / "hf", tie=True, rope_scaling=LLAMA3)
+    run_processes(2, tmp_path, hf_workers.fine_tune_from_directory, str(tmp_path / "hf"), str(tmp_path / "cp2.pt"))
+    _, module = hf_workers.fine_tune(str(tmp_path / "hf"))
+    loaded = Llama.from_pretrained(tmp_path / "hf").state_dict()
+    trained = full_state(module.model)
+    assert any(not torch.equal(trained[name], loaded[name]) for name in loaded)  # the steps did move the model
+    assert_models_close(torch.load(tmp_path / "cp2.pt"), trained)
+
+
+def test_lora_fine_tuning_of_a_checkpoint_exports_its_merged_model(tmp_path: Path, ids: torch.Tensor) -> None:
+    from lightning_longshield import CausalLMModule, LongShieldStrategy
+    from lightning_longshield.lora import LoraOptions
+
+    write_hf_llama(tmp_path / "hf")
+    module = CausalLMModule(str(tmp_path / "hf"), lora=LoraOptions(rank=4, target_modules=["wq", "wv", "w2"]),
+                            optimizer="sgd", learning_rate=1.0)
+    strategy = LongShieldStrategy(noise_multiplier=1.0, max_grad_norm=1.0, micro_batch_size=2,
+                                  poisson_sampling=False)
+    make_trainer(strategy, max_steps=2).fit(module, loader(RandomTokens(size=8, vocab=96), 4))
+    module.save_pretrained(str(tmp_path / "out"))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    with torch.no_grad():
+        # merged weights round differently from base + adapter in fp32
+        torch.testing.assert_close(hf_logits(exported, ids), module.model(ids), rtol=1e-4, atol=1e-4)

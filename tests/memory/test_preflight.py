@@ -1,0 +1,251 @@
+"""Pre-flight memory check: the planner's verdict before the first forward (raises on CUDA, logs on CPU)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_longshield import LongShieldStrategy, PreflightMemoryError, preflight
+from lightning_longshield.models import LlamaConfig
+from simulate import get_gpu_spec, get_model_spec, make_config, memory
+from tests.support.helpers import RandomTokens, full_state, loader, make_module, make_trainer, small_config
+
+GIB = 2**30
+
+
+def check(model: str = "llama3.1-8b", method: str = "v2", gpus: int = 1, cp: int = 1, mbs: int = 1,
+          seq_len: int = 131072, capacity_gib: float = 80) -> preflight.PreflightResult:
+    return preflight.predict(get_model_spec(model), method, gpus, cp, mbs, seq_len, "bf16-mixed",
+                             capacity_gib * GIB, gpu_name="NVIDIA H100 80GB HBM3").check()
+
+
+def test_infeasible_config_names_peak_breakdown_and_a_fix():
+    with pytest.raises(PreflightMemoryError) as error:
+        check()
+    message = str(error.value)
+    memory = preflight.predict(get_model_spec("llama3.1-8b"), "v2", 1, 1, 1, 131072, "bf16-mixed", 80 * GIB).memory
+    assert "does not fit in GPU memory" in message and isinstance(error.value, MemoryError)
+    assert f"predicted peak {memory.reserved / GIB:.1f} GiB per GPU" in message
+    assert "vs 80.0 GiB capacity of the NVIDIA H100 80GB HBM3" in message
+    for name in ("model_states", "activations", "logits_loss"):
+        assert f"{name} {memory.as_gib()[name]:.2f}" in message
+    assert "Fits instead: LongShieldStrategy(" in message and "context_parallel_size=" in message
+    assert "preflight=False" in message
+
+
+def test_alternative_on_the_same_gpus_is_a_constructor_change():
+    with pytest.raises(PreflightMemoryError, match=r"instead: LongShieldStrategy\(activation_checkpointing=True\):"):
+        check(gpus=8, cp=8, mbs=2, seq_len=65536)
+    result = preflight.predict(get_model_spec("llama3.1-8b"), "v1", 8, 8, 8, 32768, "bf16-mixed", 80 * GIB)
+    alternative = preflight.find_alternative(result.config, world_size=8)
+    assert alternative is not None and alternative.memory.fits and alternative.gpus is None
+    assert "shard_per_sample_grads=True" in alternative.arguments
+
+
+def test_nothing_fits_says_so():
+    with pytest.raises(PreflightMemoryError, match="Nothing the planner tried fits"):
+        check(capacity_gib=1)
+
+
+def test_feasible_config_passes():
+    result = check(model="tiny", seq_len=1024)
+    assert result.fits and result.config.model_name == "tiny"
+    assert result.memory.capacity == 80 * GIB
+
+
+def test_policy_and_v1_checkpointing_are_estimated_as_v3_with_a_note():
+    assert preflight.simulate_method(True, False) == ("v2", ())
+    assert preflight.simulate_method(False, False) == ("v1", ())
+    v1_at_mbs_1 = preflight.predict(get_model_spec("tiny"), "v1", 2, 2, 1, 1024, "bf16-mixed", 80 * GIB)
+    assert v1_at_mbs_1.config.method.name == "v2"  # V1 at micro-batch 1 runs V2's path
+    assert preflight.simulate_method(True, True) == ("v3", ())
+    method, notes = preflight.simulate_method(False, 2)
+    assert method == "v3" and "every block is checkpointed" in notes[0] and "shard_per_sample_grads" in notes[1]
+
+
+def test_book_keeping_is_planned_as_zero_dp_plus_over_all_gpus():
+    assert preflight.simulate_method(True, False, "mixed", "all", 1) == ("zero-dp", ())
+    method, notes = preflight.simulate_method(True, False, "ghost", "context_parallel", 2)
+    assert method == "zero-dp" and "approximate" in notes[0]
+    result = preflight.predict(get_model_spec("llama3.2-1b"), "zero-dp", 4, 1, 2, 4096, "bf16-mixed", 80 * GIB)
+    assert result.config.method.name == "zero-dp" and result.config.num_gpus == 4 and result.config.cp_size == 1
+    alone = preflight.predict(get_model_spec("llama3.2-1b"), "zero-dp", 1, 1, 2, 4096, "bf16-mixed", 80 * GIB)
+    # Parameters and AdamW moments sharded over the 4 GPUs; the clipped sum whole on each (reduced once per step).
+    assert result.memory.model_states < alone.memory.model_states / 2
+    assert not result.config.method.retained_norm_pass  # the strategy's one-backward book-keeping
+
+
+@pytest.mark.parametrize("precision, name", [("bf16-mixed", "bf16-mixed"), ("bf16-true", "bf16-mixed"),
+                                             ("32-true", "fp32"), ("64-true", None)])
+def test_precision_mapping(precision, name):
+    assert preflight.simulate_precision(precision) == name
+
+
+def test_model_spec_from_llama_config():
+    assert preflight.model_spec_of(LlamaConfig.from_name("llama3.1-8b")) == get_model_spec("llama3.1-8b")
+    assert preflight.model_spec_of(small_config()).dim == 32
+    assert preflight.model_spec_of(None) is None
+
+
+def test_gpu_spec_takes_the_device_capacity_and_the_closest_preset():
+    spec = preflight.gpu_spec_for("NVIDIA A100-SXM4-40GB", 39 * GIB)
+    assert spec.memory_bytes == 39 * GIB and spec.bf16_flops == get_gpu_spec("a100-40").bf16_flops
+    assert preflight.gpu_spec_for("", 10 * GIB).bf16_flops == get_gpu_spec("h100").bf16_flops
+
+
+def test_per_layer_clipping_is_planned_with_the_kernel_the_strategy_runs(monkeypatch):
+    """Fused where `use_fused_kernel` takes linear weights (CP 1, not sharded over replicas, Triton on CUDA; off CUDA
+    the logged estimate is CUDA's), the PyTorch path elsewhere; the fused plan holds fewer per-sample bytes."""
+    from lightning_longshield.parallelize import DPParallelism
+    from lightning_longshield.privacy import per_layer
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    auto, forced = DPParallelism(clipping="per_layer"), DPParallelism(clipping="per_layer", per_layer_kernel="torch")
+    everywhere = DPParallelism(clipping="per_layer", shard_over="all")
+    monkeypatch.setattr(per_layer, "triton_runs_on", lambda device: True)
+    assert preflight.planned_per_layer_kernel(auto, cuda, 1, 4) == "auto"  # data-parallel replicas: whole models
+    assert preflight.planned_per_layer_kernel(auto, cpu, 1, 1) == "auto"
+    assert preflight.planned_per_layer_kernel(forced, cuda, 1, 1) == "torch"
+    assert preflight.planned_per_layer_kernel(auto, cuda, 2, 2) == "torch"  # context parallelism
+    assert preflight.planned_per_layer_kernel(everywhere, cuda, 1, 2) == "torch"  # sharded over the replicas
+    monkeypatch.setattr(per_layer, "triton_runs_on", lambda device: False)
+    assert preflight.planned_per_layer_kernel(auto, cuda, 1, 1) == "torch"  # no Triton
+    spec = get_model_spec("llama3.2-1b")
+    fused, materialised = (preflight.predict(spec, "v2", 1, 1, 4, 1024, "bf16-mixed", 80 * GIB, clipping="per-layer",
+                                             per_layer_kernel=kernel) for kernel in ("auto", "torch"))
+    assert fused.config.fused_linear_weights and not materialised.config.fused_linear_weights
+    held = [max(p.get("per_sample_grads", 0.0) for _, p in memory._phases(r.config)) for r in (fused, materialised)]
+    assert held[0] < held[1]
+
+
+def test_make_config_takes_specs_and_replace_keeps_them():
+    custom = small_config()
+    spec = preflight.model_spec_of(custom)
+    gpu = preflight.gpu_spec_for("My GPU", 24 * GIB)
+    cfg = make_config(model=spec, gpus=2, method="v3", seq_len=64, gpu=gpu)
+    assert (cfg.model_name, cfg.gpu_name) == ("custom", "My GPU")
+    changed = cfg.replace(mbs=2)
+    assert changed.model == spec and changed.gpu == gpu
+    assert make_config(model=get_model_spec("tiny"), gpu=get_gpu_spec("h200")).inputs()["model"] == "tiny"
+
+
+# ---------------------------------------------------------------------- wiring in the strategy
+
+
+def fit(strategy: LongShieldStrategy, module: L.LightningModule | None = None) -> L.LightningModule:
+    module = module or make_module(small_config(n_layers=1))
+    make_trainer(strategy, max_steps=1).fit(module, loader(RandomTokens(size=8, seq_len=16), 2))
+    return module
+
+
+class PublicLengthTokens(RandomTokens):
+    """`RandomTokens` that state their configured length, as `PackedTokenDataset` and `PaddedDocumentDataset` do."""
+
+    def __init__(self, size: int, seq_len: int) -> None:
+        super().__init__(size=size, seq_len=seq_len)
+        self.seq_len = seq_len
+
+
+def test_cpu_run_logs_the_prediction_and_trains(monkeypatch):
+    messages = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    strategy = LongShieldStrategy(noise_multiplier=1.0)
+    module = make_module(small_config(n_layers=1))
+    make_trainer(strategy, max_steps=1).fit(module, loader(PublicLengthTokens(size=8, seq_len=16), 2))
+    assert strategy.lightning_module.trainer.global_step == 1
+    (message,) = [m for m in messages if "pre-flight" in m]
+    assert "logged, not checked" in message and "predicted peak" in message and "sequence length 16" in message
+    assert "Breakdown at the peak" in message
+
+
+class OddLengthRecords(torch.utils.data.Dataset):
+    """Samples of a distinctive length (1234 tokens) and no public ``seq_len``: a length read from the data."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.arange(1234) % 64
+        return {"input_ids": ids, "labels": ids.roll(-1)}
+
+
+def test_a_length_read_from_the_data_is_planned_with_but_never_shown(monkeypatch):
+    """Without a public ``seq_len`` the pre-flight plans with record 0's length but neither logs it nor the memory
+    figures computed from it (nor puts them in the error when the run does not fit)."""
+    from lightning_longshield.parallelize import DPParallelism
+
+    messages = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    arguments = dict(module=make_module(small_config(n_layers=1)), dataset=OddLengthRecords(),
+                     device=torch.device("cpu"), world_size=1, cp=1, mbs=2, precision="32-true",
+                     parallelism=DPParallelism())
+    result = preflight.run_preflight(**arguments)
+    (message,) = messages
+    assert "1234" not in message and "GiB" not in message and "first training sample's length" in message
+    assert "seq_len` attribute" in message
+    assert result.config.seq_len == 1234 and result.private_length  # planned with it
+
+    monkeypatch.setattr(preflight, "is_cuda", lambda device: True)
+    monkeypatch.setattr(preflight, "device_properties", lambda device: ("NVIDIA H100 80GB HBM3", GIB // 1000))
+    with pytest.raises(PreflightMemoryError) as error:
+        preflight.run_preflight(**arguments)
+    assert "1234" not in str(error.value) and "per GPU" not in str(error.value)
+    assert "does not fit" in str(error.value) and "capacity of the NVIDIA H100 80GB HBM3" in str(error.value)
+
+
+def test_randomized_clipping_is_planned_with_a_note(monkeypatch):
+    """The planner does not model randomized clipping's book-kept tensors: the logged estimate says so."""
+    from lightning_longshield.parallelize import DPParallelism
+
+    messages = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    arguments = dict(module=make_module(small_config(n_layers=1)), dataset=RandomTokens(size=8, seq_len=16),
+                     device=torch.device("cpu"), world_size=1, cp=1, mbs=2, precision="32-true")
+    exact = preflight.run_preflight(**arguments, parallelism=DPParallelism())
+    sketched = preflight.run_preflight(**arguments, parallelism=DPParallelism(norm_estimator="hutchinson"))
+    assert exact.notes == () and sketched.notes == (preflight.RANDOMIZED_CLIPPING_NOTE,)
+    assert "randomized clipping" not in messages[0] and preflight.RANDOMIZED_CLIPPING_NOTE in messages[1]
+
+
+def test_preflight_false_skips_the_check(monkeypatch):
+    def refuse(**kwargs):
+        raise AssertionError("the pre-flight check ran")
+
+    monkeypatch.setattr(preflight, "run_preflight", refuse)
+    with pytest.raises(AssertionError, match="pre-flight check ran"):
+        fit(LongShieldStrategy(noise_multiplier=1.0))
+    fit(LongShieldStrategy(noise_multiplier=1.0, preflight=False))
+
+
+def test_module_without_llama_config_skips_with_a_log(monkeypatch):
+    messages = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    module = make_module(small_config(n_layers=1))
+    module.config = None
+    fit(LongShieldStrategy(noise_multiplier=1.0), module)
+    assert any("pre-flight memory check skipped" in m and "LlamaConfig" in m for m in messages)
+
+
+def test_cuda_device_that_is_too_small_stops_before_the_first_forward(monkeypatch):
+    monkeypatch.setattr(preflight, "is_cuda", lambda device: True)
+    monkeypatch.setattr(preflight, "device_properties", lambda device: ("NVIDIA H100 80GB HBM3", GIB))
+    module = make_module(small_config(n_layers=1))
+    forwards = []
+    module.model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(PreflightMemoryError, match=r"exceeds the 1.0 GiB capacity of the NVIDIA H100 80GB HBM3"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), module)
+    assert forwards == []
+    assert all(torch.equal(v, before[k]) for k, v in full_state(module).items())
+
+
+def test_cuda_device_that_is_large_enough_trains(monkeypatch):
+    messages = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    monkeypatch.setattr(preflight, "is_cuda", lambda device: True)
+    monkeypatch.setattr(preflight, "device_properties", lambda device: ("NVIDIA H100 80GB HBM3", 80 * GIB))
+    strategy = LongShieldStrategy(noise_multiplier=1.0)
+    fit(strategy)
+    assert strategy.lightning_module.trainer.global_step == 1
+    assert any("pre-flight: fits in 80.0 GiB" in m for m in messages)

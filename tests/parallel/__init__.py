@@ -1,0 +1,1 @@
+"""Multi-process runs: context parallelism, data-parallel groups, the spawn launcher."""

@@ -1,0 +1,168 @@
+"""Context parallelism: head-tail sharding (single process) and CP attention / a whole Llama on 2 and 4 gloo ranks."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_longshield.context_parallel import (
+    ContextParallelAttention,
+    apply_context_parallel_attention,
+    head_tail_chunks,
+    prefix_causal_attention,
+    shard_batch,
+    shard_sequence,
+    sharded_position_ids,
+    unshard_sequence,
+)
+from lightning_longshield.loss import per_sample_token_loss
+from lightning_longshield.models import Llama
+from lightning_longshield.models.llama import causal_attention
+from tests.support import cp_workers
+from tests.support.helpers import small_config
+from tests.support.process_runner import run_processes
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("dim", [1, 2, -1])
+def test_shard_unshard_round_trip(cp_size: int, dim: int) -> None:
+    full = torch.randn(2, 8 * cp_size, 16, 8 * cp_size)
+    shards = [shard_sequence(full, r, cp_size, dim=dim) for r in range(cp_size)]
+    assert all(s.shape[dim] == full.shape[dim] // cp_size for s in shards)
+    torch.testing.assert_close(unshard_sequence(shards, cp_size, dim=dim), full, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_position_ids_follow_head_tail_chunks(cp_size: int) -> None:
+    seq = 8 * cp_size
+    chunk = seq // (2 * cp_size)
+    seen = []
+    for rank in range(cp_size):
+        positions = sharded_position_ids(3, seq, rank, cp_size, device="cpu")
+        head, tail = head_tail_chunks(rank, cp_size)
+        assert (head, tail) == (rank, 2 * cp_size - 1 - rank)
+        expected = torch.cat(
+            (torch.arange(head * chunk, (head + 1) * chunk), torch.arange(tail * chunk, (tail + 1) * chunk))
+        )
+        assert positions.dtype == torch.long and positions.shape == (3, seq // cp_size)
+        assert torch.equal(positions, expected.expand(3, -1))
+        # the positions are those of the tokens the rank keeps
+        tokens = torch.arange(seq).expand(3, -1) * 10
+        assert torch.equal(shard_sequence(tokens, rank, cp_size), positions * 10)
+        seen.append(positions[0])
+    assert torch.equal(torch.cat(seen).sort().values, torch.arange(seq))
+
+
+def test_head_tail_layout_for_two_ranks() -> None:
+    # T = 8, N = 2: chunks [0,1] [2,3] [4,5] [6,7]; rank 0 keeps chunks 0 and 3, rank 1 keeps chunks 1 and 2.
+    assert sharded_position_ids(1, 8, 0, 2).tolist() == [[0, 1, 6, 7]]
+    assert sharded_position_ids(1, 8, 1, 2).tolist() == [[2, 3, 4, 5]]
+
+
+def test_shard_batch_counts_tokens_over_the_whole_sequence() -> None:
+    labels = torch.arange(16).repeat(3, 1)
+    labels[0, :6] = -100  # all of rank 0's head chunk (and more) ignored
+    labels[1, 12:] = -100
+    labels[2] = -100
+    batch = {"input_ids": torch.arange(16).repeat(3, 1), "labels": labels, "weights": torch.ones(3), "name": "x"}
+    for rank in range(2):
+        local = shard_batch(batch, rank, 2)
+        assert torch.equal(local["token_counts"], torch.tensor([10, 12, 0]))
+        assert torch.equal(local["input_ids"], local["position_ids"])  # input_ids are positions here
+        assert torch.equal(local["labels"], shard_sequence(labels, rank, 2))
+        assert local["weights"] is batch["weights"] and local["name"] == "x"
+    assert set(batch) == {"input_ids", "labels", "weights", "name"}  # the input is not modified
+
+
+def test_shard_batch_with_one_rank_is_the_identity_plus_positions() -> None:
+    batch = {"input_ids": torch.zeros(2, 7, dtype=torch.long), "labels": torch.zeros(2, 7, dtype=torch.long)}
+    local = shard_batch(batch, 0, 1)
+    assert local["input_ids"] is batch["input_ids"]
+    assert torch.equal(local["position_ids"], torch.arange(7).expand(2, -1))
+    assert torch.equal(local["token_counts"], torch.tensor([7, 7]))
+
+
+def test_sharded_loss_pieces_sum_to_the_sample_loss() -> None:
+    logits, labels = torch.randn(2, 16, 5, dtype=torch.float64), torch.randint(0, 5, (2, 16))
+    labels[0, 3:9] = -100
+    local = [shard_batch({"labels": labels, "logits": logits}, r, 4) for r in range(4)]
+    total = sum(per_sample_token_loss(p["logits"], p["labels"], p["token_counts"]) for p in local)
+    torch.testing.assert_close(total, per_sample_token_loss(logits, labels))
+
+
+@pytest.mark.parametrize("seq_len, cp_size", [(6, 2), (12, 4), (10, 4)])
+def test_sequence_length_must_divide_into_2n_chunks(seq_len: int, cp_size: int) -> None:
+    with pytest.raises(
+        ValueError, match=rf"length T is not divisible by 2 x context_parallel_size = {2 * cp_size}.*Pad"
+    ) as error:
+        shard_batch({"input_ids": torch.zeros(1, seq_len, dtype=torch.long)}, 0, cp_size)
+    assert not re.search(rf"\b{seq_len}\b", str(error.value))  # the batch's length is not quoted
+    with pytest.raises(ValueError, match="not divisible"):
+        shard_sequence(torch.zeros(1, seq_len), 0, cp_size)
+
+
+def test_invalid_rank_is_refused() -> None:
+    with pytest.raises(ValueError, match="Invalid context-parallel rank 2"):
+        shard_sequence(torch.zeros(1, 8), 2, 2)
+
+
+def test_apply_cp_attention_replaces_every_attention_fn(small_llama: Llama) -> None:
+    group = object()  # no communication happens until the model runs
+    assert apply_context_parallel_attention(small_llama, group) == small_llama.config.n_layers  # type: ignore[arg-type]
+    for block in small_llama.layers:
+        assert isinstance(block.attention.attention_fn, ContextParallelAttention)
+        assert block.attention.attention_fn.group is group
+
+
+def test_apply_cp_attention_refuses_models_without_attention_fn() -> None:
+    model = nn.Sequential(nn.Embedding(8, 4), nn.MultiheadAttention(4, 2, batch_first=True))
+    with pytest.raises(TypeError, match="no module with an `attention_fn`.*lightning_longshield.models.Llama"):
+        apply_context_parallel_attention(model, object())  # type: ignore[arg-type]
+
+
+def test_default_attention_honours_position_ids() -> None:
+    """The reference the CP attention is compared with: position ids 0..T-1 give plain causal attention."""
+    q, k, v = (torch.randn(2, 3, 8, 4, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(
+        causal_attention(q, k, v, torch.arange(8).expand(2, -1)), causal_attention(q, k, v, None)
+    )
+
+
+@pytest.fixture
+def small_llama() -> Llama:
+    return Llama(small_config())
+
+
+@pytest.mark.slow
+def test_context_parallel_two_processes(tmp_path) -> None:
+    """CP=2: all_gather_sequence/reduce-scatter, CP attention fwd/bwd, and a whole Llama (logits, loss, grads)."""
+    run_processes(2, tmp_path, cp_workers.run, [(1, 2)])
+
+
+@pytest.mark.slow
+def test_context_parallel_four_processes(tmp_path) -> None:
+    """CP=4 on one group, then a 2 x 2 (data_parallel, context_parallel) mesh: two CP groups with different data."""
+    run_processes(4, tmp_path, cp_workers.run, [(1, 4), (2, 2)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("length", "end"), [(8, 8), (8, 32), (5, 13)])
+def test_prefix_causal_attention_matches_masked_attention(dtype: torch.dtype, length: int, end: int) -> None:
+    """The mask-free blockwise kernel against SDPA with the materialised lower-right mask, forward and backward."""
+    q = torch.randn(2, 3, length, 16, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, 3, end, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    out = prefix_causal_attention(q, k, v)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+
+    reference_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    mask = torch.arange(length)[:, None] + (end - length) >= torch.arange(end)[None, :]
+    reference = F.scaled_dot_product_attention(*reference_inputs, attn_mask=mask)
+    reference_grads = torch.autograd.grad(reference, reference_inputs, grad_out.double())
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for got, expected in zip((out, *grads), (reference, *reference_grads)):
+        torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)

@@ -1,0 +1,1 @@
+"""The torch-free planner (simulate/): memory, throughput, CLI and the paper's tables."""

@@ -1,0 +1,1 @@
+"""The privacy guarantee: accounting, noise, secret randomness, Poisson sampling, what is released."""

@@ -1,0 +1,75 @@
+"""Poisson logical batches: rate, independence of draws, data-parallel disjointness, empty batches."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import default_collate
+
+from lightning_longshield import LongShieldStrategy
+from lightning_longshield.privacy import CollateAllowingEmpty, PoissonBatchSampler
+from lightning_longshield.privacy.randomness import SecretKey
+from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
+
+
+def test_inclusion_rate_and_epoch_length():
+    sampler = PoissonBatchSampler(200, 0.05, randomness=SecretKey.from_seed(0))
+    assert len(sampler) == 20
+    counts = torch.zeros(200)
+    batches = [b for _ in range(50) for b in sampler]
+    for batch in batches:
+        counts[batch] += 1
+    rate = counts.sum() / (200 * len(batches))
+    assert abs(rate - 0.05) < 4 * (0.05 * 0.95 / (200 * len(batches))) ** 0.5
+    assert len({tuple(b) for b in batches}) > 0.9 * len(batches), "draws must differ"
+
+
+def test_data_parallel_groups_are_disjoint_and_cover_the_draw():
+    whole = list(PoissonBatchSampler(100, 0.3, randomness=SecretKey.from_seed(7)))
+    parts = [
+        list(PoissonBatchSampler(100, 0.3, randomness=SecretKey.from_seed(7), data_parallel_rank=g,
+                                 data_parallel_size=3))
+        for g in range(3)
+    ]
+    for k, batch in enumerate(whole):
+        shares = [set(p[k]) for p in parts]
+        assert set().union(*shares) == set(batch)
+        assert sum(len(s) for s in shares) == len(batch)
+
+
+def test_draws_are_addressable_for_resumption():
+    full = list(PoissonBatchSampler(50, 0.2, randomness=SecretKey.from_seed(3)))
+    resumed = list(PoissonBatchSampler(50, 0.2, randomness=SecretKey.from_seed(3), first_draw=2))
+    assert resumed[:3] == full[2:5]
+
+
+def test_empty_batches_collate_to_zero_length_tensors():
+    dataset = RandomTokens(size=4, seq_len=6)
+    batch = CollateAllowingEmpty(dataset, default_collate)([])
+    assert batch["input_ids"].shape == (0, 6) and batch["labels"].shape == (0, 6)
+    assert any(len(b) == 0 for b in PoissonBatchSampler(1000, 0.0005, randomness=SecretKey.from_seed(0)))
+
+
+def test_fit_through_empty_logical_batches():
+    """q = 1/40: about a third of the logical batches are empty (24 secret draws all non-empty: p = 2e-5). Each still
+    is one DP step (accounted, noised); with noise 0 an empty step leaves the parameters exactly as they were."""
+
+    class RecordSteps(Callback):
+        def __init__(self) -> None:
+            self.sizes, self.changed = [], []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.sizes.append(len(batch["input_ids"]))
+            self.before = [p.detach().clone() for p in pl_module.parameters()]
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.changed.append(any(not torch.equal(p, q) for p, q in zip(pl_module.parameters(), self.before)))
+
+    recorder = RecordSteps()
+    strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=1.0, micro_batch_size=2)
+    trainer = make_trainer(strategy, max_steps=24, callbacks=[recorder])
+    trainer.fit(make_module(small_config(n_layers=1)), loader(RandomTokens(size=40, seq_len=8), 1))
+    assert trainer.global_step == 24 and strategy.accountant.steps == 24
+    assert 0 in recorder.sizes and any(size > 0 for size in recorder.sizes), recorder.sizes
+    assert not any(changed for size, changed in zip(recorder.sizes, recorder.changed) if size == 0), recorder.changed
+    assert any(recorder.changed)

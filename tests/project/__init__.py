@@ -1,0 +1,1 @@
+"""The repository around the package: README snippet, examples, benchmark scripts, package boundaries."""

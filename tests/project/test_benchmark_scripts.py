@@ -1,0 +1,104 @@
+"""Benchmark scripts that a GPU run depends on stay runnable: each runs once at a toy size on CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_cp_attention_benchmark_runs_and_reports_ratios():
+    command = [sys.executable, str(BENCHMARKS / "cp_attention.py"), "--device", "cpu", "--seq-lens", "64",
+               "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--repeats", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    (row,) = report["results"]
+    assert row["seq_len"] == 64 and row["prefix_over_flash_share"] > 0 and row["masked_over_flash_share"] > 0
+
+
+def test_gpu_throughput_benchmark_runs_and_reports_ratios():
+    command = [sys.executable, str(BENCHMARKS / "gpu_throughput.py"), "--device", "cpu", "--preset", "tiny",
+               "--points", "32x1", "--methods", "nondp_lightning", "longshield", "--accumulation", "2",
+               "--warmup", "1", "--steps", "1", "--precision", "32-true"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(result.stdout)["results"]
+    assert (row["seq_len"], row["micro_batch_size"]) == (32, 1)
+    assert row["longshield"]["tokens_per_s"] > 0 and row["nondp_lightning"]["tokens_per_s"] > 0
+    assert row["longshield_over_nondp"] == round(
+        row["longshield"]["tokens_per_s"] / row["nondp_lightning"]["tokens_per_s"], 3)
+    noise = json.loads(result.stdout)["noise"]
+    assert noise["secure_noise_gb_per_s"] > 0 and set(noise["per_step"]) == {"3279104"}
+
+
+def test_noise_generation_benchmark_reports_the_keyed_and_secure_costs():
+    command = [sys.executable, str(BENCHMARKS / "noise_generation.py"), "--params", "100000", "300000",
+               "--secure-elements", "65536", "--repeats", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert set(report["per_step"]) == {"100000", "300000"} and report["secure_noise_gb_per_s"] > 0
+    for row in report["per_step"].values():
+        assert row["keyed_over_seeded"] == row["keyed_s"] / row["seeded_32bit_s"]
+
+
+def test_gpu_throughput_benchmark_refuses_without_cuda():
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_throughput.py")], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and "CUDA is not available" in result.stderr
+
+
+def test_lora_vs_full_benchmark_reports_side_by_side_ratios():
+    command = [sys.executable, str(BENCHMARKS / "lora_vs_full.py"), "--seq-len", "32", "--micro-batch-size", "2",
+               "--steps", "1", "--warmup", "0", "--lora-rank", "4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    ratios = report["lora_over_full"]
+    assert 0 < ratios["trainable_parameters"] < 0.1 and ratios["step_s"] > 0
+    # per-sample gradients exist only for the adapters: the byte ratio is the parameter ratio
+    assert ratios["per_sample_grad_bytes"] == ratios["trainable_parameters"]
+
+
+def test_zero_dp_vs_longshield_benchmark_reports_every_method_against_its_non_dp_loop():
+    command = [sys.executable, str(BENCHMARKS / "zero_dp_vs_longshield.py"), "--seq-len", "32",
+               "--micro-batch-sizes", "2", "--accumulation", "2", "--steps", "1", "--markdown"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    (row,) = report["results"]
+    for method, baseline in (("zero_dp_plus", "nondp_lightning"), ("longshield", "nondp_lightning"),
+                             ("longshield_v3", "nondp_lightning"), ("opacus_ghost", "nondp_torch")):
+        expected = row[f"{method}_step_s"] / row[f"{baseline}_step_s"]  # of the rounded step times
+        assert abs(row[f"{method}_over_nondp"] / expected - 1) < 0.01
+    assert row["zero_dp_plus_bookkept_mib"] > 0 and row["longshield_bookkept_mib"] == 0
+    assert "| 2 | " in result.stdout and "ZeRO-DP+ step / non-DP" in result.stdout
+
+
+def test_per_layer_clipping_benchmark_reports_flat_per_layer_and_opacus_against_non_dp():
+    command = [sys.executable, str(BENCHMARKS / "per_layer_clipping.py"), "--seq-len", "32",
+               "--micro-batch-sizes", "2", "--accumulation", "2", "--steps", "1", "--markdown"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    assert "longshield_per_layer_fused" not in report["config"]["methods"]  # CUDA only
+    (row,) = report["results"]
+    for method, baseline in (("longshield", "nondp_lightning"), ("longshield_per_layer", "nondp_lightning"),
+                             ("opacus", "nondp_torch")):
+        expected = row[f"{method}_step_s"] / row[f"{baseline}_step_s"]  # of the rounded step times
+        assert abs(row[f"{method}_over_nondp"] / expected - 1) < 0.01
+    # per-layer clipping holds one layer's per-sample gradients at a time; flat LongShield and Opacus hold all
+    assert 0 < 4 * row["longshield_per_layer_per_sample_grad_mib"] < row["longshield_per_sample_grad_mib"]
+    assert row["opacus_per_sample_grad_mib"] == row["longshield_per_sample_grad_mib"]
+    assert "| LongShield per-layer | " in result.stdout
+
+
+def test_fused_per_layer_worker_refuses_cpu():
+    command = [sys.executable, str(BENCHMARKS / "dp_overhead.py"), "--worker", "longshield_per_layer_fused",
+               "--micro-batch-size", "2", "--device", "cpu"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "needs CUDA" in result.stderr

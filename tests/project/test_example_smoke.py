@@ -1,0 +1,44 @@
+"""The DP training example runs end to end and reports a finite privacy guarantee and a validation perplexity."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_dp_stdlib.py"
+
+
+@pytest.mark.parametrize("options", [[], ["--norm-estimator", "hutchinson", "--micro-batch-size", "2"]],
+                         ids=["exact", "hutchinson"])
+def test_train_dp_stdlib_prints_guarantee_and_perplexity(options):
+    command = [sys.executable, str(EXAMPLE), "--max-steps", "2", "--seq-len", "64", "--max-bytes", "60000", *options]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    guarantee = re.search(r"Privacy guarantee: \(epsilon=(\S+), delta=(\S+)\)-DP", result.stdout)
+    perplexity = re.search(r"Validation perplexity: (\S+)", result.stdout)
+    assert guarantee and perplexity, result.stdout[-3000:]
+    epsilon, delta = float(guarantee[1]), float(guarantee[2])
+    assert math.isfinite(epsilon) and 0 < epsilon <= 8.0
+    assert 0 < delta < 1
+    assert math.isfinite(float(perplexity[1])) and float(perplexity[1]) > 1
+    assert "Not released: training losses" in result.stdout
+
+
+def test_finetune_hf_example_prints_guarantee_with_unit_and_exports(tmp_path):
+    example = EXAMPLE.with_name("finetune_hf.py")
+    command = [sys.executable, str(example), "--max-steps", "2", "--seq-len", "64", "--work-dir", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    guarantee = re.search(r"Privacy guarantee: \(epsilon=(\S+), delta=(\S+)\)-DP .*privacy unit: one document",
+                          result.stdout)
+    perplexity = re.search(r"Validation perplexity: (\S+)", result.stdout)
+    assert guarantee and perplexity, result.stdout[-3000:]
+    assert 0 < float(guarantee[1]) <= 8.0 and math.isfinite(float(perplexity[1]))
+    assert "Trained: LoRA adapters" in result.stdout
+    assert (tmp_path / "exported" / "model.safetensors").exists() and (tmp_path / "exported" / "config.json").exists()

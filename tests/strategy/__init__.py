@@ -1,0 +1,1 @@
+"""The strategy in Lightning: registration, input errors, checkpoints and resume."""

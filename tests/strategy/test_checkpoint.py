@@ -1,0 +1,61 @@
+"""Checkpoints hold a full state dict plus the DP state; a resumed run continues exactly where it stopped."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_longshield import LongShieldStrategy
+from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
+
+DATA = RandomTokens(size=32, seq_len=8)
+
+
+def strategy():
+    # Exact resumption needs the same noise and Poisson draws: the explicit (test-only) reproducible mode.
+    return LongShieldStrategy(noise_multiplier=0.8, max_grad_norm=0.5, micro_batch_size=2, accountant="rdp",
+                              target_delta=1e-3, noise_seed=5)
+
+
+def module():
+    return make_module(small_config(n_layers=1), optimizer="adamw", learning_rate=1e-2)
+
+
+def test_resume_continues_the_same_run(tmp_path):
+    uninterrupted = module()
+    reference_strategy = strategy()
+    make_trainer(reference_strategy, max_steps=4).fit(uninterrupted, loader(DATA, 4))
+
+    first_half = module()
+    first_strategy = strategy()
+    trainer = make_trainer(first_strategy, max_steps=2)
+    trainer.fit(first_half, loader(DATA, 4))
+    path = tmp_path / "dp.ckpt"
+    trainer.save_checkpoint(path)
+
+    checkpoint = torch.load(path, weights_only=False)
+    assert set(checkpoint["state_dict"]) == {f"model.{k}" for k in first_half.model.state_dict()}
+    assert checkpoint["longshield"]["accountant"]["history"] == [(0.8, 4 / 32, 2)]
+
+    resumed = module()
+    resumed_strategy = strategy()  # the seed is the caller's, never read back from the checkpoint
+    make_trainer(resumed_strategy, max_steps=4).fit(resumed, loader(DATA, 4), ckpt_path=path)
+
+    assert resumed_strategy.accountant.history == [(0.8, 4 / 32, 4)]
+    assert resumed_strategy.get_epsilon() == reference_strategy.get_epsilon()
+    for (name, value), expected in zip(resumed.state_dict().items(), uninterrupted.state_dict().values()):
+        torch.testing.assert_close(value, expected, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_resume_respects_spent_budget(tmp_path):
+    """A resumed run counts the steps already taken: it stops when the total reaches the budget."""
+    first = LongShieldStrategy(noise_multiplier=1.5, target_epsilon=2.0, target_delta=1e-4, accountant="rdp")
+    trainer = make_trainer(first, max_steps=3)
+    trainer.fit(module(), loader(DATA, 4))
+    trainer.save_checkpoint(tmp_path / "budget.ckpt")
+    budget = first.accountant.steps_within_budget(2.0, 1.5, 4 / 32, 1e-4, limit=1000) + 3
+
+    second = LongShieldStrategy(noise_multiplier=1.5, target_epsilon=2.0, target_delta=1e-4, accountant="rdp")
+    trainer = make_trainer(second, max_steps=budget + 20)
+    trainer.fit(module(), loader(DATA, 4), ckpt_path=tmp_path / "budget.ckpt")
+    assert second.accountant.steps == budget == trainer.global_step
+    assert second.get_epsilon() <= 2.0

@@ -1,0 +1,160 @@
+"""Registration in Lightning and clear errors for bad input (nothing half-done)."""
+
+from __future__ import annotations
+
+import sys
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import DataLoader
+
+import lightning_longshield  # noqa: F401  (registers the strategy)
+from lightning_longshield import LongShieldStrategy
+from lightning_longshield.models import Llama, LlamaConfig
+from simulate.specs import get_model_spec
+from tests.support.helpers import RandomTokens, full_state, loader, make_module, make_trainer, small_config
+
+
+def test_registered_names():
+    trainer = L.Trainer(strategy="longshield", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, LongShieldStrategy)
+    assert trainer.strategy._start_method == "popen"
+    trainer = L.Trainer(strategy="longshield_spawn", accelerator="cpu", devices=1, logger=False)
+    assert trainer.strategy._start_method == "spawn"
+
+
+def test_string_strategy_trains_with_defaults():
+    trainer = L.Trainer(strategy="longshield", accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(make_module(small_config(n_layers=1)), loader(RandomTokens(size=16, seq_len=8), 4))
+    assert trainer.global_step == 1
+    assert trainer.strategy.privacy_plan.target_epsilon == 8.0
+
+
+def test_a_single_process_keeps_plain_tracebacks(monkeypatch):
+    """torch.distributed prefixes every traceback line with "[rank0]:"; alone on one process that is noise."""
+    monkeypatch.setattr("sys.excepthook", sys.__excepthook__)
+    make_trainer(LongShieldStrategy(noise_multiplier=1.0), max_steps=1).fit(
+        make_module(small_config(n_layers=1)), loader(RandomTokens(size=8, seq_len=8), 2)
+    )
+    assert sys.excepthook is sys.__excepthook__
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(noise_multiplier=0.0, target_epsilon=3.0), "conflicts with target_epsilon"),
+        (dict(noise_multiplier=-1.0), "noise_multiplier must be >= 0"),
+        (dict(target_epsilon=0.0), "target_epsilon must be > 0"),
+        (dict(target_delta=1.5), "target_delta must be in"),
+        (dict(max_grad_norm=0.0), "max_grad_norm must be > 0"),
+        (dict(micro_batch_size=0), "micro_batch_size must be >= 1"),
+        (dict(accountant="gdp"), "accountant='gdp' is not supported"),
+        (dict(grad_sample_pattern="diagonal"), "grad_sample_pattern"),
+        (dict(context_parallel_size=0), "context_parallel_size must be >= 1"),
+        (dict(communication_bucket_mb=-1), "communication_bucket_mb must be >= 0"),
+        (dict(secure_mode=True, noise_seed=1), "remove noise_seed"),
+    ],
+)
+def test_invalid_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LongShieldStrategy(**kwargs)
+
+
+def fit(strategy, module=None, data=None, **trainer_kwargs):
+    module = module or make_module(small_config(n_layers=1))
+    data = data if data is not None else loader(RandomTokens(size=8, seq_len=8), 2)
+    make_trainer(strategy, max_steps=1, **trainer_kwargs).fit(module, data)
+    return module
+
+
+def test_gradient_clip_val_is_refused():
+    with pytest.raises(ValueError, match="remove gradient_clip_val"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), gradient_clip_val=1.0)
+
+
+def test_accumulate_grad_batches_is_refused():
+    with pytest.raises(ValueError, match="accumulate_grad_batches must be 1"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), accumulate_grad_batches=2)
+
+
+def test_fp16_grad_scaler_is_refused():
+    # On CPU Lightning maps precision="16-mixed" to bf16; pass the fp16 plugin (as on CUDA) explicitly.
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="GradScaler is not supported"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), plugins=[plugin])
+
+
+def test_fp16_without_loss_scaling_is_refused():
+    with pytest.raises(ValueError, match="'16-true'.*Use precision='bf16-true'"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), precision="16-true")
+
+
+def test_unsupported_layer_is_refused_before_training():
+    module = make_module(small_config(n_layers=1))
+    module.model.extra = torch.nn.Conv1d(2, 2, 1)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(TypeError, match=r"model.extra \(Conv1d\)"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
+    assert all(torch.equal(v, before[k]) for k, v in full_state(module).items())
+
+
+def test_embedding_with_max_norm_is_refused_before_training():
+    """nn.Embedding(max_norm=...) would renormalise the sampled batch's rows in place, without noise: refused before
+    the first forward, the weights untouched."""
+    module = make_module(small_config(n_layers=1))
+    module.model.tok_embeddings.max_norm = 0.01
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=r"model.tok_embeddings \(max_norm=0.01\).*without max_norm"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
+    assert all(torch.equal(v, before[k]) for k, v in full_state(module).items())
+
+
+def test_empty_dataset_is_refused():
+    with pytest.raises(ValueError, match="training dataset is empty"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), data=DataLoader(RandomTokens(size=0), batch_size=2))
+
+
+def test_missing_labels_are_named():
+    class NoLabels(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.zeros(8, dtype=torch.long)}
+
+    with pytest.raises(ValueError, match="'input_ids' and 'labels'"):
+        fit(LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False), data=DataLoader(NoLabels(), batch_size=2))
+
+
+def test_context_parallel_size_must_divide_world_size():
+    with pytest.raises(ValueError, match="context_parallel_size=2 must be a positive divisor"):
+        fit(LongShieldStrategy(noise_multiplier=1.0, context_parallel_size=2))
+
+
+def test_manual_optimization_is_refused():
+    module = make_module(small_config(n_layers=1))
+    module.automatic_optimization = False
+    with pytest.raises(ValueError, match="automatic_optimization=True"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
+
+
+@pytest.mark.parametrize("policy, error", [(0, ValueError), ("every", TypeError)])
+def test_invalid_checkpointing_policy(policy, error):
+    with pytest.raises(error, match="activation_checkpointing"):
+        LongShieldStrategy(activation_checkpointing=policy)
+
+
+@pytest.mark.parametrize(
+    "name, published",
+    [("llama3.2-1b", 1.236e9), ("llama3.2-3b", 3.213e9), ("llama3.1-8b", 8.030e9), ("llama3.1-70b", 70.554e9)],
+)
+def test_presets_have_the_published_parameter_counts(name, published):
+    """Meta's model cards: 1.24B, 3.21B, 8.03B and 70.6B parameters (tied embeddings in 1B and 3B)."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.from_name(name))
+    count = sum(p.numel() for p in model.parameters())
+    assert count == get_model_spec(name).num_parameters
+    assert count == pytest.approx(published, rel=2e-3)
