@@ -7,9 +7,9 @@ attention, head-tail sequence sharding) and ``ACCUMULATION`` micro-batches per o
 - ``nondp``: Lightning's `ModelParallelStrategy` (its ``tensor_parallel`` mesh dimension is the CP group) with a
   `CausalLMModule` that applies LongShield's FSDP2 sharding and CP attention in ``configure_model`` and shards each
   micro-batch like the strategy; plain AdamW, gradient accumulation over the micro-batches.
-- ``v1``: ``LongShieldStrategy(shard_per_sample_grads=False)`` (per-sample gradients all-reduced over CP).
+- ``v1``: ``LongShieldStrategy(exchange="all_reduce")`` (per-sample gradients all-reduced over CP).
 - ``v2``: ``LongShieldStrategy()`` (input-stationary: per-sample gradients reduce-scattered over CP).
-- ``v2_os``: ``LongShieldStrategy(grad_sample_pattern="output_stationary")`` (all-to-all + all-gather of inputs).
+- ``v2_os``: ``LongShieldStrategy(exchange="output_stationary")`` (all-to-all + all-gather of inputs).
 
 Per configuration: peak RSS of each worker and its growth over the RSS after setup, the per-sample-gradient bytes
 held after backward, the bytes passed to each kind of collective per optimizer step and the median step time, each
@@ -50,9 +50,9 @@ from lightning_longshield.parallelize import shard_with_fsdp
 
 METHODS: dict[str, Optional[dict[str, Any]]] = {
     "nondp": None,
-    "v1": {"shard_per_sample_grads": False},
+    "v1": {"exchange": "all_reduce"},
     "v2": {},
-    "v2_os": {"grad_sample_pattern": "output_stationary"},
+    "v2_os": {"exchange": "output_stationary"},
 }
 RATIOS = {
     "v1_over_nondp": ("v1", "nondp"),

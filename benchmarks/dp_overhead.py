@@ -10,15 +10,15 @@ These loops train the same model on the same micro-batches, ``--accumulation`` m
 - ``opacus``: a plain PyTorch loop with Opacus ``make_private(grad_sample_mode="hooks")`` and its
   ``BatchMemoryManager`` splitting logical batches into micro-batches.
 - ``nondp_torch``: the same plain loop without Opacus, accumulating gradients over the micro-batches.
-- ``zero_dp_plus``: the ``longshield`` loop with ``per_sample="mixed"`` and ``shard_over="all"`` (on one process:
+- ``zero_dp_plus``: the ``longshield`` loop with ``norms="mixed"`` and ``shard_over="all"`` (on one process:
   mixed ghost norms with book-keeping; the paper's ZeRO-DP+ baseline).
 - ``opacus_ghost``: the Opacus loop with ``grad_sample_mode="ghost"`` (ghost norms, a second backward pass).
 - ``longshield_per_layer``: the ``longshield`` loop with ``clipping="per_layer"`` (equal thresholds) and
-  ``per_layer_kernel="torch"``: per-sample gradients materialised, clipped and freed one layer at a time.
-- ``longshield_per_layer_fused``: the same with ``per_layer_kernel="triton"``: linear weights through the fused
+  ``PerLayerClipping(kernel="torch")``: per-sample gradients materialised, clipped and freed one layer at a time.
+- ``longshield_per_layer_fused``: the same with ``PerLayerClipping(kernel="triton")``: linear weights through the fused
   Triton kernel (no per-sample gradient in memory). CUDA only.
-- ``longshield_hutchinson``: the ``longshield`` loop with randomized clipping, ``norm_estimator="hutchinson"``,
-  ``projection_dim=32`` (estimated norms of linear weights, book-kept clipped sums).
+- ``longshield_hutchinson``: the ``longshield`` loop with randomized clipping, ``ProjectedNorms("hutchinson",
+  projection_dim=32)`` (estimated norms of linear weights, book-kept clipped sums).
 
 Every (loop, micro-batch size) runs in a fresh subprocess, so peak memory is measured in isolation: on CPU the
 growth of peak RSS (``ru_maxrss``) from just before training to the end, on CUDA ``max_memory_allocated`` above
@@ -50,7 +50,7 @@ from opacus import PrivacyEngine
 from opacus.utils.batch_memory_manager import wrap_data_loader
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_longshield import CausalLMModule, LongShieldStrategy
+from lightning_longshield import CausalLMModule, LongShieldStrategy, PerLayerClipping, ProjectedNorms
 from lightning_longshield.loss import causal_lm_loss
 from lightning_longshield.models import Llama, LlamaConfig
 from lightning_longshield.text_data import python_stdlib_corpus
@@ -63,10 +63,10 @@ CUDA_ONLY = ("longshield_per_layer_fused",)
 # LongShieldStrategy arguments of each Lightning DP loop beyond the shared ones
 STRATEGY_OPTIONS: dict[str, dict[str, Any]] = {
     "longshield_v3": dict(activation_checkpointing=True),
-    "zero_dp_plus": dict(per_sample="mixed", shard_over="all"),
-    "longshield_per_layer": dict(clipping="per_layer", per_layer_kernel="torch"),
-    "longshield_per_layer_fused": dict(clipping="per_layer", per_layer_kernel="triton"),
-    "longshield_hutchinson": dict(norm_estimator="hutchinson", projection_dim=32),
+    "zero_dp_plus": dict(norms="mixed", shard_over="all"),
+    "longshield_per_layer": dict(clipping=PerLayerClipping(kernel="torch")),
+    "longshield_per_layer_fused": dict(clipping=PerLayerClipping(kernel="triton")),
+    "longshield_hutchinson": dict(norms=ProjectedNorms("hutchinson", projection_dim=32)),
 }
 PRECISIONS = ("32-true", "bf16-mixed")
 NOTES = (

@@ -7,9 +7,10 @@ README's table).
 
 Every configuration is one fresh process of ``benchmarks/dp_overhead.py`` (the same loops, data and measurements):
 ``longshield`` clips each sample's whole gradient (flat), ``longshield_per_layer`` is
-`LongShieldStrategy(clipping="per_layer", per_layer_kernel="torch")` (equal thresholds; per-sample gradients
+`LongShieldStrategy(clipping=PerLayerClipping(kernel="torch"))` (equal thresholds; per-sample gradients
 materialised, clipped and freed one layer at a time), ``longshield_per_layer_fused`` the same with
-``per_layer_kernel="triton"`` (linear weights through the fused kernel; only with ``--device cuda``), ``opacus`` is
+``PerLayerClipping(kernel="triton")`` (linear weights through the fused kernel; only with ``--device cuda``),
+``opacus`` is
 Opacus's ``grad_sample_mode="hooks"`` (flat clipping, every layer's ``grad_sample`` held). Step-time and peak-memory
 ratios are against the matching non-DP loop (``nondp_lightning``, or ``nondp_torch`` for Opacus); per-sample MiB is
 the most per-sample-gradient memory held at once. Largest micro-batch: the largest of

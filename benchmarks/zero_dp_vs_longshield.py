@@ -5,7 +5,7 @@ their non-DP loops, side by side in one run. Prints JSON (and, with ``--markdown
         --budget-mib 600 --budget-seq-lens 256 512 1024 2048 --markdown
 
 Every configuration is one fresh process of ``benchmarks/dp_overhead.py`` (the same loops, data and measurements):
-``zero_dp_plus`` is `LongShieldStrategy(per_sample="mixed", shard_over="all")` (ZeRO-DP+: FSDP over all ranks, mixed
+``zero_dp_plus`` is `LongShieldStrategy(norms="mixed", shard_over="all")` (ZeRO-DP+: FSDP over all ranks, mixed
 ghost norms, book-keeping), ``longshield`` materialises per-sample gradients (V2's path at CP 1), ``longshield_v3``
 adds DP-safe activation checkpointing, ``opacus_ghost`` is Opacus's ``grad_sample_mode="ghost"``; step-time ratios
 are against the matching non-DP loop. Max sequence length: the longest of ``--budget-seq-lens`` whose peak memory

@@ -37,11 +37,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C")
     parser.add_argument("--clipping", choices=("flat", "per_layer"), default="flat",
                         help="one norm per sample, or each layer to its own share of C (per_layer)")
-    parser.add_argument("--per-sample", choices=("materialize", "ghost", "mixed"), default="materialize",
-                        help="per-sample gradients, or ghost norms with book-keeping (mixed: the cheaper per weight)")
-    parser.add_argument("--norm-estimator", choices=("exact", "hutchinson", "hutchpp"), default="exact",
-                        help="exact norms, or randomized clipping (its own accountant calibrates the noise)")
-    parser.add_argument("--projection-dim", type=int, default=32, help="projections per layer of a randomized norm")
+    parser.add_argument("--norms", choices=("materialize", "ghost", "mixed", "hutchinson", "hutchpp"),
+                        default="materialize",
+                        help="per-sample gradients, ghost norms with book-keeping (mixed: the cheaper per weight), or"
+                             " randomized clipping with 32 projections (its own accountant calibrates the noise)")
     parser.add_argument("--learning-rate", type=float, default=1e-2, help="AdamW learning rate")
     parser.add_argument("--max-bytes", type=int, default=2_000_000, help="bytes of standard-library source to use")
     parser.add_argument("--precision", default="32-true", help="Lightning precision, e.g. 32-true or bf16-mixed")
@@ -67,9 +66,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         max_grad_norm=args.max_grad_norm,
         micro_batch_size=args.micro_batch_size,
         clipping=args.clipping,
-        per_sample=args.per_sample,
-        norm_estimator=args.norm_estimator,
-        projection_dim=args.projection_dim,
+        norms=args.norms,
         seed=args.seed,
         secure_mode=args.secure_mode,
     )

@@ -9,9 +9,18 @@ from lightning_longshield.callbacks import PrivacyMonitor
 from lightning_longshield.module import CausalLMModule
 from lightning_longshield.preflight import PreflightMemoryError
 from lightning_longshield.strategy import LongShieldStrategy
+from simulate.strategy_config import PerLayerClipping, ProjectedNorms, StrategyConfig
 
 if "longshield" not in StrategyRegistry:
     LongShieldStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CausalLMModule", "LongShieldStrategy", "PreflightMemoryError", "PrivacyMonitor"]
+__all__ = [
+    "CausalLMModule",
+    "LongShieldStrategy",
+    "PerLayerClipping",
+    "PreflightMemoryError",
+    "PrivacyMonitor",
+    "ProjectedNorms",
+    "StrategyConfig",
+]
 __version__ = "0.1.0"

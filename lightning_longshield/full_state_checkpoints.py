@@ -1,10 +1,12 @@
-"""Checkpoints as one full, unsharded file whose optimizer state is keyed by parameter name (loads at any CP size)."""
+"""Checkpoints as one full, unsharded file whose optimizer state is keyed by parameter name (loads at any CP size),
+with the strategy's privacy state (plan and accountant history) under `CHECKPOINT_KEY`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
+from lightning.pytorch.strategies import ParallelStrategy
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -13,14 +15,31 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+CHECKPOINT_KEY = "longshield"
+
 
 class FullStateCheckpoints:
     """Strategy mix-in: gather the full model and optimizer state to save, scatter it back into shards to load.
 
     The model's state comes from `ModelParallelStrategy` with ``save_distributed_checkpoint=False``; this class
     makes the optimizer state portable (by parameter name, not position) and loads both through Lightning's own
-    restore path instead of `ModelParallelStrategy`'s sharded-folder loader.
+    restore path instead of `ModelParallelStrategy`'s sharded-folder loader. The strategy's ``privacy``
+    (`PrivacySession`) travels with them.
     """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        state = self.privacy.state_dict()  # type: ignore[attr-defined]
+        if state is not None:
+            checkpoint[CHECKPOINT_KEY] = state
+        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """One full checkpoint file (not the sharded folder of `ModelParallelStrategy`), and the privacy state."""
+        checkpoint = ParallelStrategy.load_checkpoint(self, checkpoint_path, weights_only=False)  # type: ignore[arg-type]
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is not None and self.privacy.noise is not None:  # type: ignore[attr-defined]
+            self.privacy.load_state_dict(state)  # type: ignore[attr-defined]
+        return checkpoint
 
     @property
     def lightning_restore_optimizer(self) -> bool:

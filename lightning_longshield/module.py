@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics.text import Perplexity
 
 from lightning_longshield.context_parallel.mesh import CONTEXT_PARALLEL
-from lightning_longshield.lora import LoraOptions, apply_lora
+from lightning_longshield.lora import LoraOptions, apply_lora, reset_adapters
 from lightning_longshield.loss import IGNORE_INDEX, per_sample_token_loss
 from lightning_longshield.models import Llama, LlamaConfig
 
@@ -147,6 +147,12 @@ class CausalLMModule(L.LightningModule):
             if self.lora is not None:
                 apply_lora(model, self.lora)
             self.model = model
+
+    def initialize_materialized(self) -> None:
+        """After a meta-device model's shards are allocated and the model's ``init_weights`` ran: initialise the LoRA
+        adapters as PEFT does (A random, B zero). The strategy calls it; the model knows nothing of LoRA."""
+        if self.lora is not None and self.model is not None:
+            reset_adapters(self.model)
 
     def save_pretrained(self, directory: str, dtype: Optional[torch.dtype] = None) -> None:
         """Write the model (LoRA adapters merged) as a Hugging Face Llama directory; a collective under FSDP2."""

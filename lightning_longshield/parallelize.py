@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from typing import Literal, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import nn
@@ -12,78 +12,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from lightning_longshield.activation_checkpointing import (
-    CheckpointPolicy,
-    apply_activation_checkpointing,
-    select_blocks,
-)
+from lightning_longshield.activation_checkpointing import apply_activation_checkpointing
 from lightning_longshield.context_parallel import apply_context_parallel_attention
-from lightning_longshield.lora import reset_adapters
-from lightning_longshield.privacy.grad_sample.bookkeeping import PER_SAMPLE_METHODS, PerSampleMethod
-from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES, LocalExchange, build_exchange
-from lightning_longshield.privacy.per_layer import Clipping, PerLayerKernel, ThresholdSpec, check_clipping
-from lightning_longshield.privacy.randomized.estimator import check_norm_estimator
+from lightning_longshield.privacy.grad_sample.exchange import LocalExchange, build_exchange
 from lightning_longshield.privacy.randomness import derive_seed
 from lightning_longshield.privacy.shards import ParamShard
-
-GRAD_SAMPLE_PATTERNS = ("input_stationary", "output_stationary")
-SHARD_OVER = ("context_parallel", "all")
-
-
-@dataclass(frozen=True)
-class DPParallelism:
-    """How a DP step is parallelised: CP size, the per-sample exchange (V1 / V2 and its pattern), communication
-    overlap and bucketing, activation checkpointing (V3), how linear and embedding weights get per-sample norms
-    (materialised, ghost or mixed, with book-keeping; or estimated by random projections) and whether each sample is
-    clipped as a whole (flat) or layer by layer as its gradients complete (per-layer). The strategy's arguments of the
-    same names."""
-
-    context_parallel_size: Optional[int] = None
-    shard_per_sample_grads: bool = True
-    grad_sample_pattern: Literal["input_stationary", "output_stationary"] = "input_stationary"
-    overlap_communication: bool = True
-    communication_bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20
-    activation_checkpointing: CheckpointPolicy = False
-    per_sample: PerSampleMethod = "materialize"
-    shard_over: Literal["context_parallel", "all"] = "context_parallel"
-    clipping: Clipping = "flat"
-    per_layer_thresholds: Optional[ThresholdSpec] = None
-    per_layer_kernel: PerLayerKernel = "auto"
-    norm_estimator: Literal["exact", "hutchinson", "hutchpp"] = "exact"
-    projection_dim: int = 32
-
-    def __post_init__(self) -> None:
-        if self.shard_over not in SHARD_OVER:
-            raise ValueError(f"shard_over={self.shard_over!r}; choose one of {SHARD_OVER}.")
-        if self.shard_over == "all" and self.output_stationary:
-            raise ValueError("grad_sample_pattern='output_stationary' needs shard_over='context_parallel' (it shards"
-                             " linear inputs over the context-parallel group); use 'input_stationary' with 'all'.")
-        if self.per_sample not in PER_SAMPLE_METHODS:
-            raise ValueError(f"per_sample={self.per_sample!r}; choose one of {PER_SAMPLE_METHODS}.")
-        if self.context_parallel_size is not None and self.context_parallel_size < 1:
-            raise ValueError(f"context_parallel_size must be >= 1 or None, got {self.context_parallel_size}.")
-        if self.grad_sample_pattern not in GRAD_SAMPLE_PATTERNS:
-            raise ValueError(
-                f"grad_sample_pattern={self.grad_sample_pattern!r}; choose one of {GRAD_SAMPLE_PATTERNS}."
-            )
-        if self.communication_bucket_mb < 0:
-            raise ValueError(f"communication_bucket_mb must be >= 0, got {self.communication_bucket_mb}.")
-        select_blocks([], self.activation_checkpointing)  # validates the policy's type and value
-        check_clipping(self.clipping, self.per_layer_thresholds, self.per_sample, self.per_layer_kernel)
-        check_norm_estimator(self.norm_estimator, self.projection_dim, self.per_sample, self.clipping)
-
-    @property
-    def output_stationary(self) -> bool:
-        return self.grad_sample_pattern == "output_stationary"
+from simulate.strategy_config import StrategyConfig
 
 
 def parallelize(
     module: nn.Module,
-    parallelism: DPParallelism,
+    config: StrategyConfig,
     context_parallel_mesh: DeviceMesh,
     device: torch.device,
     precision: object = "32-true",
     sharding_mesh: Optional[DeviceMesh] = None,
+    initialize: Optional[Callable[[], None]] = None,
 ) -> LocalExchange:
     """Prepare ``module`` for DP training on its context-parallel group; returns the exchange for its layout.
 
@@ -95,10 +39,11 @@ def parallelize(
     local when the group is one rank). Where that mesh is one rank, FSDP2 is not applied: its all-gathers and
     reduce-scatters over one rank are copies, and AdamW over its DTensors pays the tensor subclass's dispatch (about
     0.15 of a tiny MBS-1 step on CPU); the parameters stay plain tensors, the local exchange takes ``.grad`` and the
-    per-sample gradients as they are, as on a sharded layout's one-rank view.
+    per-sample gradients as they are, as on a sharded layout's one-rank view. ``initialize`` runs after the
+    model's ``init_weights`` on a materialised model (for what the model does not own, e.g. adapters).
     """
-    if parallelism.activation_checkpointing is not False:
-        apply_activation_checkpointing(module, parallelism.activation_checkpointing)
+    if config.activation_checkpointing is not False:
+        apply_activation_checkpointing(module, config.activation_checkpointing)
     group = context_parallel_mesh.get_group()
     if context_parallel_mesh.size() > 1:
         apply_context_parallel_attention(module, group)
@@ -106,19 +51,19 @@ def parallelize(
     replicas = fsdp_mesh.size() // context_parallel_mesh.size()
     fsdp_shards: dict[str, ParamShard] = {}
     if fsdp_mesh.size() > 1:
-        fsdp_shards = shard_with_fsdp(module, fsdp_mesh, parallelism.output_stationary,
+        fsdp_shards = shard_with_fsdp(module, fsdp_mesh, config.output_stationary,
                                       mp_policy=gather_policy(precision))
-    materialize_meta_parameters(module, device, fsdp_mesh.get_local_rank())
+    materialize_meta_parameters(module, device, fsdp_mesh.get_local_rank(), initialize)
     cp_rank, cp_size = context_parallel_mesh.get_local_rank(), context_parallel_mesh.size()
     shards = {name: ParamShard(shard.dim, cp_rank, cp_size, shard.size, replicas)
               for name, shard in fsdp_shards.items()}
     return build_exchange(
         group,
         shards,
-        shard_per_sample_grads=parallelism.shard_per_sample_grads,
-        output_stationary=parallelism.output_stationary,
-        overlap=parallelism.overlap_communication,
-        bucket_bytes=int(parallelism.communication_bucket_mb * 2**20),
+        shard_per_sample_grads=config.shards_per_sample_grads,
+        output_stationary=config.output_stationary,
+        overlap=config.overlap_communication,
+        bucket_bytes=int(config.communication_bucket_mb * 2**20),
     )
 
 
@@ -180,10 +125,12 @@ def gather_policy(precision: object) -> Optional[MixedPrecisionPolicy]:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def materialize_meta_parameters(module: nn.Module, device: torch.device, rank: int) -> bool:
+def materialize_meta_parameters(
+    module: nn.Module, device: torch.device, rank: int, initialize: Optional[Callable[[], None]] = None
+) -> bool:
     """Allocate a meta-device module's (FSDP2-sharded) parameters on ``device`` and initialise them, each rank only
-    its own shards, with the model's ``init_weights`` (LoRA adapters as PEFT initialises them). Returns whether
-    there was anything to materialise.
+    its own shards, with the model's ``init_weights`` and then ``initialize`` (e.g. the LightningModule's LoRA
+    adapters, as PEFT initialises them). Returns whether there was anything to materialise.
 
     The initial distribution is the model's own; the draws come from a generator seeded by a hash of one draw of
     the global RNG and ``rank``, so a run seeded the same way on the same layout is reproducible and the ranks'
@@ -207,5 +154,6 @@ def materialize_meta_parameters(module: nn.Module, device: torch.device, rank: i
         torch.manual_seed(seed)
         for initializer in initializers:
             initializer.init_weights()
-        reset_adapters(module)
+        if initialize is not None:
+            initialize()
     return True

@@ -18,11 +18,10 @@ from typing import Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_longshield.activation_checkpointing import CheckpointPolicy
-from lightning_longshield.parallelize import DPParallelism
 from lightning_longshield.privacy.per_layer import use_fused_kernel
 from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory
-from simulate.config import METHODS, longshield_config
+from simulate.config import METHODS, longshield_config, method_for, precision_of
+from simulate.strategy_config import StrategyConfig, describe_arguments
 from simulate.throughput import estimate_step_time
 
 GIB = 2**30
@@ -129,49 +128,6 @@ PRIVATE_LENGTH_NOTE = (
     " dataset a `seq_len` attribute (the configured sequence length) to plan with it and see them."
 )
 
-RANDOMIZED_CLIPPING_NOTE = (
-    "Note: randomized clipping (norm_estimator) keeps every linear and embedding layer's inputs and output gradients"
-    " until the norms are known (about MBS x T x (in + out) elements per layer, with k-column sketches), which the"
-    " planner does not model: the estimate assumes per-sample gradients and is approximate (lower at long sequences)."
-)
-
-
-def simulate_method(
-    shard_per_sample_grads: bool,
-    activation_checkpointing: CheckpointPolicy,
-    per_sample: str = "materialize",
-    shard_over: str = "context_parallel",
-    context_parallel_size: int = 1,
-) -> tuple[str, tuple[str, ...]]:
-    """The planner's method for the strategy's settings, with notes on where the estimate is approximate."""
-    if per_sample != "materialize":
-        notes = []
-        if context_parallel_size > 1 or shard_over != "all" or activation_checkpointing is not False:
-            notes.append("Note: estimated as ZeRO-DP+ (book-keeping, FSDP over all ranks, CP 1, no checkpointing);"
-                         " this run's layout differs, so the estimate is approximate.")
-        return "zero-dp", tuple(notes)
-    if activation_checkpointing is False:
-        return ("v2" if shard_per_sample_grads else "v1"), ()
-    notes = []
-    if not (activation_checkpointing is True or activation_checkpointing == 1):
-        notes.append("Note: the estimate assumes every block is checkpointed (activation_checkpointing is a policy).")
-    if not shard_per_sample_grads:
-        notes.append(
-            "Note: estimated as V3 (sharded per-sample gradients); with shard_per_sample_grads=False every rank keeps"
-            " all of them, so the real peak is higher."
-        )
-    return "v3", tuple(notes)
-
-
-def simulate_precision(precision: str) -> Optional[str]:
-    """The planner's name for a Lightning precision: 16-bit compute is ``"bf16-mixed"``, 32-bit ``"fp32"``."""
-    if precision.startswith(("bf16", "16")):
-        return "bf16-mixed"
-    if precision.startswith("32"):
-        return "fp32"
-    return None
-
-
 def model_spec_of(config: object) -> Optional[ModelSpec]:
     """A module's `LlamaConfig` (a `ModelSpec` subclass) as a plain `ModelSpec`, which the planner matches against
     its presets by value; ``None`` for anything else."""
@@ -234,7 +190,7 @@ def predict(
     private_length: bool = False,
 ) -> PreflightResult:
     """The planner's peak memory per GPU for a run of ``gpus`` processes in context-parallel groups of ``cp``
-    (``clipping``: the planner's ``"flat"`` or ``"per-layer"``; ``per_layer_kernel``: its ``"auto"`` or ``"torch"``;
+    (``clipping``: ``"flat"`` or ``"per_layer"``; ``per_layer_kernel``: ``"auto"`` (fused) or ``"torch"``;
     ``private_length``: ``seq_len`` was read from the data and is not to be shown, see `PreflightResult`).
 
     ``seq_len`` is rounded up to a multiple of ``2 x cp`` (the planner's load-balanced sharding needs it). ZeRO-DP+
@@ -314,25 +270,17 @@ def _smaller_micro_batches(mbs: int) -> list[int]:
 
 def _changed_arguments(old: RunConfig, new: RunConfig) -> tuple[str, ...]:
     """The `LongShieldStrategy` constructor arguments that turn ``old`` into ``new``."""
-    arguments = []
-    if old.method.name == "v1" and new.method.name != "v1":
-        arguments.append("shard_per_sample_grads=True")
-    if new.method.activation_checkpointing and not old.method.activation_checkpointing:
-        arguments.append("activation_checkpointing=True")
-    if new.micro_batch_size != old.micro_batch_size:
-        arguments.append(f"micro_batch_size={new.micro_batch_size}")
-    if new.cp_size != old.cp_size:
-        arguments.append(f"context_parallel_size={new.cp_size}")
-    return tuple(arguments)
+    changed = old.strategy.changed_arguments(new.strategy)
+    return tuple(describe_arguments({name: value}) for name, value in changed.items())
 
 
-def planned_per_layer_kernel(parallelism: DPParallelism, device: torch.device, cp: int, world_size: int) -> str:
+def planned_per_layer_kernel(config: StrategyConfig, device: torch.device, cp: int, world_size: int) -> str:
     """The planner's ``per_layer_kernel`` for what the strategy runs: ``"auto"`` (fused) where linear weights go
     through the fused kernels (`use_fused_kernel`: CP 1, the model not sharded over data-parallel replicas, Triton on
     CUDA; off CUDA, where the check only logs, as on CUDA with Triton), else ``"torch"``."""
-    if parallelism.per_layer_kernel == "torch":
+    if config.per_layer is None or config.per_layer.kernel == "torch":
         return "torch"
-    sharded = cp > 1 or (parallelism.shard_over == "all" and world_size > cp)
+    sharded = cp > 1 or (config.shard_over == "all" and world_size > cp)
     # "auto", not the setting: a "triton" that cannot run is the engine's error to raise, not the estimate's.
     fused = use_fused_kernel("auto", device, sharded) if is_cuda(device) else not sharded
     return "auto" if fused else "torch"
@@ -345,9 +293,8 @@ def run_preflight(
     device: torch.device,
     world_size: int,
     cp: int,
-    mbs: int,
     precision: str,
-    parallelism: DPParallelism,
+    config: StrategyConfig,
 ) -> Optional[PreflightResult]:
     """The strategy's pre-flight: on CUDA, raise :class:`PreflightMemoryError` if the run will not fit; else log.
 
@@ -359,20 +306,17 @@ def run_preflight(
     model = model_spec_of(getattr(module, "config", None))
     public_length = public_sequence_length(dataset)
     seq_len = public_length if public_length is not None else sequence_length(dataset)
-    planner_precision = simulate_precision(precision)
+    planner_precision = precision_of(precision)
     reason = _skip_reason(model, seq_len, planner_precision, precision)
     if reason is not None:
         rank_zero_info(f"LongShield pre-flight memory check skipped: {reason}.")
         return None
     assert model is not None and seq_len is not None and planner_precision is not None
-    method, notes = simulate_method(parallelism.shard_per_sample_grads, parallelism.activation_checkpointing,
-                                    parallelism.per_sample, parallelism.shard_over, cp)
-    if parallelism.norm_estimator != "exact":
-        notes += (RANDOMIZED_CLIPPING_NOTE,)
-    run = (model, method, world_size, cp, mbs, seq_len, planner_precision)
-    clipping = parallelism.clipping.replace("_", "-")  # the strategy's "per_layer" is the planner's "per-layer"
+    method, notes = method_for(config.replace(context_parallel_size=cp))
+    run = (model, method, world_size, cp, config.micro_batch_size, seq_len, planner_precision)
+    clipping = "flat" if config.per_layer is None else "per_layer"
     options = dict(notes=notes, clipping=clipping,
-                   per_layer_kernel=planned_per_layer_kernel(parallelism, device, cp, world_size),
+                   per_layer_kernel=planned_per_layer_kernel(config, device, cp, world_size),
                    private_length=public_length is None)
     if not is_cuda(device):
         result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, **options)

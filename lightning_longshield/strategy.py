@@ -11,10 +11,8 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.plugins.precision import Precision
@@ -27,7 +25,6 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_longshield import preflight as _preflight
-from lightning_longshield.activation_checkpointing import CheckpointPolicy
 from lightning_longshield.batching import batch_size_of, split_into_microbatches
 from lightning_longshield.callbacks import PrivacyMonitor
 from lightning_longshield.context_parallel import (
@@ -41,116 +38,56 @@ from lightning_longshield.context_parallel import (
 from lightning_longshield.dp_dataloaders import data_parallel_dataloader, training_dataloader
 from lightning_longshield.full_state_checkpoints import FullStateCheckpoints
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
-from lightning_longshield.parallelize import DPParallelism, parallelize
+from lightning_longshield.padding import ZeroWeightPadding, logging_discarded
+from lightning_longshield.parallelize import parallelize
 from lightning_longshield.privacy import DPSGDEngine, PrivacyAccountant
-from lightning_longshield.privacy.grad_sample.exchange import DEFAULT_BUCKET_BYTES
 from lightning_longshield.privacy.metric_guard import SampledBatchMetricGuard
-from lightning_longshield.privacy.per_layer import Clipping, PerLayerKernel, ThresholdSpec
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
 from lightning_longshield.privacy.session import PrivacySession
 from lightning_longshield.trainer_checks import check_trainer_for_dp_sgd
-
-CHECKPOINT_KEY = "longshield"
-
-
-@contextmanager
-def _logging_discarded(module: pl.LightningModule) -> Generator[None, None, None]:
-    """``module.log`` and ``module.log_dict`` do nothing inside (instance attributes shadow the methods)."""
-    names = ("log", "log_dict")
-    saved = {name: module.__dict__[name] for name in names if name in module.__dict__}
-    for name in names:
-        module.__dict__[name] = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        for name in names:
-            del module.__dict__[name]
-        module.__dict__.update(saved)
+from simulate.strategy_config import (
+    DEFAULT_BUCKET_MB,
+    CheckpointPolicy,
+    PerLayerClipping,
+    ProjectedNorms,
+    StrategyConfig,
+)
 
 
 class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
     """Differentially private training (DP-SGD) of a LightningModule on a (data_parallel, context_parallel) mesh.
 
-    With several processes, each context-parallel group shares every batch: sequences are sharded head-tail over
-    the group, parameters (and optimizer state) are FSDP2-sharded over it, attention all-gathers K/V, and per-sample
-    gradients are completed by the exchange chosen with ``shard_per_sample_grads`` / ``grad_sample_pattern``.
-    Data-parallel groups draw disjoint Poisson samples and sum their clipped gradients before the noise.
+    Each context-parallel group shares every batch: sequences are sharded head-tail over it, parameters and optimizer
+    state FSDP2-sharded, attention all-gathers K/V, and per-sample gradients are completed by the ``exchange``.
+    Data-parallel groups draw disjoint Poisson samples. Every optimizer step is one DP step over one logical batch,
+    run in micro-batches: each sample's gradient is clipped to ``max_grad_norm`` (flat, or per layer), the clipped
+    sum gets Gaussian noise ``N(0, (noise_multiplier * max_grad_norm)^2)`` once and is divided by the expected
+    logical batch size (DataLoader ``batch_size`` x data-parallel size); an Opacus accountant records every step.
 
-    Every optimizer step is one DP step over one logical batch: the batch (Poisson-sampled by default) is split
-    into micro-batches of ``micro_batch_size``; each sample's gradient over all trainable parameters is clipped to
-    norm ``max_grad_norm`` (with ``clipping="per_layer"``: each parameter's part to its own share of it); the clipped
-    sum gets Gaussian noise ``N(0, (noise_multiplier * max_grad_norm)^2)`` once, is divided by the expected logical
-    batch size (the DataLoader's ``batch_size`` x data-parallel size), and the wrapped optimizer steps. An Opacus
-    accountant records every step; `get_epsilon` reports the privacy spent.
-
-    Args:
-        context_parallel_size: processes per context-parallel group (``None``: all of them).
+    Args (privacy):
         noise_multiplier: sigma; give this or ``target_epsilon`` (both: sigma is checked against the budget).
             Neither: the noise is calibrated to ``target_epsilon=8``. ``0.0`` disables privacy (for tests).
         target_epsilon: privacy budget; training stops before a step would exceed it.
         target_delta: delta of the guarantee (default ``1 / (10 * dataset size)``).
         max_grad_norm: the clipping bound ``C`` of a sample's gradient over all trainable parameters.
-        micro_batch_size: samples per forward/backward (the memory knob; does not change the privacy).
         poisson_sampling: ``False`` uses the DataLoader's own batches as logical batches; the accountant still
             assumes Poisson sampling, so the reported epsilon is then not a formal guarantee.
-        shard_per_sample_grads: ``True`` reduce-scatters per-sample gradients over the CP group (LongShield-V2),
-            ``False`` all-reduces them (V1). With one sample per micro-batch both use FSDP2's reduce-scatter.
-        grad_sample_pattern: ``"input_stationary"`` (reduce-scatter the local partials) or ``"output_stationary"``
-            (linear layers exchange activations and output gradients instead) for V2.
-        overlap_communication: overlap the per-sample reduce-scatter with the backward of the next layer.
-        communication_bucket_mb: V2 reduce-scatters per-sample gradients in buckets of at least this size (small
-            parameters travel together); ``0`` sends one collective per parameter. Exact either way.
-        activation_checkpointing: DP-safe block-level activation checkpointing (LongShield-V3): ``True`` for every
-            block, an int ``k`` for every k-th block, or a callable ``(index, block) -> bool``.
-        per_sample: how linear and embedding weights get per-sample norms and clipped sums. ``"materialize"``
-            (default): per-sample gradients ``(MBS, *shape)``, the right choice for long sequences. ``"ghost"``: norms
-            from two ``T x T`` Gram matrices per sample (an embedding's from its token ids) and book-keeping: the
-            clipped sum is one matmul per layer over the kept (output gradient, input), in the same backward.
-            ``"mixed"``: per weight the cheaper of the two (ghost and book-keeping when ``T (in + out) < in x out``:
-            (G, A) are smaller than the gradient; else the per-sample gradient). Norm layers and biases always
-            materialise (vectors). The same DP-SGD step either way.
-        shard_over: ``"context_parallel"`` (default): FSDP2 shards model states over each CP group and data-parallel
-            groups hold replicas. ``"all"``: over every rank (data-parallel x context-parallel, TorchTitan's
-            ``dp_shard_cp``): parameters, AdamW moments and the released gradient are ``1/world`` per rank; clipped
-            sums are reduce-scattered over the data-parallel group once per step and each rank adds the noise of
-            its own chunk. Every micro-batch then takes the per-sample path (FSDP2's one-sample ``.grad`` would
-            mix replicas' samples). FSDP2's collectives then span every rank, so a data-parallel group whose
-            Poisson batch has fewer micro-batches than another's (or none) runs zero-weight padding micro-batches
-            until all have run as many: they issue the same collectives and add exactly zero to the clipped sum.
-            With CP 1 and ``per_sample="mixed"`` this is the paper's ZeRO-DP+ baseline.
-        clipping: ``"flat"`` (default): each sample's whole gradient is clipped to ``max_grad_norm``. ``"per_layer"``:
-            each trainable parameter tensor (a layer, as in Opacus; a tied weight once) is clipped to its own bound
-            ``C_l`` as soon as its per-sample gradients are complete in backward, then added to the clipped sum and
-            freed, so about one layer's (or one reduce-scatter bucket's) per-sample gradients are held at a time. The
-            bounds satisfy ``sum C_l^2 <= max_grad_norm^2``: noise and accounting are unchanged. Needs
-            ``per_sample="materialize"``.
-        per_layer_thresholds: with ``clipping="per_layer"``: ``"equal"`` (default, ``C / sqrt(L)`` for ``L``
-            trainable parameters), ``"proportional"`` (``C sqrt(n_l / sum n)`` for parameter counts ``n_l``) or a
-            mapping ``{name: C_l}`` over every trainable parameter, named as in the LightningModule's
-            ``named_parameters()``, with ``sum C_l^2 <= max_grad_norm^2``.
-        per_layer_kernel: with ``clipping="per_layer"``, how linear weights are clipped: ``"auto"`` (default) by a
-            fused Triton kernel that never writes their per-sample gradients to memory (FlashDP) where it runs (CUDA
-            with Triton, context-parallel size 1), else as ``"torch"`` (per-sample gradients materialised one layer at
-            a time); ``"triton"`` requires the kernel.
-        norm_estimator: ``"exact"`` (default) or randomized clipping (DP-SGD-RC): ``"hutchinson"`` / ``"hutchpp"``
-            estimate each sample's squared norm over linear (and tied) weights with ``projection_dim`` Gaussian
-            projections of its (input, output gradient) factors, ``O(k (T + d + p))`` memory per layer, drawn fresh
-            and secret every step (shared by the step's micro-batches, so a sample's factor never depends on which
-            others were drawn); embedding and norm weights keep exact norms; the clipped sum is book-kept in
-            the same backward. The clip factor is then random, so the step is accounted by its own accountant
-            (`lightning_longshield.privacy.randomized`, which also calibrates ``target_epsilon``); it needs slightly
-            more noise than exact clipping for the same epsilon.
-        projection_dim: ``k``, the projections per linear layer of a randomized estimator (default 32; Hutch++
-            spends ``k // 3`` of them on its head and accounts the other ``k - k // 3``).
         accountant: ``"prv"`` (default; Opacus's PRV accountant with a bounded grid, tighter) or ``"rdp"``.
-        secure_mode: for a real deployment: each noise tensor a ChaCha20 keystream keyed by 256 fresh bits of OS
-            entropy (cryptographic), turned into Gaussians with Opacus's four-draw hardening (hardened, not proven
-            against floating-point attacks). By default the noise comes from torch's generators with their whole
-            state keyed per step (fast; not a cryptographic generator). Poisson masks are SHAKE-256 in both modes.
+        secure_mode: noise from ChaCha20 keyed by fresh OS entropy (cryptographic; Opacus's four-draw Gaussians)
+            instead of torch generators keyed per step (fast, hardened). Poisson masks are SHAKE-256 either way.
         seed: seeds the global RNGs of every process (initialisation, dropout, order of non-private data), never
             the noise or the Poisson sampling: those come from OS entropy drawn at each ``fit``, never stored.
-        noise_seed: opt-in, for tests only: reproducible noise and Poisson sampling from this seed; the guarantee
-            then holds only while the seed is secret (a warning says so). Not with ``secure_mode``.
+        noise_seed: for tests only: reproducible noise and sampling from this seed (a warning says why not to).
+
+    Args (layout and clipping, one `simulate.strategy_config.StrategyConfig` that validates them together, documents
+    each and is what the planner plans): ``context_parallel_size`` (``None``: all processes), ``micro_batch_size``
+    (the memory knob; no privacy effect), ``exchange`` (``"reduce_scatter"`` V2, ``"all_reduce"`` V1,
+    ``"output_stationary"``), ``overlap_communication``, ``communication_bucket_mb``, ``activation_checkpointing``
+    (V3), ``norms`` (``"materialize"``, ``"ghost"``, ``"mixed"``, ``"hutchinson"``, ``"hutchpp"`` or `ProjectedNorms`),
+    ``clipping`` (``"flat"``, ``"per_layer"`` or `PerLayerClipping`) and ``shard_over`` (``"context_parallel"`` or
+    ``"all"``).
+
+    Args (launch):
         start_method: ``"popen"`` (torchrun-style script relaunch) or a multiprocessing start method.
         preflight: ask the `simulate` planner before the first step whether the run fits: on CUDA one that will not
             stops with a `PreflightMemoryError` (peak, breakdown, a configuration that fits); on CPU it is logged.
@@ -167,18 +104,13 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         max_grad_norm: float = 1.0,
         micro_batch_size: int = 1,
         poisson_sampling: bool = True,
-        shard_per_sample_grads: bool = True,
-        grad_sample_pattern: Literal["input_stationary", "output_stationary"] = "input_stationary",
+        exchange: Literal["reduce_scatter", "all_reduce", "output_stationary"] = "reduce_scatter",
         overlap_communication: bool = True,
-        communication_bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+        communication_bucket_mb: float = DEFAULT_BUCKET_MB,
         activation_checkpointing: CheckpointPolicy = False,
-        per_sample: Literal["materialize", "ghost", "mixed"] = "materialize",
+        norms: Union[Literal["materialize", "ghost", "mixed", "hutchinson", "hutchpp"], ProjectedNorms] = "materialize",
+        clipping: Union[Literal["flat", "per_layer"], PerLayerClipping] = "flat",
         shard_over: Literal["context_parallel", "all"] = "context_parallel",
-        clipping: Clipping = "flat",
-        per_layer_thresholds: Optional[ThresholdSpec] = None,
-        per_layer_kernel: PerLayerKernel = "auto",
-        norm_estimator: Literal["exact", "hutchinson", "hutchpp"] = "exact",
-        projection_dim: int = 32,
         accountant: Literal["prv", "rdp"] = "prv",
         secure_mode: bool = False,
         seed: Optional[int] = None,
@@ -198,27 +130,18 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         self.accelerator, self.parallel_devices = accelerator, parallel_devices
         self.cluster_environment = cluster_environment
         self.checkpoint_io, self.precision_plugin = checkpoint_io, precision_plugin  # type: ignore[assignment]
-        self.parallelism = DPParallelism(
-            context_parallel_size, shard_per_sample_grads, grad_sample_pattern, overlap_communication,
-            communication_bucket_mb, activation_checkpointing, per_sample, shard_over, clipping, per_layer_thresholds,
-            per_layer_kernel, norm_estimator, projection_dim,
+        self.config = StrategyConfig(
+            context_parallel_size, micro_batch_size, exchange, overlap_communication, communication_bucket_mb,
+            activation_checkpointing, norms, clipping, shard_over,
         )
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
         arguments = PrivacyArguments(noise_multiplier, target_epsilon, target_delta, max_grad_norm, accountant)
-        self.privacy = PrivacySession(arguments, secure_mode, noise_seed, poisson_sampling, norm_estimator,
-                                      projection_dim)
-        self.micro_batch_size = micro_batch_size
+        self.privacy = PrivacySession(arguments, secure_mode, noise_seed, poisson_sampling, self.config.projected_norms)
         self.seed = seed
         self.preflight = preflight
         self._start_method = start_method
         self._engine: Optional[DPSGDEngine] = None
-        self._all_ranks_mesh: Optional[DeviceMesh] = None  # FSDP2's mesh with shard_over="all" and data parallelism
+        self._padding = ZeroWeightPadding()  # its mesh: FSDP2's with shard_over="all" and data parallelism
         self._metric_guard = SampledBatchMetricGuard()
-        # How to build a padding micro-batch (`_padding_microbatch`): the training data's (dataset, collate_fn), and
-        # the one-sample batch made from them, on the device.
-        self._padding_source: Optional[tuple[Any, Callable[[list[Any]], Any]]] = None
-        self._padding_batch: Any = None
 
     # ------------------------------------------------------------------ topology and launch
 
@@ -253,11 +176,10 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             sys.excepthook = excepthook  # one process: tracebacks need no "[rank0]:" prefix on every line
         if self.seed is not None:
             seed_everything(self.seed, verbose=False)
-        sizes = resolve_parallel_sizes(self.world_size, self.parallelism.context_parallel_size)
+        sizes = resolve_parallel_sizes(self.world_size, self.config.context_parallel_size)
         self._device_mesh = build_device_mesh(self.root_device.type, *sizes)
-        self._all_ranks_mesh = None
-        if self.parallelism.shard_over == "all" and sizes[0] > 1:
-            self._all_ranks_mesh = build_all_ranks_mesh(self.root_device.type, self.world_size)
+        sharded_over_all = self.config.shard_over == "all" and sizes[0] > 1
+        self._padding.mesh = build_all_ranks_mesh(self.root_device.type, self.world_size) if sharded_over_all else None
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -285,16 +207,12 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
     def _build_engine(self) -> DPSGDEngine:
         """Parallelise the model and wire the exchange of its layout into a fresh DP engine."""
         module, precision = self.lightning_module, self.precision_plugin.precision
-        exchange = parallelize(module, self.parallelism, self.context_parallel_mesh, self.root_device, precision,
-                               self._all_ranks_mesh)
+        exchange = parallelize(module, self.config, self.context_parallel_mesh, self.root_device, precision,
+                               self._padding.mesh, getattr(module, "initialize_materialized", None))
         dp_group = self.device_mesh[DATA_PARALLEL].get_group() if self.data_parallel_size > 1 else None
         assert self.privacy.noise is not None
         return DPSGDEngine(module, self.max_grad_norm, self.privacy.noise, self.accountant, exchange, dp_group,
-                           per_sample=self.parallelism.per_sample, clipping=self.parallelism.clipping,
-                           thresholds=self.parallelism.per_layer_thresholds,
-                           per_layer_kernel=self.parallelism.per_layer_kernel,
-                           norm_estimator=self.parallelism.norm_estimator,
-                           projection_dim=self.parallelism.projection_dim,
+                           self.config,
                            projection_key=self.privacy.projection_key)
 
     @override
@@ -312,7 +230,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         """Under context parallelism the model that ``configure_model`` builds goes to the meta device, so no rank
         ever holds the whole model: FSDP2 shards it and each rank allocates and initialises only its own shards."""
         if empty_init is None:
-            sharded_over_all = self.parallelism.shard_over == "all" and self.world_size > 1
+            sharded_over_all = self.config.shard_over == "all" and self.world_size > 1
             empty_init = self._device_mesh is not None and (self.is_context_parallel or sharded_over_all)
         parent = ModelParallelStrategy if empty_init else ParallelStrategy
         with parent.tensor_init_context(self, empty_init):
@@ -329,12 +247,12 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         if not self.lightning_module.trainer.training:
             return data_parallel_dataloader(dataloader, rank, size)
         self.privacy.record_training_data(len(dataloader.dataset), dataloader.batch_size)  # type: ignore[arg-type]
-        self._padding_source, self._padding_batch = (dataloader.dataset, dataloader.collate_fn), None
+        self._padding.use_data(dataloader.dataset, dataloader.collate_fn)
         if self.preflight:
             _preflight.run_preflight(
                 module=self.lightning_module, dataset=dataloader.dataset, device=self.root_device,
-                world_size=self.world_size, cp=self.context_parallel_mesh.size(), mbs=self.micro_batch_size,
-                precision=str(self.precision_plugin.precision), parallelism=self.parallelism,
+                world_size=self.world_size, cp=self.context_parallel_mesh.size(),
+                precision=str(self.precision_plugin.precision), config=self.config,
             )
         sampling = self.privacy.sampling if self.privacy.poisson_sampling else None
         return training_dataloader(dataloader, sampling, self.accountant.steps, rank, size)
@@ -381,15 +299,15 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         """One DP step's forward and backward: every micro-batch of the logical batch is run and back-propagated here
         (the one path into backward), its clipped per-sample gradients folded into the clipped sum. Returns the last
         micro-batch's output with its loss detached: Lightning's closure finds nothing left to back-propagate. With
-        FSDP2 over every rank, padding micro-batches follow (`_padding_microbatches`)."""
+        FSDP2 over every rank, padding micro-batches follow (`ZeroWeightPadding`)."""
         batch, rest = args[0], args[1:]
         self.dp_engine.begin_logical_batch()
-        microbatches = split_into_microbatches(batch, self.micro_batch_size)
-        padding = self._padding_microbatches(len(microbatches))
+        microbatches = split_into_microbatches(batch, self.config.micro_batch_size)
+        padding = self._padding.count(len(microbatches), self.root_device)
         for microbatch in microbatches:
             output = self._microbatch_step(microbatch, rest, kwargs)
         for _ in range(padding):
-            self._padding_step(self._padding_microbatch(batch), rest, kwargs)
+            self._padding_step(self._padding.microbatch(batch, self.batch_to_device), rest, kwargs)
         if not microbatches:
             return torch.zeros((), device=self.root_device)
         self._metric_guard.check(self.lightning_module.trainer._results or {})
@@ -403,51 +321,15 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         self._backward_microbatch(loss, size)
         return {**output, "loss": loss.detach()} if isinstance(output, Mapping) else loss.detach()
 
-    def _padding_microbatches(self, count: int) -> int:
-        """How many zero-weight micro-batches this rank runs after its ``count`` own ones.
-
-        With FSDP2 over every rank (``shard_over="all"`` and data parallelism) each micro-batch's forward and backward
-        all-gather and reduce-scatter over every rank, but Poisson sampling gives each data-parallel group its own
-        number of samples (possibly none): every rank runs as many micro-batches as the group with the most (one
-        all-reduce of a count per step). Elsewhere FSDP2 and every per-micro-batch collective stay within a
-        context-parallel group, whose ranks share each batch: no padding.
-        """
-        if self._all_ranks_mesh is None:
-            return 0
-        most = torch.tensor([count], dtype=torch.int64, device=self.root_device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self._all_ranks_mesh.get_group())
-        return int(most.item()) - count
-
     def _padding_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """One zero-weight micro-batch: the forward and backward of a one-sample batch issue every collective of a
-        real micro-batch, in the same order, while its contribution to the clipped sum is exactly zero (the engine's
-        ``padding``, and a loss weighted by 0). What ``training_step`` logs for it is dropped, and no backward hook
-        sees it: nothing about the padding sample is logged or released."""
+        """One zero-weight micro-batch (`ZeroWeightPadding`): the collectives of a real one, a contribution of exactly
+        zero (the engine's ``padding`` and a loss weighted by 0), nothing logged, no backward hook."""
         self.dp_engine.prepare_microbatch(1, padding=True)
-        with _logging_discarded(self.lightning_module):
+        with logging_discarded(self.lightning_module):
             output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         self.precision_plugin.backward(loss * 0.0, self.lightning_module, None)
         self.dp_engine.accumulate_microbatch(1)
-
-    def _padding_microbatch(self, batch: Any) -> Any:
-        """The one-sample batch of padding micro-batches: the training set's first sample, collated and moved to the
-        device like any batch (kept for the fit), or, for training data that is not a `DataLoader`, the first sample
-        of this step's batch. Its values never reach the clipped sum."""
-        if self._padding_batch is None:
-            if self._padding_source is not None:
-                dataset, collate = self._padding_source
-                self._padding_batch = self.batch_to_device(collate([dataset[0]]))
-            elif batch_size_of(batch) > 0:
-                return apply_to_collection(batch, torch.Tensor, lambda t: t[:1] if t.dim() else t)
-            else:
-                raise RuntimeError(
-                    "A padding micro-batch is needed (shard_over='all': every rank runs as many micro-batches as the"
-                    " data-parallel group with the most samples) but this group's batch is empty and the training data"
-                    " is not a DataLoader with a map-style dataset to take its shapes from. Use a DataLoader, or"
-                    " shard_over='context_parallel'."
-                )
-        return self._padding_batch
 
     def _backward_microbatch(self, loss: Tensor, size: int) -> None:
         """Back-propagate one micro-batch and fold its clipped per-sample gradients into the logical batch.
@@ -503,24 +385,6 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
 
         return super().optimizer_step(optimizer, closure_then_release, model, **kwargs)
 
-    # ------------------------------------------------------------------ checkpoints
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        state = self.privacy.state_dict()
-        if state is not None:
-            checkpoint[CHECKPOINT_KEY] = state
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """One full checkpoint file (not the sharded folder of `ModelParallelStrategy`), and the privacy state."""
-        checkpoint = ParallelStrategy.load_checkpoint(self, checkpoint_path, weights_only=False)
-        state = checkpoint.get(CHECKPOINT_KEY)
-        if state is not None and self.privacy.noise is not None:
-            self.privacy.load_state_dict(state)
-        return checkpoint
-
     @override
     def teardown(self) -> None:
         if self._engine is not None:
@@ -530,9 +394,6 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "longshield", cls, description="LongShield DP-SGD with context parallelism (relaunches the script)"
-        )
-        strategy_registry.register(
-            "longshield_spawn", cls, description="LongShield DP-SGD, processes spawned", start_method="spawn"
-        )
+        strategy_registry.register("longshield", cls, description="LongShield DP-SGD (relaunches the script)")
+        strategy_registry.register("longshield_spawn", cls, description="LongShield DP-SGD, processes spawned",
+                                   start_method="spawn")

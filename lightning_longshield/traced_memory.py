@@ -10,7 +10,7 @@ reported by category.
 
 The non-private methods (``nondp-cp``, ``nondp-cp-ac``) run the same model with the same CP attention, FSDP2
 sharding and checkpointing, but plain autograd and AdamW instead of the DP engine. ``zero-dp`` is the strategy's
-ZeRO-DP+ (CP 1, ``shard_over="all"`` over the ``data_parallel`` fake ranks, ``per_sample="mixed"``).
+ZeRO-DP+ (CP 1, ``shard_over="all"`` over the ``data_parallel`` fake ranks, ``norms="mixed"``).
 ``nondp-fsdp`` is not LongShield's code path and is not traced.
 
 The DP engine's tensors are labelled through its public observer interface (`DPStepObserver`). The analytic
@@ -145,7 +145,7 @@ def trace_step(
     """Trace one DP step (a logical batch of two micro-batches) of rank 0 and return its peak memory by category.
 
     ``method`` is one of `TRACEABLE_METHODS` (``v3`` / ``nondp-cp-ac`` checkpoint every block; ``zero-dp`` runs
-    at CP 1 with model states sharded over all ranks; ``clipping`` is the planner's ``"flat"`` or ``"per-layer"``);
+    at CP 1 with model states sharded over all ranks; ``clipping`` is ``"flat"`` or ``"per_layer"``);
     the world is ``data_parallel x cp`` fake ranks. Takes seconds
     to a minute for full-size presets and allocates no tensor of the model's size. Must not run inside an
     initialised (real) process group.
@@ -162,7 +162,7 @@ def trace_step(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             peak = _traced_peak(model, METHODS[method], cp, mbs, seq_len, TRACE_PRECISIONS[precision],
-                                clipping.replace("-", "_"))
+                                clipping)
     finally:
         lightning_log.setLevel(level)
         dist.destroy_process_group()
@@ -196,13 +196,11 @@ def _traced_peak(model: str, method: MethodSpec, cp: int, mbs: int, seq_len: int
     from lightning_longshield.privacy.plan import PrivacyPlan
 
     world = dist.get_world_size()
-    zero_dp_plus = method.per_sample_grads == "ghost"  # CP 1, FSDP2 over every rank, mixed ghost + book-keeping
+    layout = make_config(model=model, gpus=world, method=method, mbs=mbs, seq_len=seq_len, cp=cp,
+                         clipping=clipping, per_layer_kernel="torch").strategy  # as the strategy runs this method
     strategy = LongShieldStrategy(
-        context_parallel_size=cp, noise_multiplier=1.0, micro_batch_size=mbs, poisson_sampling=False, seed=0,
-        shard_per_sample_grads=method.per_sample_grads != "full",
-        activation_checkpointing=method.activation_checkpointing, cluster_environment=_FakeRankZero(world),
-        per_sample="mixed" if zero_dp_plus else "materialize", shard_over="all" if zero_dp_plus else "context_parallel",
-        clipping=clipping,
+        noise_multiplier=1.0, poisson_sampling=False, seed=0, cluster_environment=_FakeRankZero(world),
+        **{name: getattr(layout, name) for name in layout.as_arguments()},
     )
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=precision, logger=False,
                          enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
@@ -338,7 +336,7 @@ def _setup_non_private(strategy, module: nn.Module) -> torch.optim.Optimizer:
     from lightning_longshield.parallelize import parallelize
 
     mesh, precision = strategy.context_parallel_mesh, strategy.precision_plugin.precision
-    parallelize(module, strategy.parallelism, mesh, strategy.root_device, precision)
+    parallelize(module, strategy.config, mesh, strategy.root_device, precision)
     return module.configure_optimizers()
 
 
@@ -389,7 +387,7 @@ def register_trace_command(add_command: Callable[..., argparse.ArgumentParser]) 
     trace.add_argument("--data-parallel", type=positive_int, default=1, help="data-parallel groups")
     trace.add_argument("--mbs", type=positive_int, default=1, help="micro-batch size")
     trace.add_argument("--seq-len", type=power_of_two, required=True, help="sequence length, a power of two")
-    trace.add_argument("--clipping", choices=list(CLIPPINGS), default="flat", help="flat or per-layer clipping")
+    trace.add_argument("--clipping", choices=list(CLIPPINGS), default="flat", help="flat or per_layer clipping")
 
 
 def _trace_command(args: argparse.Namespace, console: Console) -> dict[str, object]:

@@ -16,6 +16,12 @@ from simulate.specs import (
     get_model_spec,
     trainable_params,
 )
+from simulate.strategy_config import (
+    CLIPPING_MODES,
+    PER_LAYER_KERNELS,
+    PerLayerClipping,
+    StrategyConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -65,11 +71,7 @@ METHODS: dict[str, MethodSpec] = {
 
 
 #: Flat clipping (per-sample gradients of the whole model until the norm is known) or per-layer clipping.
-CLIPPINGS = ("flat", "per-layer")
-#: Per-layer clipping of linear weights: ``"auto"`` as the strategy runs it on CUDA (the fused kernels, which never
-#: form a per-sample gradient, where the model is whole on one GPU: context-parallel size 1, not sharded over
-#: several GPUs) or ``"torch"`` (per-sample gradients materialised one layer at a time, everywhere).
-PER_LAYER_KERNELS = ("auto", "torch")
+CLIPPINGS = CLIPPING_MODES
 
 
 @dataclass(frozen=True)
@@ -104,13 +106,28 @@ class RunConfig:
     cp_size: int
     precision: Precision
     lora_rank: int = 0  # > 0: only LoRA adapters of this rank on every block projection train
-    clipping: str = "flat"  # "per-layer": each layer's per-sample gradients clipped and freed as they complete
-    per_layer_kernel: str = "auto"
+    clipping: str = "flat"  # "per_layer": each layer's per-sample gradients clipped and freed as they complete
+    per_layer_kernel: str = "auto"  # the strategy's PerLayerClipping.kernel: "auto"/"triton" fused where it runs
+
+    @property
+    def strategy(self) -> StrategyConfig:
+        """`LongShieldStrategy`'s arguments that run this point (for a LongShield method; the non-DP baselines as
+        the layout they share with V2 / V3)."""
+        method = self.method
+        zero_dp = method.per_sample_grads == "ghost"
+        clipping = PerLayerClipping(kernel=self.per_layer_kernel) if self.clipping == "per_layer" else "flat"
+        return StrategyConfig(
+            context_parallel_size=self.cp_size, micro_batch_size=self.micro_batch_size,
+            exchange="all_reduce" if method.per_sample_grads == "full" else "reduce_scatter",
+            activation_checkpointing=method.activation_checkpointing,
+            norms="mixed" if zero_dp else "materialize", clipping=clipping,
+            shard_over="all" if zero_dp else "context_parallel",
+        )
 
     @property
     def fused_linear_weights(self) -> bool:
         """Whether per-layer clipping takes linear weights through the fused kernels (`PER_LAYER_KERNELS`)."""
-        return (self.clipping == "per-layer" and self.per_layer_kernel == "auto" and self.cp_size == 1
+        return (self.clipping == "per_layer" and self.per_layer_kernel != "torch" and self.cp_size == 1
                 and self.num_gpus == 1)
 
     @property
@@ -147,6 +164,17 @@ class RunConfig:
             "clipping": self.clipping,
             "per_layer_kernel": self.per_layer_kernel,
         }
+
+
+def precision_of(lightning_precision: object) -> str | None:
+    """The planner's precision for a Lightning ``precision`` (``"bf16-mixed"``, ``"32-true"``, ``32``...): 16-bit
+    compute is ``"bf16-mixed"``, 32-bit ``"fp32"``; ``None`` for one the planner does not model."""
+    text = str(lightning_precision)
+    if text.startswith(("bf16", "16")):
+        return "bf16-mixed"
+    if text.startswith("32"):
+        return "fp32"
+    return None
 
 
 def parse_gpus(value: int | float | str) -> float:
@@ -206,9 +234,9 @@ def make_config(
                          " --lora-rank or pick another method.")
     if clipping not in CLIPPINGS:
         raise ValueError(f"Unknown clipping {clipping!r}; choose one of {list(CLIPPINGS)}.")
-    if clipping == "per-layer" and method_spec.per_sample_grads not in ("full", "sharded"):
+    if clipping == "per_layer" and method_spec.per_sample_grads not in ("full", "sharded"):
         raise ValueError(f"Per-layer clipping is modelled for LongShield's per-sample-gradient methods (v1, v2, v3),"
-                         f" not {method_spec.name}; drop --clipping per-layer or pick one of them.")
+                         f" not {method_spec.name}; drop --clipping per_layer or pick one of them.")
     if per_layer_kernel not in PER_LAYER_KERNELS:
         raise ValueError(f"Unknown per-layer kernel {per_layer_kernel!r}; choose one of {list(PER_LAYER_KERNELS)}.")
     cp_size = _resolve_cp(method_spec, num_gpus, cp)
@@ -253,6 +281,35 @@ def longshield_config(
                          cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank, clipping=clipping,
                          per_layer_kernel=per_layer_kernel)
     return replace(config, method=replace(config.method, whole_clipped_sum=False, retained_norm_pass=False))
+
+
+def method_for(strategy: StrategyConfig) -> tuple[str, tuple[str, ...]]:
+    """The planner's method for what `LongShieldStrategy` runs with ``strategy``, with notes on where the estimate is
+    approximate."""
+    notes: list[str] = []
+    if strategy.projected_norms is not None:
+        notes.append(RANDOMIZED_CLIPPING_NOTE)
+    if strategy.per_sample != "materialize":
+        if (strategy.context_parallel_size or 1) > 1 or strategy.shard_over != "all" \
+                or strategy.activation_checkpointing is not False:
+            notes.append("Note: estimated as ZeRO-DP+ (book-keeping, FSDP over all ranks, CP 1, no checkpointing);"
+                         " this run's layout differs, so the estimate is approximate.")
+        return "zero-dp", tuple(notes)
+    if strategy.activation_checkpointing is False:
+        return ("v2" if strategy.shards_per_sample_grads else "v1"), tuple(notes)
+    if not strategy.checkpoints_every_block:
+        notes.append("Note: the estimate assumes every block is checkpointed (activation_checkpointing is a policy).")
+    if not strategy.shards_per_sample_grads:
+        notes.append("Note: estimated as V3 (sharded per-sample gradients); with exchange='all_reduce' every rank keeps"
+                     " all of them, so the real peak is higher.")
+    return "v3", tuple(notes)
+
+
+RANDOMIZED_CLIPPING_NOTE = (
+    "Note: randomized clipping (ProjectedNorms) keeps every linear and embedding layer's inputs and output gradients"
+    " until the norms are known (about MBS x T x (in + out) elements per layer, with k-column sketches), which the"
+    " planner does not model: the estimate assumes per-sample gradients and is approximate (lower at long sequences)."
+)
 
 
 TRACEABLE_METHODS = ("zero-dp", "nondp-cp", "nondp-cp-ac", "v1", "v2", "v3")  # LongShield's code paths (traced memory)

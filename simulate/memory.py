@@ -362,7 +362,7 @@ class _PerSampleGrads:
         self.largest = trainable.largest_other_in_block if self.fused else trainable.largest_in_block
         self.vd = trainable.embedding
         self.tied = cfg.model.tie_embeddings
-        self.per_layer = cfg.clipping == "per-layer"
+        self.per_layer = cfg.clipping == "per_layer"
 
     def block_kept(self) -> float:
         return self.unit * self.block_numel * self.share if self.active and not self.per_layer else 0.0

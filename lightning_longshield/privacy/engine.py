@@ -13,21 +13,13 @@ from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
 from lightning_longshield.privacy.clipping import clip_factors, per_sample_squared_norms
 from lightning_longshield.privacy.grad_sample import PerSampleGradCapture
-from lightning_longshield.privacy.grad_sample.bookkeeping import PerSampleMethod
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.observer import DPStepObserver
-from lightning_longshield.privacy.per_layer import (
-    Clipping,
-    PerLayerClipper,
-    PerLayerKernel,
-    ThresholdSpec,
-    check_clipping,
-    per_layer_thresholds,
-    use_fused_kernel,
-)
-from lightning_longshield.privacy.randomized.estimator import RandomizedNorms, check_norm_estimator
+from lightning_longshield.privacy.per_layer import PerLayerClipper, per_layer_thresholds, use_fused_kernel
+from lightning_longshield.privacy.randomized.estimator import RandomizedNorms
 from lightning_longshield.privacy.randomness import SecretKey
+from simulate.strategy_config import StrategyConfig
 
 
 class DPSGDEngine:
@@ -40,24 +32,25 @@ class DPSGDEngine:
     ``param.grad`` and records the step with the accountant.
 
     The ``exchange`` (default: no context parallelism) decides everything that depends on the parallel layout.
-    ``per_sample`` (``"materialize"``, ``"ghost"``, ``"mixed"``) says how linear and embedding weights get their
-    per-sample norms and clipped sums (see `lightning_longshield.privacy.grad_sample.bookkeeping`).
+    ``config`` (`simulate.strategy_config.StrategyConfig`, validated there) chooses the rest. Its ``norms`` say how
+    linear and embedding weights get per-sample norms and clipped sums: ``"materialize"``, ``"ghost"``, ``"mixed"``
+    (see `lightning_longshield.privacy.grad_sample.bookkeeping`).
 
-    With ``clipping="per_layer"`` every trainable parameter has its own bound (``per_layer_thresholds``, see
+    With per-layer clipping (``config.per_layer``) every trainable parameter has its own bound (see
     `lightning_longshield.privacy.per_layer`): the exchange hands each parameter's per-sample gradients to a
     `PerLayerClipper` as soon as they are complete, during backward, and the clipped sum takes them there; a
     one-sample micro-batch's ``.grad`` is clipped layer by layer after backward. ``last_per_sample_norms`` is then
     each sample's unclipped norm over all layers, ``last_held_bytes`` the most per-sample gradient bytes held at once.
-    ``per_layer_kernel`` (`lightning_longshield.privacy.per_layer.use_fused_kernel`) sends linear weights through the
+    Its ``kernel`` (`lightning_longshield.privacy.per_layer.use_fused_kernel`) may send linear weights through the
     fused Triton kernel instead, which holds none of theirs (``fused_weights`` names them).
 
-    ``norm_estimator`` ``"hutchinson"`` / ``"hutchpp"`` (randomized clipping, flat): linear and embedding weights are
-    book-kept as under ``per_sample="ghost"``; the norms of linear (and tied) weights are estimated with
-    ``projection_dim`` Gaussian projections keyed by ``projection_key``, the DP step and the parameter: fresh at
-    every step, shared by all micro-batches and processes of the step, so no sample's factor depends on which other
-    samples were drawn. Embeddings' and other parameters' norms are exact. The clipped sum is then formed by
-    book-keeping, in the same backward; a one-sample micro-batch is book-kept too (never clipped with its exact
-    norm while the others get estimates).
+    Projected norms (``config.projected_norms``, randomized clipping, flat): linear and embedding weights are
+    book-kept as under ``norms="ghost"``; the norms of linear (and tied) weights are estimated with Gaussian
+    projections keyed by ``projection_key``, the DP step and the parameter: fresh at every step, shared by all
+    micro-batches and processes of the step, so no sample's factor depends on which other samples were drawn.
+    Embeddings' and other parameters' norms are exact. The clipped sum is then formed by book-keeping, in the same
+    backward; a one-sample micro-batch is book-kept too (never clipped with its exact norm while the others get
+    estimates).
     """
 
     def __init__(
@@ -68,23 +61,18 @@ class DPSGDEngine:
         accountant: PrivacyAccountant,
         exchange: Optional[LocalExchange] = None,
         data_parallel_group: Optional[dist.ProcessGroup] = None,
-        per_sample: PerSampleMethod = "materialize",
-        clipping: Clipping = "flat",
-        thresholds: Optional[ThresholdSpec] = None,
-        per_layer_kernel: PerLayerKernel = "auto",
-        norm_estimator: str = "exact",
-        projection_dim: int = 32,
+        config: Optional[StrategyConfig] = None,
         projection_key: Optional[SecretKey] = None,
     ):
-        check_clipping(clipping, thresholds, per_sample, per_layer_kernel)
-        check_norm_estimator(norm_estimator, projection_dim, per_sample, clipping)
+        config = config if config is not None else StrategyConfig()
         self.norm_estimate: Optional[RandomizedNorms] = None
-        if norm_estimator != "exact":
+        projected = config.projected_norms
+        if projected is not None:
             if projection_key is None:
-                raise ValueError(f"norm_estimator={norm_estimator!r} needs projection_key (the strategy's secret).")
-            self.norm_estimate = RandomizedNorms(norm_estimator, projection_dim)
+                raise ValueError(f"norms={config.norms!r} needs projection_key (the strategy's secret).")
+            self.norm_estimate = RandomizedNorms(projected.estimator, projected.projection_dim)
         self.projection_key = projection_key
-        self.capture = PerSampleGradCapture(model, exchange, per_sample, self.norm_estimate)
+        self.capture = PerSampleGradCapture(model, exchange, config.per_sample, self.norm_estimate)
         self.exchange = self.capture.exchange
         if self.norm_estimate is not None:
             self.exchange.always_capture = True
@@ -100,12 +88,12 @@ class DPSGDEngine:
         self.observer = DPStepObserver()
         self.per_layer: Optional[PerLayerClipper] = None
         self.fused_weights: list[str] = []
-        if clipping == "per_layer":
-            bounds = per_layer_thresholds(self.capture.parameters, max_grad_norm, thresholds or "equal")
+        if config.per_layer is not None:
+            bounds = per_layer_thresholds(self.capture.parameters, max_grad_norm, config.per_layer.thresholds)
             self.per_layer = PerLayerClipper(bounds, self.accumulator, self.exchange)
             self.exchange.deliver_each_parameter(self._clip_layers, self.capture.uses)
             context_parallel = type(self.exchange) is not LocalExchange or bool(self.exchange.shards)
-            if use_fused_kernel(per_layer_kernel, self.device, context_parallel):
+            if use_fused_kernel(config.per_layer.kernel, self.device, context_parallel):
                 self.fused_weights = self.capture.fuse_linear_weights(self._clip_linear)
 
     @property

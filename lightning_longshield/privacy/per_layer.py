@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from typing import Literal, Optional, Union
 
 import torch
 from torch import nn
@@ -21,53 +20,11 @@ from torch import nn
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
 from lightning_longshield.privacy.clipping import CLIP_MARGIN, clip_factors, per_parameter_squared_norms
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
-
-CLIPPING_MODES = ("flat", "per_layer")
-THRESHOLD_RULES = ("equal", "proportional")
-PER_LAYER_KERNELS = ("auto", "triton", "torch")
-
-Clipping = Literal["flat", "per_layer"]
-#: Linear weights under per-layer clipping: ``"auto"`` (the fused Triton kernel where it runs, else PyTorch),
-#: ``"triton"`` (required) or ``"torch"`` (per-sample gradients materialised one layer at a time).
-PerLayerKernel = Literal["auto", "triton", "torch"]
-#: ``"equal"``: ``C / sqrt(L)``; ``"proportional"``: ``C sqrt(n_l / sum n)``; or ``{parameter name: C_l}``.
-ThresholdSpec = Union[Literal["equal", "proportional"], Mapping[str, float]]
+from simulate.strategy_config import PerLayerClipping, ThresholdSpec
 
 # Explicit bounds may exceed C^2 in the sum of squares by this relative amount (decimal rounding of user values);
 # the clipping margin (2^-18) of every layer keeps the clipped contribution below C regardless.
 SUM_OF_SQUARES_TOLERANCE = 1e-9
-
-
-def check_clipping(
-    clipping: str, thresholds: Optional[ThresholdSpec], per_sample: str = "materialize", kernel: str = "auto"
-) -> None:
-    """Reject an unknown clipping mode, threshold rule or kernel, and combinations that cannot work, before setup."""
-    if clipping not in CLIPPING_MODES:
-        raise ValueError(f"clipping={clipping!r}; choose one of {CLIPPING_MODES}.")
-    if kernel not in PER_LAYER_KERNELS:
-        raise ValueError(f"per_layer_kernel={kernel!r}; choose one of {PER_LAYER_KERNELS}.")
-    if kernel != "auto" and clipping != "per_layer":
-        raise ValueError(f"per_layer_kernel={kernel!r} applies to clipping='per_layer' only; set clipping='per_layer'"
-                         " or drop per_layer_kernel.")
-    if clipping == "per_layer" and per_sample != "materialize":
-        raise ValueError(f"clipping='per_layer' needs per-sample gradients, but per_sample={per_sample!r} clips with"
-                         " one flat norm; set per_sample='materialize' (or clipping='flat').")
-    if thresholds is None:
-        return
-    if clipping == "flat":
-        raise ValueError("per_layer_thresholds applies to clipping='per_layer' only; set clipping='per_layer' or drop"
-                         " per_layer_thresholds.")
-    if isinstance(thresholds, str):
-        if thresholds not in THRESHOLD_RULES:
-            raise ValueError(f"per_layer_thresholds={thresholds!r}; choose one of {THRESHOLD_RULES} or pass a"
-                             " mapping {parameter name: threshold}.")
-    elif isinstance(thresholds, Mapping):
-        bad = {name: c for name, c in thresholds.items() if not (isinstance(c, (int, float)) and 0 < c < math.inf)}
-        if bad:
-            raise ValueError(f"Per-layer thresholds must be finite numbers > 0; got {bad}.")
-    else:
-        raise TypeError(f"per_layer_thresholds must be one of {THRESHOLD_RULES} or a mapping {{parameter name:"
-                        f" threshold}}, got {type(thresholds).__name__}.")
 
 
 def per_layer_thresholds(
@@ -79,7 +36,7 @@ def per_layer_thresholds(
     (full counts, also for sharded parameters); both give ``sum_l C_l^2 = C^2``. A mapping must name every
     trainable parameter and no other, with ``sum_l C_l^2 <= C^2``.
     """
-    check_clipping("per_layer", spec)
+    PerLayerClipping(thresholds=spec)  # validates the rule or the mapping
     if not parameters:
         raise ValueError("Per-layer clipping needs at least one trainable parameter.")
     if spec == "equal":
@@ -92,7 +49,7 @@ def per_layer_thresholds(
     unknown = [name for name in spec if name not in parameters]
     if missing or unknown:
         raise ValueError(
-            "per_layer_thresholds must give a threshold for every trainable parameter, by its name in"
+            "PerLayerClipping(thresholds=...) must give a threshold for every trainable parameter, by its name in"
             f" named_parameters() (a tied weight once, under its first name). Missing: {missing}; not trainable"
             f" parameters: {unknown}."
         )
@@ -116,7 +73,7 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def use_fused_kernel(kernel: PerLayerKernel, device: torch.device, context_parallel: bool) -> bool:
+def use_fused_kernel(kernel: str, device: torch.device, context_parallel: bool) -> bool:
     """Whether per-layer clipping takes linear weights through the fused kernel; ``"triton"`` where it cannot
     run is an error that names the fix."""
     if kernel == "torch":
@@ -125,8 +82,8 @@ def use_fused_kernel(kernel: PerLayerKernel, device: torch.device, context_paral
     if kernel == "triton" and not runs:
         why = ("it needs context-parallel size 1 (and no sharding over data-parallel replicas): a shard's tokens give"
                " partial per-sample gradients" if context_parallel else "it needs CUDA and Triton")
-        raise ValueError(f"per_layer_kernel='triton' cannot run here: {why}. Use per_layer_kernel='auto' (fused where"
-                         " it can run) or 'torch'.")
+        raise ValueError(f"PerLayerClipping(kernel='triton') cannot run here: {why}. Use kernel='auto' (fused where it"
+                         " can run) or 'torch'.")
     return runs
 
 

@@ -22,6 +22,7 @@ from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, res
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
 from lightning_longshield.privacy.randomized.estimator import accountant_envelope
 from lightning_longshield.privacy.randomness import KEY_BYTES, SecretKey
+from simulate.strategy_config import ProjectedNorms
 
 T = TypeVar("T")
 
@@ -41,11 +42,10 @@ class PrivacySession:
         secure_mode: bool = False,
         noise_seed: Optional[int] = None,
         poisson_sampling: bool = True,
-        norm_estimator: str = "exact",
-        projection_dim: int = 32,
+        projected_norms: Optional[ProjectedNorms] = None,
     ) -> None:
-        """``norm_estimator`` other than ``"exact"``: randomized clipping with ``projection_dim`` projections,
-        accounted by its own accountant (`RandomizedClippingAccountant`, with the estimator's envelope)."""
+        """``projected_norms``: randomized clipping, accounted by its own accountant (`RandomizedClippingAccountant`,
+        with the estimator's envelope)."""
         arguments.validate()
         if secure_mode and noise_seed is not None:
             raise ValueError(
@@ -62,14 +62,14 @@ class PrivacySession:
         self.secure_mode = secure_mode
         self.noise_seed = noise_seed
         self.poisson_sampling = poisson_sampling
-        self.randomized = norm_estimator != "exact"
+        self.randomized = projected_norms is not None
         self.accountant = PrivacyAccountant(arguments.accountant)
-        if self.randomized:
+        if projected_norms is not None:
             if arguments.accountant != "prv":
-                raise ValueError(f"norm_estimator={norm_estimator!r} has its own accountant (privacy-loss"
+                raise ValueError(f"norms={projected_norms!r} has its own accountant (privacy-loss"
                                  f" distributions, like 'prv'); accountant={arguments.accountant!r} cannot account"
                                  " it. Use accountant='prv'.")
-            envelope = accountant_envelope(norm_estimator, projection_dim)
+            envelope = accountant_envelope(projected_norms.estimator, projected_norms.projection_dim)
             self.accountant = RandomizedClippingAccountant(envelope.estimator, envelope.projections)
         self.plan: Optional[PrivacyPlan] = None
         self.noise: Optional[GaussianNoise] = None

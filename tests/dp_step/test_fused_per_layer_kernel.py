@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from lightning_longshield import LongShieldStrategy
+from lightning_longshield import LongShieldStrategy, PerLayerClipping
 from lightning_longshield.privacy.per_layer import use_fused_kernel
 from tests.support.helpers import (
     RandomTokens,
@@ -133,7 +133,7 @@ def test_fused_step_equals_the_pytorch_path_and_the_reference(kernel_device, mic
         if kernel == "triton":
             initial = copy.deepcopy(module.model)
         strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=CLIP, poisson_sampling=False, seed=0,
-                                      clipping="per_layer", per_layer_kernel=kernel,
+                                      clipping=PerLayerClipping(kernel=kernel),
                                       micro_batch_size=micro_batch_size)
         make_trainer(strategy, max_steps=2).fit(module, loader(dataset, BATCH))
         fused = strategy.dp_engine.fused_weights
@@ -152,7 +152,7 @@ def test_when_the_fused_kernel_is_used(monkeypatch):
     cpu = torch.device("cpu")
     assert not use_fused_kernel("auto", cpu, context_parallel=False)
     assert not use_fused_kernel("torch", cpu, context_parallel=False)
-    with pytest.raises(ValueError, match="needs CUDA and Triton. Use per_layer_kernel='auto'"):
+    with pytest.raises(ValueError, match="needs CUDA and Triton. Use kernel='auto'"):
         use_fused_kernel("triton", cpu, context_parallel=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert use_fused_kernel("auto", cpu, context_parallel=False) == HAS_TRITON

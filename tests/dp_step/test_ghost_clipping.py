@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from lightning_longshield import LongShieldStrategy
+from lightning_longshield import LongShieldStrategy, StrategyConfig
 from lightning_longshield.activation_checkpointing import apply_activation_checkpointing
 from lightning_longshield.loss import per_sample_token_loss
 from lightning_longshield.models import Llama
@@ -64,7 +64,7 @@ def reference_per_sample_grads(model: nn.Module, ids: torch.Tensor, labels: torc
 
 def run_engine(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, per_sample: str, micro_batch_size: int):
     engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
-                         per_sample=per_sample)
+                         config=StrategyConfig(norms=per_sample))
     engine.begin_logical_batch()
     norms = []
     for start in range(0, ids.shape[0], micro_batch_size):
@@ -185,7 +185,7 @@ def test_each_sample_contributes_at_most_the_clipping_bound():
     ids, labels = token_batch(4, 64, seq=64)
     for index in range(4):
         engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
-                             per_sample="ghost")
+                             config=StrategyConfig(norms="ghost"))
         engine.begin_logical_batch()
         # two copies of the sample: the capture path (B > 1) with both contributions equal
         batch_ids, batch_labels = ids[index].repeat(2, 1), labels[index].repeat(2, 1)
@@ -206,7 +206,7 @@ def test_book_kept_contributions_with_subnormal_factors_stay_within_c():
     for scale in (1.0, 0.43, 0.31, 0.77):
         layer = nn.Linear(width, width, bias=False)
         engine = DPSGDEngine(layer, max_grad_norm, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
-                             per_sample="ghost")
+                             config=StrategyConfig(norms="ghost"))
         engine.begin_logical_batch()
         # Sample 0: every token alike (norms add up); sample 1: zeros, so the sums are sample 0's contribution.
         row = 1.8e19 / width**0.5 * torch.sign(torch.randn(width, generator=generator))
@@ -232,7 +232,7 @@ def test_training_matches_per_sample_loop(per_sample, micro_batch_size):
     module = make_module(small_config(tie_embeddings=True))
     initial = copy.deepcopy(module.model)
     strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=CLIP, micro_batch_size=micro_batch_size,
-                                  poisson_sampling=False, seed=0, per_sample=per_sample)
+                                  poisson_sampling=False, seed=0, norms=per_sample)
     make_trainer(strategy, max_steps=3).fit(module, loader(dataset, 4))
     batches = [samples(dataset, range(k * 4, (k + 1) * 4)) for k in range(3)]
     assert_models_close(module.model, reference_dp_sgd(initial, batches, CLIP, 4))

@@ -19,6 +19,7 @@ from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAcco
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.per_layer import PerLayerClipper, per_layer_thresholds
+from simulate.strategy_config import PerLayerClipping, StrategyConfig
 from tests.support.helpers import (
     RandomTokens,
     assert_models_close,
@@ -44,7 +45,7 @@ def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def fit(module, max_grad_norm: float, steps: int = STEPS, **strategy_kwargs) -> LongShieldStrategy:
     strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=max_grad_norm, poisson_sampling=False, seed=0,
-                                  clipping="per_layer", **strategy_kwargs)
+                                  **{"clipping": "per_layer", **strategy_kwargs})
     make_trainer(strategy, max_steps=steps).fit(module, loader(RandomTokens(size=BATCH * steps, seq_len=16), BATCH))
     return strategy
 
@@ -90,7 +91,7 @@ def test_proportional_and_explicit_thresholds_match_reference():
     explicit = {name: w * scale for name, w in weights.items()}
     for spec, bounds in (("proportional", proportional), ({f"model.{n}": c for n, c in explicit.items()}, explicit)):
         module = make_module(config)
-        fit(module, CLIP, micro_batch_size=2, per_layer_thresholds=spec)
+        fit(module, CLIP, micro_batch_size=2, clipping=PerLayerClipping(thresholds=spec))
         assert_models_close(module.model, reference_dp_sgd(initial, batches(), CLIP, BATCH, layer_thresholds=bounds))
 
 
@@ -158,24 +159,30 @@ def test_explicit_thresholds_are_validated():
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(clipping="layerwise"), ValueError, "choose one of"),
-    (dict(clipping="per_layer", per_layer_thresholds="uniform"), ValueError, "choose one of"),
-    (dict(clipping="per_layer", per_layer_thresholds=[0.1]), TypeError, "mapping"),
-    (dict(per_layer_thresholds="equal"), ValueError, "set clipping='per_layer'"),
-    (dict(clipping="per_layer", per_sample="ghost"), ValueError, "set per_sample='materialize'"),
-    (dict(clipping="per_layer", per_sample="mixed"), ValueError, "set per_sample='materialize'"),
-    (dict(clipping="per_layer", per_layer_kernel="cuda"), ValueError, "choose one of"),
-    (dict(per_layer_kernel="torch"), ValueError, "set clipping='per_layer'"),
+    (dict(clipping="per_layer", norms="ghost"), ValueError, "use norms='materialize'"),
+    (dict(clipping="per_layer", norms="mixed"), ValueError, "use norms='materialize'"),
+    (dict(clipping="per_layer", norms="hutchinson"), ValueError, "use norms='materialize'"),
 ])
 def test_bad_clipping_arguments_name_the_fix(kwargs, error, message):
     with pytest.raises(error, match=message):
         LongShieldStrategy(noise_multiplier=1.0, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(thresholds="uniform"), ValueError, "choose one of"),
+    (dict(thresholds=[0.1]), TypeError, "mapping"),
+    (dict(kernel="cuda"), ValueError, "choose one of"),
+])
+def test_bad_per_layer_settings_name_the_fix(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        PerLayerClipping(**kwargs)
+
+
 def test_missing_threshold_stops_fit_before_any_step():
     module = make_module(small_config(n_layers=1))
     initial = copy.deepcopy(module.model.state_dict())
     with pytest.raises(ValueError, match="Missing: .*model.norm.weight"):
-        fit(module, 1.0, steps=1, per_layer_thresholds={"model.tok_embeddings.weight": 0.5})
+        fit(module, 1.0, steps=1, clipping=PerLayerClipping(thresholds={"model.tok_embeddings.weight": 0.5}))
     assert all(torch.equal(value, initial[name]) for name, value in full_state(module.model).items())
 
 
@@ -193,7 +200,7 @@ def test_module_called_twice_is_refused():
 
     model = Twice()
     engine = DPSGDEngine(model, 1.0, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
-                         clipping="per_layer")
+                         config=StrategyConfig(clipping="per_layer"))
     engine.prepare_microbatch(2)
     ids = torch.randint(0, 16, (2, 6))
     with pytest.raises(RuntimeError, match=r"mix\.(weight|bias) received another per-sample gradient"):
@@ -268,7 +275,7 @@ def test_per_sample_gradients_are_freed_layer_by_layer(checkpointing):
         if checkpointing:
             apply_activation_checkpointing(model)
         engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
-                             clipping=clipping)
+                             config=StrategyConfig(clipping=clipping))
         run_microbatch(engine, model, BATCH)
         held[clipping] = engine.last_held_bytes
         assert engine.exchange.held_bytes == 0 and not engine.exchange.grad_samples

@@ -1,7 +1,7 @@
-"""Randomized clipping in the strategy (``norm_estimator="hutchinson" / "hutchpp"``): with many projections the
-update approaches the per-sample loop's exact-norm update and with few it does not; the run is accounted and
-calibrated by the randomized-clipping accountant; the projections are fresh per micro-batch, secret and never
-stored; combinations it does not cover are refused with the fix."""
+"""Randomized clipping in the strategy (``norms="hutchinson" / "hutchpp"``, or `ProjectedNorms`): with many
+projections the update approaches the per-sample loop's exact-norm update and with few it does not; the run is
+accounted and calibrated by the randomized-clipping accountant; the projections are fresh per micro-batch, secret
+and never stored; combinations it does not cover are refused with the fix."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from lightning_longshield import LongShieldStrategy
+from lightning_longshield import LongShieldStrategy, ProjectedNorms, StrategyConfig
 from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
 from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier, epsilon
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
@@ -61,7 +61,7 @@ def test_many_projections_approach_the_exact_update_and_few_do_not(estimator):
     errors = {}
     for k in (4, 1024):
         module = make_module(config)
-        strategy = fit(module, norm_estimator=estimator, projection_dim=k)
+        strategy = fit(module, norms=ProjectedNorms(estimator, projection_dim=k))
         errors[k] = relative_error(module.model, expected, initial)
         methods = strategy.dp_engine.per_sample_methods()
         assert methods["model.tok_embeddings.weight"] == "ghost" and methods["model.norm.weight"] == "materialize"
@@ -74,7 +74,8 @@ def clipped_sums_over(model: torch.nn.Module, inputs: torch.Tensor, micro_batch_
     projections keyed by one fixed key; loss per sample: the sum of squared outputs."""
     model = copy.deepcopy(model)
     engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
-                         norm_estimator=estimator, projection_dim=3, projection_key=SecretKey(b"p" * 32))
+                         config=StrategyConfig(norms=ProjectedNorms(estimator, projection_dim=3)),
+                         projection_key=SecretKey(b"p" * 32))
     engine.begin_logical_batch()
     for start in range(0, inputs.shape[0], micro_batch_size):
         chunk = inputs[start:start + micro_batch_size]
@@ -112,7 +113,7 @@ def test_accounted_and_calibrated_by_the_randomized_accountant():
     the target; epsilon comes from it; Hutch++ accounts its k - k // 3 residual projections."""
     module = make_module(small_config(n_layers=1))
     strategy = fit(module, steps=4, dataset_size=40, noise_multiplier=None, target_epsilon=4.0, target_delta=1e-3,
-                   noise_seed=None, norm_estimator="hutchinson", projection_dim=8)
+                   noise_seed=None, norms=ProjectedNorms("hutchinson", projection_dim=8))
     accountant = strategy.accountant
     assert isinstance(accountant, RandomizedClippingAccountant)
     assert (accountant.envelope.estimator, accountant.envelope.projections) == ("hutchinson", 8)
@@ -121,7 +122,7 @@ def test_accounted_and_calibrated_by_the_randomized_accountant():
     assert plan.noise_multiplier > exact * 1.01
     assert 4.0 * 0.95 <= strategy.get_epsilon() <= 4.0
     assert strategy.get_epsilon() > epsilon([(plan.noise_multiplier, plan.sample_rate, 4)], 1e-3, "prv")
-    hutchpp = LongShieldStrategy(noise_multiplier=1.0, norm_estimator="hutchpp", projection_dim=32)
+    hutchpp = LongShieldStrategy(noise_multiplier=1.0, norms="hutchpp")
     assert hutchpp.accountant.envelope.projections == 32 - 32 // 3
 
 
@@ -134,30 +135,29 @@ def test_projections_are_fresh_secret_and_never_stored():
     assert len(drawn) == 9
     keys = []
     for _ in range(2):
-        strategy = LongShieldStrategy(noise_multiplier=1.0, norm_estimator="hutchinson")
+        strategy = LongShieldStrategy(noise_multiplier=1.0, norms="hutchinson")
         strategy.privacy.open_fit(torch.device("cpu"), (0, 0), lambda value: value)
         keys.append(strategy.privacy.projection_key._key)
     assert keys[0] != keys[1]
     module = make_module(small_config(n_layers=1))
     with pytest.warns(UserWarning, match="noise_seed"):
-        strategy = fit(module, steps=1, noise_multiplier=1.0, norm_estimator="hutchinson", projection_dim=4)
+        strategy = fit(module, steps=1, noise_multiplier=1.0, norms=ProjectedNorms("hutchinson", projection_dim=4))
     state = strategy.privacy.state_dict()
     assert "key" not in repr(state) and set(state) == {"plan", "accountant"}
     assert state["accountant"]["estimator"] == "hutchinson"
     again = copy.deepcopy(make_module(small_config(n_layers=1)))
     with pytest.warns(UserWarning, match="noise_seed"):
-        fit(again, steps=1, noise_multiplier=1.0, norm_estimator="hutchinson", projection_dim=4)
+        fit(again, steps=1, noise_multiplier=1.0, norms=ProjectedNorms("hutchinson", projection_dim=4))
     assert all(torch.equal(a, b) for a, b in zip(full_state(module.model).values(), full_state(again.model).values()))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(norm_estimator="jl"), "choose one of"),
-    (dict(norm_estimator="hutchinson", projection_dim=0), "positive integer"),
-    (dict(norm_estimator="hutchpp", projection_dim=2), "projection_dim >= 3"),
-    (dict(norm_estimator="hutchinson", clipping="per_layer"), "set clipping='flat'"),
-    (dict(norm_estimator="hutchinson", per_sample="mixed"), "leave per_sample at its default"),
-    (dict(norm_estimator="hutchinson", accountant="rdp"), "Use accountant='prv'"),
-])
-def test_uncovered_combinations_name_the_fix(kwargs, message):
+@pytest.mark.parametrize("make, message", [
+    (lambda: LongShieldStrategy(noise_multiplier=1.0, norms="jl"), "choose one of"),
+    (lambda: ProjectedNorms("hutchinson", projection_dim=0), "positive integer"),
+    (lambda: ProjectedNorms("hutchpp", projection_dim=2), "k >= 3"),
+    (lambda: LongShieldStrategy(noise_multiplier=1.0, norms="hutchinson", clipping="per_layer"), "or clipping='flat'"),
+    (lambda: LongShieldStrategy(noise_multiplier=1.0, norms="hutchinson", accountant="rdp"), "Use accountant='prv'"),
+], ids=["unknown", "no-projections", "hutchpp-too-few", "per-layer", "rdp"])
+def test_uncovered_combinations_name_the_fix(make, message):
     with pytest.raises(ValueError, match=message):
-        LongShieldStrategy(noise_multiplier=1.0, **kwargs)
+        make()

@@ -9,6 +9,8 @@ import torch
 from lightning_longshield import LongShieldStrategy, PreflightMemoryError, preflight
 from lightning_longshield.models import LlamaConfig
 from simulate import get_gpu_spec, get_model_spec, make_config, memory
+from simulate.config import RANDOMIZED_CLIPPING_NOTE, method_for, precision_of
+from simulate.strategy_config import METHOD_PRESETS, PerLayerClipping, StrategyConfig
 from tests.support.helpers import RandomTokens, full_state, loader, make_module, make_trainer, small_config
 
 GIB = 2**30
@@ -40,7 +42,7 @@ def test_alternative_on_the_same_gpus_is_a_constructor_change():
     result = preflight.predict(get_model_spec("llama3.1-8b"), "v1", 8, 8, 8, 32768, "bf16-mixed", 80 * GIB)
     alternative = preflight.find_alternative(result.config, world_size=8)
     assert alternative is not None and alternative.memory.fits and alternative.gpus is None
-    assert "shard_per_sample_grads=True" in alternative.arguments
+    assert "exchange='reduce_scatter'" in alternative.arguments
 
 
 def test_nothing_fits_says_so():
@@ -55,18 +57,18 @@ def test_feasible_config_passes():
 
 
 def test_policy_and_v1_checkpointing_are_estimated_as_v3_with_a_note():
-    assert preflight.simulate_method(True, False) == ("v2", ())
-    assert preflight.simulate_method(False, False) == ("v1", ())
+    assert method_for(StrategyConfig()) == ("v2", ())
+    assert method_for(StrategyConfig(exchange="all_reduce")) == ("v1", ())
     v1_at_mbs_1 = preflight.predict(get_model_spec("tiny"), "v1", 2, 2, 1, 1024, "bf16-mixed", 80 * GIB)
     assert v1_at_mbs_1.config.method.name == "v2"  # V1 at micro-batch 1 runs V2's path
-    assert preflight.simulate_method(True, True) == ("v3", ())
-    method, notes = preflight.simulate_method(False, 2)
-    assert method == "v3" and "every block is checkpointed" in notes[0] and "shard_per_sample_grads" in notes[1]
+    assert method_for(StrategyConfig(activation_checkpointing=True)) == ("v3", ())
+    method, notes = method_for(StrategyConfig(exchange="all_reduce", activation_checkpointing=2))
+    assert method == "v3" and "every block is checkpointed" in notes[0] and "exchange='all_reduce'" in notes[1]
 
 
 def test_book_keeping_is_planned_as_zero_dp_plus_over_all_gpus():
-    assert preflight.simulate_method(True, False, "mixed", "all", 1) == ("zero-dp", ())
-    method, notes = preflight.simulate_method(True, False, "ghost", "context_parallel", 2)
+    assert method_for(StrategyConfig(**METHOD_PRESETS["zero-dp"])) == ("zero-dp", ())
+    method, notes = method_for(StrategyConfig(norms="ghost", context_parallel_size=2))
     assert method == "zero-dp" and "approximate" in notes[0]
     result = preflight.predict(get_model_spec("llama3.2-1b"), "zero-dp", 4, 1, 2, 4096, "bf16-mixed", 80 * GIB)
     assert result.config.method.name == "zero-dp" and result.config.num_gpus == 4 and result.config.cp_size == 1
@@ -79,7 +81,7 @@ def test_book_keeping_is_planned_as_zero_dp_plus_over_all_gpus():
 @pytest.mark.parametrize("precision, name", [("bf16-mixed", "bf16-mixed"), ("bf16-true", "bf16-mixed"),
                                              ("32-true", "fp32"), ("64-true", None)])
 def test_precision_mapping(precision, name):
-    assert preflight.simulate_precision(precision) == name
+    assert precision_of(precision) == name
 
 
 def test_model_spec_from_llama_config():
@@ -97,12 +99,12 @@ def test_gpu_spec_takes_the_device_capacity_and_the_closest_preset():
 def test_per_layer_clipping_is_planned_with_the_kernel_the_strategy_runs(monkeypatch):
     """Fused where `use_fused_kernel` takes linear weights (CP 1, not sharded over replicas, Triton on CUDA; off CUDA
     the logged estimate is CUDA's), the PyTorch path elsewhere; the fused plan holds fewer per-sample bytes."""
-    from lightning_longshield.parallelize import DPParallelism
     from lightning_longshield.privacy import per_layer
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    auto, forced = DPParallelism(clipping="per_layer"), DPParallelism(clipping="per_layer", per_layer_kernel="torch")
-    everywhere = DPParallelism(clipping="per_layer", shard_over="all")
+    auto = StrategyConfig(clipping="per_layer")
+    forced = StrategyConfig(clipping=PerLayerClipping(kernel="torch"))
+    everywhere = StrategyConfig(clipping="per_layer", shard_over="all")
     monkeypatch.setattr(per_layer, "triton_runs_on", lambda device: True)
     assert preflight.planned_per_layer_kernel(auto, cuda, 1, 4) == "auto"  # data-parallel replicas: whole models
     assert preflight.planned_per_layer_kernel(auto, cpu, 1, 1) == "auto"
@@ -112,7 +114,7 @@ def test_per_layer_clipping_is_planned_with_the_kernel_the_strategy_runs(monkeyp
     monkeypatch.setattr(per_layer, "triton_runs_on", lambda device: False)
     assert preflight.planned_per_layer_kernel(auto, cuda, 1, 1) == "torch"  # no Triton
     spec = get_model_spec("llama3.2-1b")
-    fused, materialised = (preflight.predict(spec, "v2", 1, 1, 4, 1024, "bf16-mixed", 80 * GIB, clipping="per-layer",
+    fused, materialised = (preflight.predict(spec, "v2", 1, 1, 4, 1024, "bf16-mixed", 80 * GIB, clipping="per_layer",
                                              per_layer_kernel=kernel) for kernel in ("auto", "torch"))
     assert fused.config.fused_linear_weights and not materialised.config.fused_linear_weights
     held = [max(p.get("per_sample_grads", 0.0) for _, p in memory._phases(r.config)) for r in (fused, materialised)]
@@ -173,13 +175,11 @@ class OddLengthRecords(torch.utils.data.Dataset):
 def test_a_length_read_from_the_data_is_planned_with_but_never_shown(monkeypatch):
     """Without a public ``seq_len`` the pre-flight plans with record 0's length but neither logs it nor the memory
     figures computed from it (nor puts them in the error when the run does not fit)."""
-    from lightning_longshield.parallelize import DPParallelism
-
     messages = []
     monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
     arguments = dict(module=make_module(small_config(n_layers=1)), dataset=OddLengthRecords(),
-                     device=torch.device("cpu"), world_size=1, cp=1, mbs=2, precision="32-true",
-                     parallelism=DPParallelism())
+                     device=torch.device("cpu"), world_size=1, cp=1, precision="32-true",
+                     config=StrategyConfig(micro_batch_size=2))
     result = preflight.run_preflight(**arguments)
     (message,) = messages
     assert "1234" not in message and "GiB" not in message and "first training sample's length" in message
@@ -196,16 +196,14 @@ def test_a_length_read_from_the_data_is_planned_with_but_never_shown(monkeypatch
 
 def test_randomized_clipping_is_planned_with_a_note(monkeypatch):
     """The planner does not model randomized clipping's book-kept tensors: the logged estimate says so."""
-    from lightning_longshield.parallelize import DPParallelism
-
     messages = []
     monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
     arguments = dict(module=make_module(small_config(n_layers=1)), dataset=RandomTokens(size=8, seq_len=16),
-                     device=torch.device("cpu"), world_size=1, cp=1, mbs=2, precision="32-true")
-    exact = preflight.run_preflight(**arguments, parallelism=DPParallelism())
-    sketched = preflight.run_preflight(**arguments, parallelism=DPParallelism(norm_estimator="hutchinson"))
-    assert exact.notes == () and sketched.notes == (preflight.RANDOMIZED_CLIPPING_NOTE,)
-    assert "randomized clipping" not in messages[0] and preflight.RANDOMIZED_CLIPPING_NOTE in messages[1]
+                     device=torch.device("cpu"), world_size=1, cp=1, precision="32-true")
+    exact = preflight.run_preflight(**arguments, config=StrategyConfig(micro_batch_size=2))
+    sketched = preflight.run_preflight(**arguments, config=StrategyConfig(micro_batch_size=2, norms="hutchinson"))
+    assert exact.notes == () and sketched.notes == (RANDOMIZED_CLIPPING_NOTE,)
+    assert "randomized clipping" not in messages[0] and RANDOMIZED_CLIPPING_NOTE in messages[1]
 
 
 def test_preflight_false_skips_the_check(monkeypatch):

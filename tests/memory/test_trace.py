@@ -113,7 +113,7 @@ def test_per_layer_clipping_holds_at_most_the_largest_layer(method, cp):
     config = LlamaConfig.from_name("tiny")
     largest = 4 * 4 * max(config.vocab_size * config.dim, config.dim * config.ffn_dim)  # MBS 4 x fp32
     per_layer = trace_step(model="tiny", method=method, cp=cp, mbs=4, seq_len=256, precision="fp32",
-                           clipping="per-layer")
+                           clipping="per_layer")
     flat = trace_step(model="tiny", method=method, cp=cp, mbs=4, seq_len=256, precision="fp32")
     assert 0 < per_layer.per_sample_grads_peak <= largest
     assert flat.per_sample_grads_peak > 10 * largest

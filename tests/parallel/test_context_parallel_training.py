@@ -12,7 +12,7 @@ import pytest
 import torch
 from opacus.accountants import create_accountant
 
-from lightning_longshield import LongShieldStrategy
+from lightning_longshield import LongShieldStrategy, StrategyConfig
 from tests.support.cp_training_workers import (
     DATASET,
     LOGICAL_BATCH,
@@ -46,9 +46,9 @@ from tests.support.process_runner import run_processes
 
 CLIP = 0.05
 EXCHANGES = {
-    "v1": dict(shard_per_sample_grads=False),
-    "v2_input_stationary": dict(grad_sample_pattern="input_stationary"),
-    "v2_output_stationary": dict(grad_sample_pattern="output_stationary"),
+    "v1": dict(exchange="all_reduce"),
+    "v2_input_stationary": dict(exchange="reduce_scatter"),
+    "v2_output_stationary": dict(exchange="output_stationary"),
 }
 
 
@@ -74,13 +74,13 @@ def configurations(context_parallel_size: int) -> dict[str, dict]:
     } | {  # norms without per-sample gradients: mixed (ghost for wq and the MLP, materialised for wk/wv at T=16)
         # and ghost, book-kept clipped sums reduce-scattered over the group
         "v2_mixed_mbs2_tied": dict(
-            strategy_kwargs=dict(context_parallel_size=context_parallel_size, micro_batch_size=2, per_sample="mixed"),
+            strategy_kwargs=dict(context_parallel_size=context_parallel_size, micro_batch_size=2, norms="mixed"),
             tie_embeddings=True,
             max_grad_norm=CLIP,
         ),
         "v1_ghost_checkpointed_mbs2": dict(
-            strategy_kwargs=dict(context_parallel_size=context_parallel_size, micro_batch_size=2, per_sample="ghost",
-                                 shard_per_sample_grads=False, activation_checkpointing=True),
+            strategy_kwargs=dict(context_parallel_size=context_parallel_size, micro_batch_size=2, norms="ghost",
+                                 exchange="all_reduce", activation_checkpointing=True),
             tie_embeddings=False,
             max_grad_norm=CLIP,
         ),
@@ -144,7 +144,8 @@ def test_uneven_micro_batches_bucketing_and_per_layer_clipping_match_reference(t
     references = {}
     for run, states in results.items():
         kwargs, tied = UNEVEN_RUNS[run]
-        per_layer = kwargs.get("per_layer_thresholds", "equal") if kwargs.get("clipping") == "per_layer" else None
+        per_layer = StrategyConfig(clipping=kwargs.get("clipping", "flat")).per_layer
+        per_layer = per_layer.thresholds if per_layer is not None else None
         if (tied, per_layer) not in references:
             references[tied, per_layer] = reference_states(tied, UNEVEN_BATCH, per_layer)
         for step, reference in enumerate(references[tied, per_layer]):

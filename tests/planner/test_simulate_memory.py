@@ -134,15 +134,15 @@ def test_per_layer_clipping_holds_about_one_layer_of_per_sample_gradients(method
     """Flat clipping holds every layer's per-sample gradients until the norm is known; per-layer clipping holds the
     layer being clipped (its share under V2/V3) plus the same in-flight partials."""
     flat = make_config(model="tiny", gpus=cp, method=method, cp=cp, mbs=8, seq_len=256)
-    per_layer = flat.replace(clipping="per-layer", per_layer_kernel="torch")
+    per_layer = flat.replace(clipping="per_layer", per_layer_kernel="torch")
     most = {cfg.clipping: max(p.get("per_sample_grads", 0.0) for _, p in memory._phases(cfg))
             for cfg in (flat, per_layer)}
     unit = 8 * flat.precision.activation_bytes
     share = 1 / cp if method != "v1" else 1.0
     largest = max(flat.trainable.largest_in_block, flat.model.embedding_numel)
     in_flight = 2 * unit * largest if method != "v1" and cp > 1 else 0.0
-    assert most["per-layer"] <= unit * largest * share + in_flight + 1
-    assert most["flat"] > 2 * most["per-layer"]  # under V2 both hold the same two unreduced partials
+    assert most["per_layer"] <= unit * largest * share + in_flight + 1
+    assert most["flat"] > 2 * most["per_layer"]  # under V2 both hold the same two unreduced partials
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -150,7 +150,7 @@ def test_fused_per_layer_kernels_hold_no_linear_per_sample_gradient(tied) -> Non
     """On one GPU at CP 1 the fused kernels take every linear weight used once: what per-sample gradients are formed
     are the RMSNorm weights' and the embedding's (a tied one from the head's backward to the embedding's)."""
     model = replace(get_model_spec("tiny"), tie_embeddings=tied)
-    fused = make_config(model=model, gpus=1, method="v2", mbs=8, seq_len=256, clipping="per-layer")
+    fused = make_config(model=model, gpus=1, method="v2", mbs=8, seq_len=256, clipping="per_layer")
     torch_path = fused.replace(per_layer_kernel="torch")
     assert fused.fused_linear_weights and not torch_path.fused_linear_weights
     most = {cfg.per_layer_kernel: max(p.get("per_sample_grads", 0.0) for _, p in memory._phases(cfg))
@@ -166,25 +166,26 @@ def test_fused_per_layer_kernels_hold_no_linear_per_sample_gradient(tied) -> Non
 
 def test_fused_per_layer_kernels_only_where_the_strategy_runs_them() -> None:
     """Not under CP, not with the model sharded over several GPUs, not with flat clipping or the PyTorch path."""
-    per_layer = dict(model="tiny", mbs=2, seq_len=256, clipping="per-layer")
+    per_layer = dict(model="tiny", mbs=2, seq_len=256, clipping="per_layer")
     assert make_config(gpus=1, method="v1", **per_layer).fused_linear_weights
     assert not make_config(gpus=2, method="v2", **per_layer).fused_linear_weights  # CP 2
     assert not make_config(gpus=4, method="v2", cp=1, **per_layer).fused_linear_weights  # FSDP over 4 GPUs
     assert not make_config(gpus=1, method="v2", mbs=2, seq_len=256, model="tiny").fused_linear_weights
     with pytest.raises(ValueError, match="Unknown per-layer kernel"):
-        make_config(gpus=1, method="v2", per_layer_kernel="triton", **per_layer)
+        make_config(gpus=1, method="v2", per_layer_kernel="cuda", **per_layer)
 
 
 def test_per_layer_clipping_is_refused_where_it_is_not_modelled() -> None:
     for method in ("zero-dp", "nondp-cp"):
         with pytest.raises(ValueError, match="Per-layer clipping is modelled"):
-            make_config(model="tiny", gpus=4, method=method, clipping="per-layer")
+            make_config(model="tiny", gpus=4, method=method, clipping="per_layer")
     with pytest.raises(ValueError, match="Unknown clipping"):
-        make_config(model="tiny", gpus=4, method="v2", clipping="per_layer")
+        make_config(model="tiny", gpus=4, method="v2", clipping="layerwise")
 
 
 def test_bookkeeping_block_matches_the_library():
     """The planner's fp64 working set of ghost norms and book-kept sums is sized by the library's block."""
+    pytest.importorskip("torch")
     from lightning_longshield.privacy.grad_sample.bookkeeping import BLOCK_ELEMENTS
     from simulate.memory import BOOKKEEPING_BLOCK
 

@@ -61,7 +61,7 @@ def test_fused_per_layer_kernels_form_each_linear_weight_gradient_twice(precisio
     """The fused kernels replace a linear weight's gradient (``2 p d`` per token) by two passes of it, at the bf16
     tensor-core rate or, for fp32 inputs (IEEE products), the CUDA cores' fp32 rate; no per-sample gradient is read."""
     fused = make_config(model="llama3.2-1b", gpus=1, method="v2", mbs=4, seq_len=4096, precision=precision,
-                        clipping="per-layer")
+                        clipping="per_layer")
     torch_path = fused.replace(per_layer_kernel="torch")
     gradients = 2 * fused.trainable.linear_weights * fused.tokens_per_rank
     f, g = microbatch_flops(fused), microbatch_flops(torch_path)

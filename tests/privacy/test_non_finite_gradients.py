@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lightning_longshield import LongShieldStrategy
+from lightning_longshield import LongShieldStrategy, ProjectedNorms
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
 from lightning_longshield.privacy.clipping import clip_factors, per_sample_squared_norms
 from lightning_longshield.privacy.grad_sample.bookkeeping import Use
@@ -91,8 +91,8 @@ def train_with_first_sample(effect: str, **strategy_kwargs) -> dict[str, torch.T
     return full_state(module.model)
 
 
-@pytest.mark.parametrize("settings", [{}, {"per_sample": "mixed"}, {"clipping": "per_layer"},
-                                      {"norm_estimator": "hutchinson", "projection_dim": 4, "noise_seed": 7}],
+@pytest.mark.parametrize("settings", [{}, {"norms": "mixed"}, {"clipping": "per_layer"},
+                                      {"norms": ProjectedNorms("hutchinson", projection_dim=4), "noise_seed": 7}],
                          ids=["materialised", "book-kept", "per-layer", "randomized"])
 def test_a_step_with_a_non_finite_sample_releases_the_others(settings):
     """End to end: samples whose backward is all inf or NaN change nothing beside samples whose gradient is zero."""

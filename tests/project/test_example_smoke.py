@@ -13,7 +13,7 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_dp_stdlib.py"
 
 
-@pytest.mark.parametrize("options", [[], ["--norm-estimator", "hutchinson", "--micro-batch-size", "2"]],
+@pytest.mark.parametrize("options", [[], ["--norms", "hutchinson", "--micro-batch-size", "2"]],
                          ids=["exact", "hutchinson"])
 def test_train_dp_stdlib_prints_guarantee_and_perplexity(options):
     command = [sys.executable, str(EXAMPLE), "--max-steps", "2", "--seq-len", "64", "--max-bytes", "60000", *options]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_longshield import LongShieldStrategy
+from lightning_longshield import LongShieldStrategy, PerLayerClipping, ProjectedNorms
 from tests.support.helpers import RandomTokens, loader, make_lora_module, make_module, make_trainer, small_config
 
 DATASET = dict(size=24, seq_len=16)
@@ -58,24 +58,24 @@ def train_configurations(
 UNEVEN_BATCH = 3  # micro-batches of 2 and 1: the capture path and the summed-gradient path in one logical batch
 
 UNEVEN_RUNS = {  # name -> (strategy arguments, tied embeddings)
-    "v1": (dict(shard_per_sample_grads=False), False),
+    "v1": (dict(exchange="all_reduce"), False),
     "v2_bucket_0": (dict(communication_bucket_mb=0), False),  # one reduce-scatter per parameter
     "v2_bucket_all": (dict(communication_bucket_mb=1024), False),  # all of them in one bucket
     # per-layer clipping, each layer clipped as its per-sample gradient completes (per parameter, or per bucket)
-    "v1_per_layer_checkpointed": (dict(shard_per_sample_grads=False, clipping="per_layer",
+    "v1_per_layer_checkpointed": (dict(exchange="all_reduce", clipping="per_layer",
                                        activation_checkpointing=True), False),
     "v2_per_layer_bucket_0_tied": (dict(communication_bucket_mb=0, clipping="per_layer"), True),
     "v2_per_layer_checkpointed": (dict(clipping="per_layer", activation_checkpointing=True), False),
-    "v2_output_stationary_per_layer_proportional": (dict(grad_sample_pattern="output_stationary",
-                                                         clipping="per_layer", per_layer_thresholds="proportional"),
+    "v2_output_stationary_per_layer_proportional": (dict(exchange="output_stationary",
+                                                         clipping=PerLayerClipping(thresholds="proportional")),
                                                     False),
 }
 
 
 RANDOMIZED_RUNS = {  # randomized clipping (fixed noise_seed: the same projections at every CP size)
-    "v2_hutchinson_tied": (dict(norm_estimator="hutchinson", projection_dim=8, noise_seed=3), True),
-    "v1_hutchpp_checkpointed": (dict(norm_estimator="hutchpp", projection_dim=9, noise_seed=4,
-                                     shard_per_sample_grads=False, activation_checkpointing=True), False),
+    "v2_hutchinson_tied": (dict(norms=ProjectedNorms("hutchinson", projection_dim=8), noise_seed=3), True),
+    "v1_hutchpp_checkpointed": (dict(norms=ProjectedNorms("hutchpp", projection_dim=9), noise_seed=4,
+                                     exchange="all_reduce", activation_checkpointing=True), False),
 }
 
 
@@ -92,9 +92,9 @@ def uneven_micro_batches(rank: int, world_size: int, out_dir: str) -> None:
 
 
 LORA_RUNS = {  # LoRA adapters (FSDP2 with frozen base weights) through each exchange
-    "v1_mbs2": dict(shard_per_sample_grads=False, micro_batch_size=2),
+    "v1_mbs2": dict(exchange="all_reduce", micro_batch_size=2),
     "v2_checkpointed_mbs2": dict(micro_batch_size=2, activation_checkpointing=True),
-    "v2_output_stationary_mbs1": dict(grad_sample_pattern="output_stationary", micro_batch_size=1),
+    "v2_output_stationary_mbs1": dict(exchange="output_stationary", micro_batch_size=1),
 }
 
 
@@ -241,14 +241,14 @@ SHARDED_OVER_ALL = {  # FSDP2 over every rank of a 4-process mesh; name -> (fit 
     "all_dp2xcp2_v2_mbs1_untied": dict(strategy_kwargs=dict(context_parallel_size=2, micro_batch_size=1,
                                                             shard_over="all"), tie_embeddings=False),
     "all_dp2xcp2_v2_mixed_mbs2_tied": dict(strategy_kwargs=dict(context_parallel_size=2, micro_batch_size=2,
-                                                                shard_over="all", per_sample="mixed"),
+                                                                shard_over="all", norms="mixed"),
                                            tie_embeddings=True),
     "all_dp2xcp2_v1_checkpointed_mbs2_untied": dict(
         strategy_kwargs=dict(context_parallel_size=2, micro_batch_size=2, shard_over="all",
-                             shard_per_sample_grads=False, activation_checkpointing=True), tie_embeddings=False),
+                             exchange="all_reduce", activation_checkpointing=True), tie_embeddings=False),
     # the paper's ZeRO-DP+: data parallelism only, FSDP2 over all ranks, mixed ghost norms with book-keeping
     "zero_dp_plus_dp4_mbs2_untied": dict(strategy_kwargs=dict(context_parallel_size=1, micro_batch_size=2,
-                                                              shard_over="all", per_sample="mixed"),
+                                                              shard_over="all", norms="mixed"),
                                          tie_embeddings=False, logical_batch=2 * LOGICAL_BATCH),
 }
 

@@ -24,8 +24,8 @@ CLIP = 0.05
 COLLECTIVE_TIMEOUT = timedelta(seconds=45)
 
 RUNS = {  # name -> strategy arguments (data 2 x context 1, two processes)
-    "default_mixed_mbs1": dict(per_sample="mixed", micro_batch_size=1),  # FSDP2 over each (one-rank) CP group
-    "all_mixed_mbs1": dict(shard_over="all", per_sample="mixed", micro_batch_size=1),  # ZeRO-DP+
+    "default_mixed_mbs1": dict(norms="mixed", micro_batch_size=1),  # FSDP2 over each (one-rank) CP group
+    "all_mixed_mbs1": dict(shard_over="all", norms="mixed", micro_batch_size=1),  # ZeRO-DP+
     "all_per_layer_mbs2": dict(shard_over="all", clipping="per_layer", micro_batch_size=2),
 }
 

@@ -32,6 +32,7 @@ from lightning_longshield.privacy.grad_sample.bookkeeping import gather_tokens
 from lightning_longshield.privacy.grad_sample.layers import per_sample_gradients
 from lightning_longshield.privacy.observer import DPStepObserver
 from lightning_longshield.privacy.shards import ParamShard, local_tensor
+from simulate.strategy_config import DEFAULT_BUCKET_MB
 
 ParamNamer = Callable[[nn.Module, nn.Parameter], str]
 # Receives complete per-sample gradients of some parameters, by name, and consumes them.
@@ -39,7 +40,7 @@ GradSampleSink = Callable[[dict[str, torch.Tensor]], None]
 
 
 #: Default size of a reduce-scatter bucket: small per-sample gradients (norm weights, biases) travel together.
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+DEFAULT_BUCKET_BYTES = int(DEFAULT_BUCKET_MB * 2**20)
 
 
 class LocalExchange:
@@ -309,7 +310,7 @@ def build_exchange(
         return AllReduceExchange(group, shards, replicated)
     if output_stationary:
         if replicated:
-            raise ValueError("grad_sample_pattern='output_stationary' shards over the context-parallel group only;"
-                             " use 'input_stationary' with shard_over='all'.")
+            raise ValueError("exchange='output_stationary' shards over the context-parallel group only;"
+                             " use exchange='reduce_scatter' with shard_over='all'.")
         return OutputStationaryExchange(group, shards, overlap, bucket_bytes)
     return ReduceScatterExchange(group, shards, overlap, bucket_bytes, replicated)

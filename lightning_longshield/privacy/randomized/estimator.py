@@ -75,19 +75,6 @@ def check_estimator(estimator: str, projection_dim: int) -> None:
         )
 
 
-def check_norm_estimator(estimator: str, projection_dim: int, per_sample: str, clipping: str) -> None:
-    """Reject an unknown estimator or projection count, and combinations randomized clipping does not cover."""
-    check_estimator(estimator, projection_dim)
-    if estimator == "exact":
-        return
-    if clipping != "flat":
-        raise ValueError(f"norm_estimator={estimator!r} estimates the flat norm; set clipping='flat' (or"
-                         " norm_estimator='exact' for per-layer clipping).")
-    if per_sample != "materialize":
-        raise ValueError(f"norm_estimator={estimator!r} book-keeps linear and embedding weights itself; leave"
-                         f" per_sample at its default instead of {per_sample!r}.")
-
-
 def hutchpp_split(projection_dim: int) -> tuple[int, int]:
     """``(s, r)``: Hutch++'s head sketch columns ``k // 3`` and residual (Hutchinson) projections ``k - k // 3``."""
     check_estimator("hutchpp", projection_dim)
