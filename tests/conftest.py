@@ -1,10 +1,13 @@
+"""Fixtures for every test folder. Nothing here imports torch: the planner's tests (``tests/planner``) run where
+torch is not installed."""
+
 import os
 import random
 import socket
+import sys
 import warnings
 
 import pytest
-import torch.distributed as dist
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*`isinstance\\(treespec, LeafSpec\\)`.*")
@@ -38,7 +41,9 @@ def isolated_process_group():
     environ = dict(os.environ)
     os.environ["MASTER_PORT"] = str(free_rendezvous_port())
     yield
-    if dist.is_available() and dist.is_initialized():
+    # Only a test that imported torch can have started a process group; a torch-free test leaves torch unimported.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(environ)
