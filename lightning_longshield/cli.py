@@ -45,8 +45,9 @@ class LongShieldCLI(LightningCLI):
                 print(f"Exported the trained model to {export_to}")
 
 
-def main(args: Optional[list[str]] = None) -> LongShieldCLI:
-    """Entry point of ``longshield-train``; returns the CLI (its ``trainer``, ``model`` and ``datamodule``)."""
+def run_cli(args: Optional[list[str]] = None, run: bool = True) -> LongShieldCLI:
+    """Run ``longshield-train`` with ``args`` (default: the command line) and return the CLI (its ``trainer``,
+    ``model`` and ``datamodule``); ``run=False`` only builds them from ``args`` (no subcommand)."""
     require_hf("jsonargparse")
     return LongShieldCLI(
         CausalLMModule,
@@ -54,7 +55,14 @@ def main(args: Optional[list[str]] = None) -> LongShieldCLI:
         trainer_defaults={"strategy": DEFAULT_STRATEGY},
         save_config_kwargs={"overwrite": True},
         args=args,
+        run=run,
     )
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Entry point of the ``longshield-train`` console script. Returns None, so that the process exits with status
+    0 after a successful run (`run_cli` returns the CLI object)."""
+    run_cli(args)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """``longshield-train``: YAML + flags train with LongShieldStrategy, print the guarantee with its privacy unit, and
-export a LoRA fine-tune that transformers loads."""
+export a LoRA fine-tune that transformers loads; the installed console script exits with status 0."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,28 +14,49 @@ import torch
 pytest.importorskip("jsonargparse")
 transformers = pytest.importorskip("transformers")
 
-from lightning_longshield.cli import main  # noqa: E402
+from lightning_longshield.cli import run_cli  # noqa: E402
 from lightning_longshield.hf.demo import write_demo_llama  # noqa: E402
 from lightning_longshield.text_data import python_stdlib_sources  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 QUICK = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.enable_progress_bar", "false",
          "--trainer.enable_model_summary", "false"]
+TINY_MODEL = json.dumps(dict(vocab_size=256, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64))
 
 
 def test_yaml_run_prints_the_guarantee_with_its_privacy_unit(capsys, tmp_path):
-    cli = main(["fit", "--config", str(CONFIGS / "stdlib_tiny.yaml"), *QUICK, "--trainer.default_root_dir",
-                str(tmp_path), "--data.init_args.max_bytes", "100000",
-                "--data.init_args.seq_len", "64", "--trainer.strategy.init_args.micro_batch_size", "8"])
+    cli = run_cli(["fit", "--config", str(CONFIGS / "stdlib_tiny.yaml"), *QUICK, "--trainer.default_root_dir",
+                   str(tmp_path), "--data.init_args.max_bytes", "100000",
+                   "--data.init_args.seq_len", "64", "--trainer.strategy.init_args.micro_batch_size", "8"])
     assert type(cli.trainer.strategy).__name__ == "LongShieldStrategy" and cli.trainer.global_step == 2
     assert (tmp_path / "config.yaml").exists()  # LightningCLI saves the merged configuration beside the run
     out = capsys.readouterr().out
     assert "Privacy guarantee: (epsilon=" in out and "privacy unit: one window of 65 bytes" in out
 
 
+def test_console_script_exits_zero_and_prints_the_guarantee(tmp_path):
+    script = Path(sys.executable).parent / "longshield-train"
+    if not script.exists():
+        pytest.skip("the longshield-train console script is not installed next to this Python")
+    source = next(p for p in python_stdlib_sources() if p.stat().st_size > 20_000)
+    (tmp_path / "data.txt").write_text(source.read_text(encoding="utf-8")[:20_000])
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    command = [str(script), "fit", "--model.config", TINY_MODEL,
+               "--data.class_path", "lightning_longshield.local_text_data.LocalTextDataModule",
+               "--data.init_args.data_files", str(tmp_path / "data.txt"), "--data.init_args.seq_len", "32",
+               "--data.init_args.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "2",
+               "--trainer.logger", "false", "--trainer.enable_checkpointing", "false", "--trainer.accelerator", "cpu",
+               "--trainer.enable_model_summary", "false", "--trainer.strategy.init_args.target_epsilon", "8",
+               "--trainer.strategy.init_args.micro_batch_size", "8"]
+    result = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Privacy guarantee: (epsilon=" in result.stdout and "LongShieldCLI object" not in result.stderr
+
+
 def test_print_config_shows_the_strategy_and_lora(capsys):
     with pytest.raises(SystemExit):
-        main(["fit", "--config", str(CONFIGS / "finetune_lora.yaml"), "--print_config"])
+        run_cli(["fit", "--config", str(CONFIGS / "finetune_lora.yaml"), "--print_config"])
     out = capsys.readouterr().out
     assert "class_path: lightning_longshield.LongShieldStrategy" in out and "rank: 8" in out
 
@@ -44,12 +67,12 @@ def test_lora_fine_tune_from_flags_exports_a_checkpoint_transformers_loads(tmp_p
     write_demo_llama(tmp_path / "hf", texts, vocab_size=300, hidden_size=32, intermediate_size=64)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     (tmp_path / "val.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in public))
-    cli = main(["fit", "--config", str(CONFIGS / "finetune_lora.yaml"), *QUICK,
-                "--trainer.default_root_dir", str(tmp_path),
-                "--model.config", str(tmp_path / "hf"), "--data.init_args.data_files", str(tmp_path / "docs.jsonl"),
-                "--data.init_args.val_files", str(tmp_path / "val.jsonl"),
-                "--data.init_args.tokenizer", str(tmp_path / "hf"), "--data.init_args.seq_len", "64",
-                "--data.init_args.cache_dir", str(tmp_path / "cache"), "--export_to", str(tmp_path / "out")])
+    cli = run_cli(["fit", "--config", str(CONFIGS / "finetune_lora.yaml"), *QUICK,
+                   "--trainer.default_root_dir", str(tmp_path),
+                   "--model.config", str(tmp_path / "hf"), "--data.init_args.data_files", str(tmp_path / "docs.jsonl"),
+                   "--data.init_args.val_files", str(tmp_path / "val.jsonl"),
+                   "--data.init_args.tokenizer", str(tmp_path / "hf"), "--data.init_args.seq_len", "64",
+                   "--data.init_args.cache_dir", str(tmp_path / "cache"), "--export_to", str(tmp_path / "out")])
     assert all(".lora_" in name for name, p in cli.model.named_parameters() if p.requires_grad)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
     ids = torch.randint(0, 300, (2, 16))
