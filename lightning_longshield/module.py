@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics.text import Perplexity
 
+from lightning_longshield import hf
 from lightning_longshield.context_parallel.mesh import CONTEXT_PARALLEL
 from lightning_longshield.lora import LoraOptions, apply_lora, reset_adapters
 from lightning_longshield.loss import IGNORE_INDEX, per_sample_token_loss
@@ -105,7 +106,7 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {OPTIMIZERS}.")
         self.pretrained_directory = config if isinstance(config, str) and os.path.isdir(config) else None
         if self.pretrained_directory is not None:
-            self.config = Llama.read_pretrained_config(self.pretrained_directory)
+            self.config = hf.read_config(self.pretrained_directory)
         elif isinstance(config, str):
             self.config = LlamaConfig.from_name(config)
         elif isinstance(config, Mapping):  # as saved in a checkpoint's hyper-parameters
@@ -143,7 +144,7 @@ class CausalLMModule(L.LightningModule):
             if self.pretrained_directory is None:
                 model = Llama(self.config)
             else:  # on the meta device the weights are read later, each rank its own shards
-                model = Llama.from_pretrained(self.pretrained_directory, device=torch.get_default_device())
+                model = hf.load_model(self.pretrained_directory, device=torch.get_default_device())
             if self.lora is not None:
                 apply_lora(model, self.lora)
             self.model = model
@@ -157,7 +158,7 @@ class CausalLMModule(L.LightningModule):
     def save_pretrained(self, directory: str, dtype: Optional[torch.dtype] = None) -> None:
         """Write the model (LoRA adapters merged) as a Hugging Face Llama directory; a collective under FSDP2."""
         assert self.model is not None, "call configure_model() first"
-        self.model.save_pretrained(directory, dtype)
+        hf.save_pretrained(self.model, directory, dtype)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         assert self.model is not None, "call configure_model() first"

@@ -1,12 +1,21 @@
 """Hugging Face interoperability (optional dependencies: ``pip install "lightning-longshield[hf]"``).
 
-Checkpoint import and export live in `lightning_longshield.hf.checkpoint`; this package imports nothing heavy.
+`load_model`, `save_pretrained` and `read_config` read and write Hugging Face Llama directories; they live in
+`lightning_longshield.hf.checkpoint`, which is imported only when one is called, so this package imports nothing
+heavy.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_longshield.models import Llama, LlamaConfig
 
 INSTALL_HINT = 'pip install "lightning-longshield[hf]"'
 
@@ -18,3 +27,37 @@ def require_hf(package: str) -> ModuleType:
     except ImportError as error:
         raise ImportError(f"{package} is required for this feature but could not be imported; install it with: "
                           f"{INSTALL_HINT}") from error
+
+
+def load_model(
+    directory: Union[str, os.PathLike], device: Optional[Union[torch.device, str]] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> Llama:
+    """The `Llama` of the Hugging Face Llama directory ``directory`` (``config.json`` + safetensors) on ``device``
+    (default CPU; ``"meta"`` defers reading to the model's materialisation, shard by shard) in ``dtype``."""
+    from lightning_longshield.hf import checkpoint
+
+    return checkpoint.load_model(directory, device, dtype)
+
+
+def save_pretrained(model: torch.nn.Module, directory: Union[str, os.PathLike],
+                    dtype: Optional[torch.dtype] = None) -> None:
+    """Write ``model`` (a `Llama`, possibly FSDP2-sharded, LoRA adapters merged) as a Hugging Face Llama directory
+    that ``transformers.AutoModelForCausalLM.from_pretrained`` loads; a collective when the model is sharded."""
+    from lightning_longshield.hf import checkpoint
+
+    checkpoint.save_pretrained(model, directory, dtype)
+
+
+def read_config(directory: Union[str, os.PathLike]) -> LlamaConfig:
+    """The `LlamaConfig` of the Hugging Face Llama directory ``directory``."""
+    from lightning_longshield.hf import checkpoint
+
+    return checkpoint.read_config(directory)
+
+
+def is_model_directory(directory: Union[str, os.PathLike]) -> bool:
+    """Whether ``directory`` holds a Hugging Face model (a ``config.json``)."""
+    from lightning_longshield.hf import checkpoint
+
+    return checkpoint.is_model_directory(directory)

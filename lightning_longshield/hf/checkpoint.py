@@ -10,7 +10,9 @@ dimension), so a meta-device model is filled shard by shard without ever holding
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 from collections import defaultdict
 from collections.abc import Mapping
@@ -25,10 +27,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from lightning_longshield.hf import require_hf
 from lightning_longshield.lora import is_adapter_parameter, merged_state_dict
-from lightning_longshield.models.config import LlamaConfig
+from lightning_longshield.models import Llama, LlamaConfig
 from simulate.specs import RopeScaling
 
-PathLike = Union[str, Path]
+PathLike = Union[str, "os.PathLike[str]"]
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -128,12 +130,23 @@ def hf_config_dict(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> d
     )
 
 
+def is_model_directory(directory: PathLike) -> bool:
+    """Whether ``directory`` holds a Hugging Face model (a ``config.json``)."""
+    return (Path(directory).expanduser() / CONFIG_FILE).is_file()
+
+
 def read_config(directory: PathLike) -> LlamaConfig:
-    """The `LlamaConfig` of the Hugging Face Llama checkpoint in ``directory``."""
-    path = Path(directory) / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"No {CONFIG_FILE} in {directory}: expected a Hugging Face Llama checkpoint there.")
-    return config_from_hf(json.loads(path.read_text()))
+    """The `LlamaConfig` of the Hugging Face Llama checkpoint in ``directory``; a FileNotFoundError that says what is
+    missing when ``directory`` is not one."""
+    path = Path(directory).expanduser()
+    if not is_model_directory(path):
+        found = ("no such directory" if not path.exists() else "not a directory" if not path.is_dir()
+                 else f"no {CONFIG_FILE} in it")
+        raise FileNotFoundError(
+            f"No Hugging Face model directory at {os.fspath(directory)!r}: {found}. Pass a local directory holding"
+            f" {CONFIG_FILE} and safetensors weights (as written by save_pretrained)."
+        )
+    return config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
 
 
 # ------------------------------------------------------------------------------------------------ names and layouts
@@ -167,6 +180,30 @@ def to_halves(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------- loading
+
+
+def load_model(
+    directory: PathLike, device: Optional[Union[torch.device, str]] = None, dtype: Optional[torch.dtype] = None
+) -> Llama:
+    """The `Llama` of the Hugging Face Llama checkpoint in ``directory`` (safetensors), on ``device`` (default CPU)
+    in ``dtype`` (default fp32).
+
+    With ``device="meta"`` nothing is read yet: the model's ``load_weights`` hook reads the weights when it is
+    materialised (its ``init_weights``, e.g. from `lightning_longshield.parallelize.materialize_meta_parameters`,
+    shard by shard).
+    """
+    with torch.device("meta"):
+        model = Llama(read_config(directory))
+    model.load_weights = functools.partial(load_pretrained_weights, directory=os.fspath(Path(directory).expanduser()))
+    if dtype is not None:
+        model.to(dtype)
+    device = torch.device(device or "cpu")
+    if device.type != "meta":
+        model.to_empty(device=device)
+        if model.config.tie_embeddings:  # to_empty gives each module its own copy
+            model.output.weight = model.tok_embeddings.weight
+        model.init_weights()
+    return model
 
 
 def weight_map(directory: PathLike) -> dict[str, Path]:

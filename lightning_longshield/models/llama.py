@@ -7,7 +7,6 @@ attention kernel is the replaceable `Attention.attention_fn`, and blocks live in
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Optional
 
@@ -97,11 +96,12 @@ class Llama(nn.Module):
     ``position_ids`` (B, T) are the tokens' global positions; they drive RoPE and the causal mask, so a shard of a
     sequence can be processed with its true positions. ``None`` means ``0 .. T-1``.
 
-    With ``pretrained_directory`` set (by `from_pretrained`), `init_weights` loads that Hugging Face checkpoint
-    instead of drawing random weights: a meta-device model materialised shard by shard reads only its shards.
+    With ``load_weights`` set, `init_weights` calls ``load_weights(model)`` instead of drawing random weights, so a
+    checkpoint reader can fill a meta-device model as it is materialised, each shard with only its part.
     """
 
-    pretrained_directory: Optional[str] = None
+    #: Called by `init_weights` with the model, instead of the random initialisation, when set.
+    load_weights: Optional[Callable[[Llama], None]] = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -114,54 +114,12 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
-    @classmethod
-    def read_pretrained_config(cls, directory: str | os.PathLike) -> LlamaConfig:
-        """The `LlamaConfig` of the Hugging Face Llama checkpoint in ``directory``."""
-        from lightning_longshield.hf.checkpoint import read_config
-
-        return read_config(directory)
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        directory: str | os.PathLike,
-        device: Optional[torch.device | str] = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> Llama:
-        """The model of the Hugging Face Llama checkpoint in ``directory`` (safetensors), on ``device`` (default CPU)
-        in ``dtype`` (default fp32).
-
-        With ``device="meta"`` nothing is read yet: the weights are loaded by `init_weights` when the model is
-        materialised (e.g. by `lightning_longshield.parallelize.materialize_meta_parameters`, shard by shard).
-        """
-        with torch.device("meta"):
-            model = cls(cls.read_pretrained_config(directory))
-        model.pretrained_directory = os.fspath(directory)
-        if dtype is not None:
-            model.to(dtype)
-        device = torch.device(device or "cpu")
-        if device.type != "meta":
-            model.to_empty(device=device)
-            if model.config.tie_embeddings:  # to_empty gives each module its own copy
-                model.output.weight = model.tok_embeddings.weight
-            model.init_weights()
-        return model
-
-    def save_pretrained(self, directory: str | os.PathLike, dtype: Optional[torch.dtype] = None) -> None:
-        """Write the model as a Hugging Face Llama directory (``config.json``, ``model.safetensors``) that
-        ``transformers.AutoModelForCausalLM.from_pretrained`` loads. A collective when the model is FSDP-sharded."""
-        from lightning_longshield.hf.checkpoint import save_pretrained
-
-        save_pretrained(self, directory, dtype)
-
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Load `pretrained_directory` when set; otherwise TorchTitan-style init: N(0, 0.02) inputs, depth-scaled
-        output projections, unit norms."""
-        if self.pretrained_directory is not None:
-            from lightning_longshield.hf.checkpoint import load_pretrained_weights
-
-            load_pretrained_weights(self, self.pretrained_directory)
+        """``load_weights(self)`` when set; otherwise TorchTitan-style init: N(0, 0.02) inputs, depth-scaled output
+        projections, unit norms."""
+        if self.load_weights is not None:
+            self.load_weights(self)
             return
         nn.init.normal_(self.tok_embeddings.weight, std=1.0 if not self.config.tie_embeddings else 0.02)
         depth_std = 0.02 / math.sqrt(2 * self.config.n_layers)

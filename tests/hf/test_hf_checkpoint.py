@@ -70,7 +70,7 @@ def ids() -> torch.Tensor:
 @pytest.mark.parametrize(("tie", "rope_scaling"), list(VARIANTS.values()), ids=list(VARIANTS))
 def test_import_gives_transformers_logits(tmp_path: Path, ids: torch.Tensor, tie: bool, rope_scaling: Any) -> None:
     hf = write_hf_llama(tmp_path, tie, rope_scaling)
-    model = Llama.from_pretrained(tmp_path)
+    model = checkpoint.load_model(tmp_path)
     assert model.config.tie_embeddings == tie and (model.output.weight is model.tok_embeddings.weight) == tie
     assert model.config.rope_scaling.factor == (8.0 if rope_scaling else 1.0)
     torch.testing.assert_close(our_logits(model, ids), hf_logits(hf, ids), **CLOSE)
@@ -78,7 +78,7 @@ def test_import_gives_transformers_logits(tmp_path: Path, ids: torch.Tensor, tie
 
 def test_llama3_scaling_changes_the_logits(tmp_path: Path, ids: torch.Tensor) -> None:
     write_hf_llama(tmp_path, rope_scaling=LLAMA3)
-    model = Llama.from_pretrained(tmp_path)
+    model = checkpoint.load_model(tmp_path)
     scaled = our_logits(model, ids)
     model.config = dataclasses.replace(model.config, rope_scaling=RopeScaling())
     assert (our_logits(model, ids)[:, 16:] - scaled[:, 16:]).abs().max() > 1e-2
@@ -89,7 +89,7 @@ def test_loading_without_the_rope_permutation_differs(
 ) -> None:
     hf = write_hf_llama(tmp_path)
     monkeypatch.setattr(checkpoint, "to_interleaved", lambda weight, head_dim: weight)
-    assert (our_logits(Llama.from_pretrained(tmp_path), ids) - hf_logits(hf, ids)).abs().max() > 1e-2
+    assert (our_logits(checkpoint.load_model(tmp_path), ids) - hf_logits(hf, ids)).abs().max() > 1e-2
 
 
 def test_permutations_are_inverse() -> None:
@@ -103,7 +103,7 @@ def test_sharded_checkpoint_loads(tmp_path: Path, ids: torch.Tensor) -> None:
     hf = write_hf_llama(tmp_path, max_shard_size="20KB")
     index = json.loads((tmp_path / checkpoint.WEIGHTS_INDEX_FILE).read_text())
     assert not (tmp_path / checkpoint.WEIGHTS_FILE).exists() and len(set(index["weight_map"].values())) > 1
-    torch.testing.assert_close(our_logits(Llama.from_pretrained(tmp_path), ids), hf_logits(hf, ids), **CLOSE)
+    torch.testing.assert_close(our_logits(checkpoint.load_model(tmp_path), ids), hf_logits(hf, ids), **CLOSE)
 
 
 @pytest.mark.parametrize(("tie", "rope_scaling"), list(VARIANTS.values()), ids=list(VARIANTS))
@@ -114,23 +114,23 @@ def test_export_gives_transformers_logits(tmp_path: Path, ids: torch.Tensor, tie
     torch.manual_seed(0)
     model = Llama(config)
     randomize_(model)
-    model.save_pretrained(tmp_path)
+    checkpoint.save_pretrained(model, tmp_path)
     with safetensors_torch.safe_open(tmp_path / checkpoint.WEIGHTS_FILE, "pt") as handle:
         assert ("lm_head.weight" in handle.keys()) != tie
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert hf.dtype == torch.float32
     torch.testing.assert_close(hf_logits(hf, ids), our_logits(model, ids), **CLOSE)
-    assert Llama.read_pretrained_config(tmp_path) == config
-    reloaded = dict(Llama.from_pretrained(tmp_path).named_parameters())
+    assert checkpoint.read_config(tmp_path) == config
+    reloaded = dict(checkpoint.load_model(tmp_path).named_parameters())
     for name, param in model.named_parameters():
         torch.testing.assert_close(reloaded[name], param, rtol=0, atol=0)
 
 
 def test_dtypes_on_load_and_export(tmp_path: Path) -> None:
     write_hf_llama(tmp_path / "hf")
-    model = Llama.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    model = checkpoint.load_model(tmp_path / "hf", dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    model.float().save_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    checkpoint.save_pretrained(model.float(), tmp_path / "out", dtype=torch.bfloat16)
     assert json.loads((tmp_path / "out" / checkpoint.CONFIG_FILE).read_text())["dtype"] == "bfloat16"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert hf.dtype == torch.bfloat16
@@ -166,7 +166,7 @@ def test_unsupported_configs_are_refused(override: dict, message: str) -> None:
 def test_a_gpt2_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"])))
     with pytest.raises(ValueError, match="only Llama checkpoints"):
-        Llama.from_pretrained(tmp_path)
+        checkpoint.load_model(tmp_path)
 
 
 def test_missing_files_and_tensors_are_named(tmp_path: Path) -> None:
@@ -175,12 +175,12 @@ def test_missing_files_and_tensors_are_named(tmp_path: Path) -> None:
     tensors["extra.weight"] = tensors.pop("model.layers.1.mlp.up_proj.weight")
     safetensors_torch.save_file(tensors, tmp_path / checkpoint.WEIGHTS_FILE, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing tensors \['model.layers.1.mlp.up_proj.weight'\].*'extra.weight'"):
-        Llama.from_pretrained(tmp_path)
+        checkpoint.load_model(tmp_path)
     (tmp_path / checkpoint.WEIGHTS_FILE).unlink()
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}.*model.safetensors and model.safetensors.index.json"):
-        Llama.from_pretrained(tmp_path)
-    with pytest.raises(FileNotFoundError, match="No config.json"):
-        Llama.from_pretrained(tmp_path / "nowhere")
+        checkpoint.load_model(tmp_path)
+    with pytest.raises(FileNotFoundError, match="No Hugging Face model directory at .*nowhere': no such directory"):
+        checkpoint.load_model(tmp_path / "nowhere")
 
 
 def test_require_hf_names_the_fix() -> None:
@@ -214,7 +214,7 @@ def test_fine_tuning_a_checkpoint_under_cp_equals_one_process(tmp_path: Path) ->
     write_hf_llama(tmp_path / "hf", tie=True, rope_scaling=LLAMA3)
     run_processes(2, tmp_path, hf_workers.fine_tune_from_directory, str(tmp_path / "hf"), str(tmp_path / "cp2.pt"))
     _, module = hf_workers.fine_tune(str(tmp_path / "hf"))
-    loaded = Llama.from_pretrained(tmp_path / "hf").state_dict()
+    loaded = checkpoint.load_model(tmp_path / "hf").state_dict()
     trained = full_state(module.model)
     assert any(not torch.equal(trained[name], loaded[name]) for name in loaded)  # the steps did move the model
     assert_models_close(torch.load(tmp_path / "cp2.pt"), trained)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_longshield.models import Llama
+from lightning_longshield import hf
 from lightning_longshield.parallelize import materialize_meta_parameters, shard_with_fsdp
 
 EXACT = dict(rtol=0, atol=0)
@@ -20,12 +20,12 @@ def check_sharded_load(rank: int, world_size: int, directory: str, export_direct
     """Row (Shard(0)) and column (Shard(1), ``shard_linear_inputs``) shards equal the reference's slices; the
     sharded model computes the reference's logits and exports the same checkpoint."""
     torch.set_num_threads(1)
-    reference = Llama.from_pretrained(directory)
+    reference = hf.load_model(directory)
     expected = dict(reference.named_parameters())
     mesh = init_device_mesh("cpu", (world_size,))
     ids = torch.randint(0, reference.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     for shard_linear_inputs in (False, True):
-        model = Llama.from_pretrained(directory, device="meta")
+        model = hf.load_model(directory, device="meta")
         holder = nn.ModuleDict({"model": model})  # as a LightningModule holds it: the model is sharded whole
         shards = shard_with_fsdp(holder, mesh, shard_linear_inputs=shard_linear_inputs)
         assert materialize_meta_parameters(holder, torch.device("cpu"), rank)
@@ -37,8 +37,8 @@ def check_sharded_load(rank: int, world_size: int, directory: str, export_direct
         assert dims == ({0, 1} if shard_linear_inputs else {0}), dims
         with torch.no_grad():
             torch.testing.assert_close(model(ids), reference(ids), rtol=1e-5, atol=1e-5)
-    model.save_pretrained(export_directory)  # all ranks gather, rank 0 writes
-    for name, param in Llama.from_pretrained(export_directory).named_parameters():
+    hf.save_pretrained(model, export_directory)  # all ranks gather, rank 0 writes
+    for name, param in hf.load_model(export_directory).named_parameters():
         torch.testing.assert_close(param, expected[name], **EXACT)
 
 
