@@ -57,6 +57,41 @@ def check_batch(batch: Any, vocab_size: Optional[int]) -> None:
         )
 
 
+def resolve_model_config(
+    config: Union[LlamaConfig, str, os.PathLike, Mapping[str, Any]],
+) -> tuple[LlamaConfig, Optional[str]]:
+    """``(LlamaConfig, Hugging Face directory or None)`` of a `CausalLMModule` ``config``.
+
+    A Hugging Face model directory (with a ``config.json``) is read. Otherwise a path-like, or a string that looks
+    like a path (it holds a path separator, starts with ``.`` or ``~``, or exists and is no preset name), is refused
+    as a missing model directory, and any other string must be a preset name.
+    """
+    if isinstance(config, LlamaConfig):
+        return config, None
+    if isinstance(config, Mapping):  # as saved in a checkpoint's hyper-parameters
+        return LlamaConfig(**config), None
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(
+            f"config must be a LlamaConfig, a preset name, a Hugging Face model directory or a dict of LlamaConfig"
+            f" fields; got {type(config).__name__}."
+        )
+    text = os.fspath(config)
+    presets = LlamaConfig.preset_names()
+    looks_like_path = (
+        not isinstance(config, str) or any(sep in text for sep in {os.sep, os.altsep or os.sep, "/"})
+        or text.startswith((".", "~")) or (os.path.exists(text) and text not in presets)
+    )
+    if looks_like_path or hf.is_model_directory(text):
+        directory = os.path.expanduser(text)
+        return hf.read_config(directory), directory  # a FileNotFoundError that says what is missing
+    if text not in presets:
+        raise ValueError(
+            f"Unknown model preset {text!r}: choose one of {presets}, or pass the path of a local Hugging Face model"
+            " directory (holding config.json)."
+        )
+    return LlamaConfig.from_name(text), None
+
+
 def unpack_batch(
     batch: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -77,9 +112,9 @@ def unpack_batch(
 class CausalLMModule(L.LightningModule):
     """Trains `Llama` on batches ``{"input_ids", "labels"}`` with the per-sample-mean token loss.
 
-    ``config`` is a `LlamaConfig`, a preset name or a local Hugging Face Llama directory (its weights are loaded;
-    under context parallelism each rank reads only its shards). The model is built in `configure_model` (so
-    strategies can build it sharded); ``model`` is the `Llama`.
+    ``config`` is a `LlamaConfig`, a preset name or a local Hugging Face Llama directory (a string or path-like; its
+    weights are loaded; under context parallelism each rank reads only its shards). The model is built in
+    `configure_model` (so strategies can build it sharded); ``model`` is the `Llama`.
     The training loss is the mean over samples of each sample's mean token loss; clipping, noise and batch scaling
     belong to the strategy. Validation logs ``val_loss`` and ``val_perplexity``. Every batch is checked (shapes,
     token ids within ``vocab_size``) on the host before it moves to the device.
@@ -94,7 +129,7 @@ class CausalLMModule(L.LightningModule):
 
     def __init__(
         self,
-        config: Union[LlamaConfig, str, Mapping[str, Any]] = "tiny",
+        config: Union[LlamaConfig, str, os.PathLike, Mapping[str, Any]] = "tiny",
         optimizer: Literal["adamw", "sgd"] = "adamw",
         learning_rate: float = 3e-4,
         weight_decay: float = 0.0,
@@ -104,15 +139,7 @@ class CausalLMModule(L.LightningModule):
         super().__init__()
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {OPTIMIZERS}.")
-        self.pretrained_directory = config if isinstance(config, str) and os.path.isdir(config) else None
-        if self.pretrained_directory is not None:
-            self.config = hf.read_config(self.pretrained_directory)
-        elif isinstance(config, str):
-            self.config = LlamaConfig.from_name(config)
-        elif isinstance(config, Mapping):  # as saved in a checkpoint's hyper-parameters
-            self.config = LlamaConfig(**config)
-        else:
-            self.config = config
+        self.config, self.pretrained_directory = resolve_model_config(config)
         self.optimizer_name = optimizer
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
@@ -155,7 +182,7 @@ class CausalLMModule(L.LightningModule):
         if self.lora is not None and self.model is not None:
             reset_adapters(self.model)
 
-    def save_pretrained(self, directory: str, dtype: Optional[torch.dtype] = None) -> None:
+    def save_pretrained(self, directory: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None) -> None:
         """Write the model (LoRA adapters merged) as a Hugging Face Llama directory; a collective under FSDP2."""
         assert self.model is not None, "call configure_model() first"
         hf.save_pretrained(self.model, directory, dtype)

@@ -183,6 +183,24 @@ def test_missing_files_and_tensors_are_named(tmp_path: Path) -> None:
         checkpoint.load_model(tmp_path / "nowhere")
 
 
+def test_the_module_takes_a_path_and_tells_a_missing_directory_from_an_unknown_preset(tmp_path: Path) -> None:
+    from lightning_longshield import CausalLMModule
+
+    write_hf_llama(tmp_path / "hf")
+    module = CausalLMModule(tmp_path / "hf")  # a Path, not only a str
+    assert module.config == checkpoint.read_config(tmp_path / "hf") and module.hparams["config"] == str(tmp_path / "hf")
+    module.configure_model()
+    expected = checkpoint.load_model(tmp_path / "hf").state_dict()
+    assert all(torch.equal(value, expected[name]) for name, value in module.model.state_dict().items())
+    for mistyped in (tmp_path / "hf-typo", str(tmp_path / "hf-typo"), "./hf-typo"):
+        with pytest.raises(FileNotFoundError, match="No Hugging Face model directory at '.*hf-typo': no such dir"):
+            CausalLMModule(mistyped)
+    with pytest.raises(FileNotFoundError, match=f"No Hugging Face model directory at '{tmp_path}': no config.json in"):
+        CausalLMModule(str(tmp_path))
+    with pytest.raises(ValueError, match=r"Unknown model preset 'llama3-8b': choose one of \[.*'tiny'\]"):
+        CausalLMModule("llama3-8b")
+
+
 def test_require_hf_names_the_fix() -> None:
     assert require_hf("json") is json
     with pytest.raises(ImportError, match=r'pip install "lightning-longshield\[hf\]"'):
