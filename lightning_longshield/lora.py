@@ -18,11 +18,23 @@ from torch import nn
 from lightning_longshield.hf import require_hf
 from simulate.specs import LORA_TARGETS
 
+#: Hugging Face (PEFT recipe) names of Llama's linear layers -> `Llama`'s own.
+HF_TARGET_NAMES = {
+    "q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "up_proj": "w3",
+    "down_proj": "w2", "lm_head": "output",
+}
+#: The linear layers of `Llama` that LoRA can adapt: every block projection and the output head.
+TARGET_NAMES = (*LORA_TARGETS, "output")
+
 
 @dataclass(frozen=True)
 class LoraOptions:
     """LoRA hyper-parameters: adapter ``rank``, ``alpha`` (the update is scaled by ``alpha / rank``), ``dropout`` on
-    the adapter input, and the linear layers to adapt, by name (default: every projection of every block)."""
+    the adapter input, and the linear layers to adapt, by name (default: every projection of every block).
+
+    ``target_modules`` takes `Llama`'s names (``wq wk wv wo w1 w2 w3 output``) or the Hugging Face names of PEFT
+    recipes (``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head``), which are stored as `Llama`'s;
+    any other name is refused."""
 
     rank: int = 8
     alpha: float = 16.0
@@ -41,7 +53,14 @@ class LoraOptions:
                 f"target_modules must be a non-empty list of layer names, e.g. {list(LORA_TARGETS)}; got"
                 f" {self.target_modules!r}."
             )
-        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        unknown = [name for name in self.target_modules if name not in TARGET_NAMES and name not in HF_TARGET_NAMES]
+        if unknown:
+            raise ValueError(
+                f"Unknown LoRA target_modules {unknown}: valid names are {list(TARGET_NAMES)} or their Hugging Face"
+                f" names {list(HF_TARGET_NAMES)}."
+            )
+        names = (HF_TARGET_NAMES.get(name, name) for name in self.target_modules)
+        object.__setattr__(self, "target_modules", tuple(dict.fromkeys(names)))
 
     def peft_config(self) -> Any:
         """The equivalent ``peft.LoraConfig``."""

@@ -22,7 +22,6 @@ from tests.support.helpers import (  # noqa: E402
     full_state,
     loader,
     make_lora_module,
-    make_module,
     make_trainer,
     reference_dp_sgd,
     samples,
@@ -104,9 +103,23 @@ def test_merged_adapters_reproduce_the_adapted_model():
     assert not torch.allclose(unmerged(tokens), module.model(tokens), atol=1e-4)  # the adapters do change it
 
 
+def test_hugging_face_target_names_adapt_the_same_layers():
+    options = LoraOptions(target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "wq", "lm_head"])
+    assert options.target_modules == ("wq", "wv", "w1", "w3", "w2", "output")
+    model = apply_lora(Llama(small_config()), LoraOptions(rank=4, target_modules=["k_proj", "o_proj"]))
+    adapted = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name, p in model.named_parameters() if p.requires_grad}
+    assert adapted == {"wk", "wo"}
+
+
+def test_unknown_target_names_are_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match=r"Unknown LoRA target_modules \['qkv_proj'\]: valid names are \['wq', .*"
+                                         r"Hugging Face names \['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj'"):
+        LoraOptions(target_modules=["q_proj", "qkv_proj"])
+
+
 def test_targets_that_match_nothing_name_the_layers():
-    with pytest.raises(ValueError, match=r"match no layer of Llama; its linear layers are named .*'wq'"):
-        make_module(small_config(), lora=LoraOptions(target_modules=("q_proj",)))
+    with pytest.raises(ValueError, match=r"match no layer of Sequential; its linear layers are named \['0'\]"):
+        apply_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraOptions(target_modules=("wq",)))
 
 
 @pytest.mark.parametrize("options, match", [
