@@ -8,8 +8,8 @@ like any other; frozen base weights take no per-sample memory, no clipped-sum bu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -61,6 +61,16 @@ class LoraOptions:
             )
         names = (HF_TARGET_NAMES.get(name, name) for name in self.target_modules)
         object.__setattr__(self, "target_modules", tuple(dict.fromkeys(names)))
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> LoraOptions:
+        """`LoraOptions` from a mapping of its fields (e.g. a YAML ``lora:`` section); a ValueError naming the
+        valid keys for any other key."""
+        keys = [f.name for f in fields(cls)]
+        unknown = [key for key in options if key not in keys]
+        if unknown:
+            raise ValueError(f"Unknown LoRA option(s) {unknown}: the valid keys are {keys}.")
+        return cls(**options)
 
     def peft_config(self) -> Any:
         """The equivalent ``peft.LoraConfig``."""

@@ -92,6 +92,15 @@ def resolve_model_config(
     return LlamaConfig.from_name(text), None
 
 
+def lora_options(lora: Union[LoraOptions, Mapping[str, Any], None]) -> Optional[LoraOptions]:
+    """A `LoraOptions` from itself, a mapping of its fields (unknown keys refused, naming the valid ones), or None."""
+    if lora is None or isinstance(lora, LoraOptions):
+        return lora
+    if isinstance(lora, Mapping):
+        return LoraOptions.from_mapping(lora)
+    raise TypeError(f"lora must be a LoraOptions, a dict of its fields or None; got {type(lora).__name__}.")
+
+
 def unpack_batch(
     batch: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -144,7 +153,7 @@ class CausalLMModule(L.LightningModule):
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
         self.log_train_loss = log_train_loss
-        self.lora = LoraOptions(**lora) if isinstance(lora, Mapping) else lora
+        self.lora = lora_options(lora)
         if log_train_loss:
             rank_zero_warn(
                 "log_train_loss=True: train_loss is the un-noised loss of each sampled batch of private data; it is"

@@ -54,6 +54,11 @@ def test_console_script_exits_zero_and_prints_the_guarantee(tmp_path):
     assert "Privacy guarantee: (epsilon=" in result.stdout and "LongShieldCLI object" not in result.stderr
 
 
+def test_a_misspelt_lora_key_names_the_valid_keys():
+    with pytest.raises(ValueError, match=r"Unknown LoRA option\(s\) \['rnk'\]: the valid keys are \['rank', 'alpha'"):
+        run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--model.lora.rnk", "8"], run=False)
+
+
 def test_print_config_shows_the_strategy_and_lora(capsys):
     with pytest.raises(SystemExit):
         run_cli(["fit", "--config", str(CONFIGS / "finetune_lora.yaml"), "--print_config"])

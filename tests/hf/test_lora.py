@@ -117,6 +117,16 @@ def test_unknown_target_names_are_refused_with_the_valid_ones():
         LoraOptions(target_modules=["q_proj", "qkv_proj"])
 
 
+def test_options_from_a_mapping_name_the_valid_keys():
+    from lightning_longshield import CausalLMModule
+
+    with pytest.raises(ValueError, match=r"Unknown LoRA option\(s\) \['rnk'\]: the valid keys are \['rank', 'alpha',"
+                                         r" 'dropout', 'target_modules'\]"):
+        CausalLMModule(small_config(), lora={"rnk": 8})
+    module = CausalLMModule(small_config(), lora={"rank": 2, "target_modules": ["q_proj"]})
+    assert module.lora == LoraOptions(rank=2, target_modules=("wq",))
+
+
 def test_targets_that_match_nothing_name_the_layers():
     with pytest.raises(ValueError, match=r"match no layer of Sequential; its linear layers are named \['0'\]"):
         apply_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraOptions(target_modules=("wq",)))
