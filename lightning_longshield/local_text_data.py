@@ -65,6 +65,26 @@ def resolve_data_files(data_files: Union[PathLike, Sequence[PathLike]]) -> list[
     return list(dict.fromkeys(p.resolve() for p in files))
 
 
+def refuse_blank_files(files: Sequence[Path], argument: str = "data_files") -> None:
+    """Raise a ValueError naming the first file of ``files`` that is empty or holds only whitespace (``datasets``
+    would fail on it with a bare StopIteration or "corresponds to no data"). Reads only up to the first
+    non-whitespace byte of each file."""
+    for path in files:
+        if path.suffix.lower() == ".parquet":
+            blank = path.stat().st_size == 0
+        else:
+            blank = True
+            with open(path, "rb") as handle:
+                while blank and (chunk := handle.read(1 << 16)):
+                    blank = not chunk.strip()
+        if blank:
+            raise ValueError(
+                f"{argument} file {str(path)!r} is empty{'' if path.stat().st_size == 0 else ' (only whitespace)'}:"
+                " it holds no document. Remove it from " + argument + " (or from the directory or glob that matches"
+                " it), or write text into it."
+            )
+
+
 class PaddedDocumentDataset(Dataset):
     """One causal-LM sample per document: its first ``seq_len + 1`` tokens, right-padded to ``seq_len``.
 
@@ -189,7 +209,10 @@ class LocalTextDataModule(L.LightningDataModule):
         if not text_field or not isinstance(text_field, str):
             raise ValueError(f"text_field must be a column name, got {text_field!r}.")
         self.files = resolve_data_files(data_files)
+        refuse_blank_files(self.files, "data_files")
         self.val_files = None if val_files is None else resolve_data_files(val_files)
+        if self.val_files is not None:
+            refuse_blank_files(self.val_files, "val_files")
         self.tokenizer = self._load_tokenizer(tokenizer)
         self.text_field, self.seq_len, self.privacy_unit = text_field, seq_len, privacy_unit
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
@@ -283,10 +306,17 @@ class LocalTextDataModule(L.LightningDataModule):
         parts, remaining = [], max_documents
         for builder, group in itertools.groupby(files, key=lambda p: FORMATS[p.suffix.lower()][0]):
             paths = [str(p) for p in group]
-            raw = datasets.load_dataset(
-                builder, data_files=paths, split="train", cache_dir=self.cache_dir, num_proc=self.num_proc,
-                **({"sample_by": "document"} if builder == "text" else {}),
-            )
+            try:
+                raw = datasets.load_dataset(
+                    builder, data_files=paths, split="train", cache_dir=self.cache_dir, num_proc=self.num_proc,
+                    **({"sample_by": "document"} if builder == "text" else {}),
+                )
+            except StopIteration as error:  # what `datasets` raises for a file without records
+                raise ValueError(
+                    f"{paths[0]}{' (or another of these files)' if len(paths) > 1 else ''} holds no record that"
+                    f" datasets can read: check that each is a valid {builder} file with documents in it, and remove"
+                    " empty files from the data."
+                ) from error
             field = "text" if builder == "text" else self.text_field
             if field not in raw.column_names:
                 raise ValueError(

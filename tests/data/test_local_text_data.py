@@ -239,6 +239,20 @@ def test_errors_name_the_fix(texts, tokenizer_dir, tmp_path):
         dm.check_vocab(256)
 
 
+@pytest.mark.parametrize("name, content", [("empty.txt", ""), ("empty.jsonl", ""), ("blank.jsonl", "\n  \n"),
+                                           ("empty.json", "")])
+def test_an_empty_file_is_refused_by_name(name, content, texts, tmp_path):
+    """datasets fails on a file without records with a bare StopIteration (or "corresponds to no data")."""
+    data = write(tmp_path / "data", texts[:3], "jsonl")
+    (tmp_path / "data" / name).write_text(content)
+    blank = "" if not content else r" \(only whitespace\)"
+    with pytest.raises(ValueError, match=f"data_files file '.*{name}' is empty{blank}: it holds no document. Remove"
+                                         " it from data_files .*or write text into it"):
+        module(tmp_path / "data", tmp_path)
+    with pytest.raises(ValueError, match=f"val_files file '.*{name}' is empty"):
+        module(data, tmp_path, val_files=tmp_path / "data" / name)
+
+
 def test_fit_refuses_a_tokenizer_larger_than_the_models_embedding(texts, tokenizer_dir, tmp_path):
     from lightning_longshield import CausalLMModule, LongShieldStrategy
     from tests.support.helpers import make_trainer, small_config
