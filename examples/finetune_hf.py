@@ -30,6 +30,7 @@ from lightning_longshield import CausalLMModule, LongShieldStrategy
 from lightning_longshield.hf.demo import write_demo_llama
 from lightning_longshield.local_text_data import LocalTextDataModule
 from lightning_longshield.lora import LoraOptions
+from lightning_longshield.progress import StepProgressBar
 from lightning_longshield.text_data import python_stdlib_sources
 
 
@@ -95,15 +96,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         val_files=None if val_files is None else [str(path) for path in val_files],
         val_batch_size=args.micro_batch_size, cache_dir=str(args.work_dir / "cache"),
     )
-    data.setup("fit")
     lora = LoraOptions(rank=args.lora_rank, alpha=args.lora_alpha) if args.lora_rank > 0 else None
     module = CausalLMModule(str(model_dir), lora=lora, optimizer="adamw", learning_rate=args.learning_rate)
     strategy = LongShieldStrategy(target_epsilon=args.target_epsilon, max_grad_norm=args.max_grad_norm,
                                   micro_batch_size=args.micro_batch_size)
-    epochs = math.ceil(args.max_steps / len(data.train_dataloader()))  # so the progress bar can count epochs
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=args.precision,
-                        max_steps=args.max_steps, max_epochs=epochs, logger=False, enable_checkpointing=False,
-                        num_sanity_val_steps=0,
+                        max_steps=args.max_steps, callbacks=[StepProgressBar()], logger=False,
+                        enable_checkpointing=False, num_sanity_val_steps=0,
                         check_val_every_n_epoch=None, val_check_interval=args.max_steps, log_every_n_steps=5)
     warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\).*")  # Lightning 2.6 on torch 2.13
     trainer.fit(module, datamodule=data)

@@ -20,10 +20,10 @@ import warnings
 from typing import Optional
 
 import lightning as L
-from lightning.pytorch.callbacks import RichProgressBar
 
 from lightning_longshield import CausalLMModule, LongShieldStrategy
 from lightning_longshield.models import LlamaConfig
+from lightning_longshield.progress import StepProgressBar
 from lightning_longshield.text_data import StdlibTextDataModule
 
 
@@ -82,8 +82,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         devices=1,
         precision=args.precision,
         max_steps=args.max_steps,
-        max_epochs=math.ceil(args.max_steps / len(train_loader)),  # so the progress bar can count epochs
-        callbacks=[RichProgressBar()],
+        callbacks=[StepProgressBar()],  # steps of the run (an epoch is no unit of Poisson-sampled training)
         logger=False,
         enable_checkpointing=False,
         num_sanity_val_steps=0,

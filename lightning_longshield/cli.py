@@ -8,28 +8,37 @@
 ``data`` any data module by ``class_path`` (`LocalTextDataModule` for local files, `StdlibTextDataModule`), and
 ``trainer.strategy`` defaults to `LongShieldStrategy`, whose arguments go under its ``init_args``. After ``fit``
 the privacy guarantee is printed with the data's privacy unit; ``--export_to DIR`` then writes the trained model
-(LoRA merged) as a Hugging Face directory.
+(LoRA merged) as a Hugging Face directory. The training progress bar counts steps (`StepProgressBar`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_longshield.hf import require_hf
 from lightning_longshield.module import CausalLMModule
+from lightning_longshield.progress import StepProgressBar
 
 DEFAULT_STRATEGY = {"class_path": "lightning_longshield.LongShieldStrategy"}
 
 
 class LongShieldCLI(LightningCLI):
-    """LightningCLI with `LongShieldStrategy` as the default strategy, the guarantee printed after ``fit`` and an
-    optional Hugging Face export."""
+    """LightningCLI with `LongShieldStrategy` as the default strategy, a step progress bar, the guarantee printed
+    after ``fit`` and an optional Hugging Face export."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument("--export_to", type=Optional[str], default=None,
                             help="after fit, write the model (LoRA merged) here as a Hugging Face directory")
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        chosen = [*callbacks, *(config.get("callbacks") or [])]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in chosen):
+            callbacks = [*callbacks, StepProgressBar()]
+        return super()._instantiate_trainer(config, callbacks)
 
     def after_fit(self) -> None:
         strategy = self.trainer.strategy

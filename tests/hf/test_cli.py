@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_longshield.cli import run_cli  # noqa: E402
 from lightning_longshield.hf.demo import write_demo_llama  # noqa: E402
+from lightning_longshield.progress import StepProgressBar  # noqa: E402
 from lightning_longshield.text_data import python_stdlib_sources  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
@@ -57,6 +58,13 @@ def test_console_script_exits_zero_and_prints_the_guarantee(tmp_path):
 def test_a_misspelt_lora_key_names_the_valid_keys():
     with pytest.raises(ValueError, match=r"Unknown LoRA option\(s\) \['rnk'\]: the valid keys are \['rank', 'alpha'"):
         run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--model.lora.rnk", "8"], run=False)
+
+
+def test_the_progress_bar_counts_steps(tmp_path):
+    args = ["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--trainer.default_root_dir", str(tmp_path)]
+    assert isinstance(run_cli(args, run=False).trainer.progress_bar_callback, StepProgressBar)
+    quiet = run_cli([*args, "--trainer.enable_progress_bar", "false"], run=False)
+    assert quiet.trainer.progress_bar_callback is None
 
 
 def test_print_config_shows_the_strategy_and_lora(capsys):

@@ -28,6 +28,7 @@ def test_train_dp_stdlib_prints_guarantee_and_perplexity(options):
     assert 0 < delta < 1
     assert math.isfinite(float(perplexity[1])) and float(perplexity[1]) > 1
     assert "Not released: training losses" in result.stdout
+    assert re.search(r"Step\s.*\b2/2\b", result.stdout), result.stdout[-3000:]  # the bar counts the run's steps
 
 
 def test_finetune_hf_example_prints_guarantee_with_unit_and_exports(tmp_path):
