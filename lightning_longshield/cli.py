@@ -9,30 +9,81 @@
 ``trainer.strategy`` defaults to `LongShieldStrategy`, whose arguments go under its ``init_args``. After ``fit``
 the privacy guarantee is printed with the data's privacy unit; ``--export_to DIR`` then writes the trained model
 (LoRA merged) as a Hugging Face directory. The training progress bar counts steps (`StepProgressBar`).
+
+``fit`` with a strategy other than `LongShieldStrategy` (``--trainer.strategy auto``, ``ddp``, ...) would train
+without differential privacy: it is refused unless ``--non_private true`` acknowledges it.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_longshield.hf import require_hf
 from lightning_longshield.module import CausalLMModule
 from lightning_longshield.progress import StepProgressBar
+from lightning_longshield.strategy import LongShieldStrategy
 
 DEFAULT_STRATEGY = {"class_path": "lightning_longshield.LongShieldStrategy"}
+NOT_PRIVATE = (
+    "This run is NOT differentially private: trainer.strategy is not LongShieldStrategy, so no per-sample clipping,"
+    " no noise and no Poisson sampling protect the training data, and no privacy guarantee is printed."
+)
+
+
+def is_private_strategy(strategy: Any) -> bool:
+    """Whether a parsed ``trainer.strategy`` (a registry name, a ``class_path`` namespace or an instance) is
+    `LongShieldStrategy` or a subclass."""
+    if isinstance(strategy, LongShieldStrategy):
+        return True
+    if isinstance(strategy, str):
+        return strategy in StrategyRegistry and issubclass(StrategyRegistry[strategy]["strategy"], LongShieldStrategy)
+    class_path = strategy.get("class_path") if hasattr(strategy, "get") else None
+    if not isinstance(class_path, str):
+        return False
+    from jsonargparse.typing import import_object  # a dependency of LightningCLI
+
+    try:
+        strategy_class = import_object(class_path)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(strategy_class, type) and issubclass(strategy_class, LongShieldStrategy)
 
 
 class LongShieldCLI(LightningCLI):
-    """LightningCLI with `LongShieldStrategy` as the default strategy, a step progress bar, the guarantee printed
-    after ``fit`` and an optional Hugging Face export."""
+    """LightningCLI with `LongShieldStrategy` as the default strategy (another one only with ``--non_private
+    true``), a step progress bar, the guarantee printed after ``fit`` and an optional Hugging Face export."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument("--export_to", type=Optional[str], default=None,
                             help="after fit, write the model (LoRA merged) here as a Hugging Face directory")
+        parser.add_argument("--non_private", type=bool, default=False,
+                            help="acknowledge that a trainer.strategy other than LongShieldStrategy trains WITHOUT"
+                                 " differential privacy (no clipping, no noise, no guarantee)")
+
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand not in (None, "fit"):
+            return
+        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        strategy = config.get("trainer", {}).get("strategy")
+        if is_private_strategy(strategy):
+            return
+        if not config.get("non_private"):
+            name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", strategy)
+            raise ValueError(
+                f"trainer.strategy={name!r} is not LongShieldStrategy: it would train with no differential privacy"
+                " (no per-sample clipping, no noise, no Poisson sampling) and ignore LongShieldStrategy's arguments."
+                " Remove --trainer.strategy (LongShieldStrategy is the default) or set it to"
+                " lightning_longshield.LongShieldStrategy; to train without privacy on purpose, add --non_private"
+                " true."
+            )
+        rank_zero_warn(NOT_PRIVATE)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         chosen = [*callbacks, *(config.get("callbacks") or [])]
@@ -47,6 +98,8 @@ class LongShieldCLI(LightningCLI):
             describe_unit = getattr(self.datamodule, "describe_privacy_unit", None)
             unit = describe_unit() if callable(describe_unit) else "one training sample"
             print(privacy.describe_guarantee(unit))
+        elif not isinstance(strategy, LongShieldStrategy) and self.trainer.is_global_zero:
+            print(NOT_PRIVATE, file=sys.stderr)
         export_to = self.config.get(self.subcommand, {}).get("export_to")
         if export_to:
             self.model.save_pretrained(export_to)

@@ -55,6 +55,23 @@ def test_console_script_exits_zero_and_prints_the_guarantee(tmp_path):
     assert "Privacy guarantee: (epsilon=" in result.stdout and "LongShieldCLI object" not in result.stderr
 
 
+@pytest.mark.parametrize("strategy", ["auto", "ddp", "lightning.pytorch.strategies.SingleDeviceStrategy"])
+def test_a_strategy_without_dp_is_refused_unless_acknowledged(strategy, tmp_path):
+    args = ["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--trainer.strategy", strategy]
+    with pytest.raises(ValueError, match=f"trainer.strategy='{strategy}' is not LongShieldStrategy.*--non_private"):
+        run_cli(args, run=False)
+
+
+def test_non_private_true_trains_without_dp_warns_and_prints_no_guarantee(capsys, tmp_path):
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        cli = run_cli(["fit", "--config", str(CONFIGS / "stdlib_tiny.yaml"), *QUICK, "--data.init_args.max_bytes",
+                       "100000", "--data.init_args.seq_len", "64", "--trainer.default_root_dir", str(tmp_path),
+                       "--trainer.strategy", "auto", "--non_private", "true"])
+    assert cli.trainer.global_step == 2 and type(cli.trainer.strategy).__name__ == "SingleDeviceStrategy"
+    captured = capsys.readouterr()
+    assert "Privacy guarantee" not in captured.out and "NOT differentially private" in captured.err
+
+
 def test_a_misspelt_lora_key_names_the_valid_keys():
     with pytest.raises(ValueError, match=r"Unknown LoRA option\(s\) \['rnk'\]: the valid keys are \['rank', 'alpha'"):
         run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--model.lora.rnk", "8"], run=False)
