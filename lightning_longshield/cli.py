@@ -11,12 +11,16 @@ the privacy guarantee is printed with the data's privacy unit; ``--export_to DIR
 (LoRA merged) as a Hugging Face directory. The training progress bar counts steps (`StepProgressBar`).
 
 ``fit`` with a strategy other than `LongShieldStrategy` (``--trainer.strategy auto``, ``ddp``, ...) would train
-without differential privacy: it is refused unless ``--non_private true`` acknowledges it.
+without differential privacy: it is refused unless ``--non_private true`` acknowledges it. A data module whose
+``tokenizer`` is left unset takes the model directory's tokenizer when ``model.config`` is a Hugging Face directory
+that has one; an explicit ``data.init_args.tokenizer`` wins.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch import Trainer
@@ -25,12 +29,14 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_longshield import hf
 from lightning_longshield.hf import require_hf
 from lightning_longshield.module import CausalLMModule
 from lightning_longshield.progress import StepProgressBar
 from lightning_longshield.strategy import LongShieldStrategy
 
 DEFAULT_STRATEGY = {"class_path": "lightning_longshield.LongShieldStrategy"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 NOT_PRIVATE = (
     "This run is NOT differentially private: trainer.strategy is not LongShieldStrategy, so no per-sample clipping,"
     " no noise and no Poisson sampling protect the training data, and no privacy guarantee is printed."
@@ -58,7 +64,8 @@ def is_private_strategy(strategy: Any) -> bool:
 
 class LongShieldCLI(LightningCLI):
     """LightningCLI with `LongShieldStrategy` as the default strategy (another one only with ``--non_private
-    true``), a step progress bar, the guarantee printed after ``fit`` and an optional Hugging Face export."""
+    true``), the model directory's tokenizer as the data's default, a step progress bar, the guarantee printed after
+    ``fit`` and an optional Hugging Face export."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument("--export_to", type=Optional[str], default=None,
@@ -68,9 +75,10 @@ class LongShieldCLI(LightningCLI):
                                  " differential privacy (no clipping, no noise, no guarantee)")
 
     def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        self._tokenizer_from_model_directory(config)
         if self.subcommand not in (None, "fit"):
             return
-        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         strategy = config.get("trainer", {}).get("strategy")
         if is_private_strategy(strategy):
             return
@@ -84,6 +92,26 @@ class LongShieldCLI(LightningCLI):
                 " true."
             )
         rank_zero_warn(NOT_PRIVATE)
+
+    @staticmethod
+    def _tokenizer_from_model_directory(config: Any) -> None:
+        """Set an unset ``data.init_args.tokenizer`` to ``model.config`` when that is a Hugging Face directory with a
+        tokenizer."""
+        init_args = getattr(config.get("data"), "init_args", None)
+        if init_args is None or "tokenizer" not in init_args or init_args.tokenizer is not None:
+            return
+        model_config = config.get("model", {}).get("config")
+        if not isinstance(model_config, (str, os.PathLike)) or not hf.is_model_directory(model_config):
+            return
+        directory = Path(model_config).expanduser()
+        if any((directory / name).is_file() for name in TOKENIZER_FILES):
+            init_args.tokenizer = os.fspath(model_config)
+        else:
+            rank_zero_warn(
+                f"The model directory {os.fspath(model_config)!r} has no tokenizer and data.init_args.tokenizer is"
+                " not set: the data is tokenized as UTF-8 bytes. Set data.init_args.tokenizer to the model's"
+                " tokenizer."
+            )
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         chosen = [*callbacks, *(config.get("callbacks") or [])]

@@ -15,7 +15,7 @@ pytest.importorskip("jsonargparse")
 transformers = pytest.importorskip("transformers")
 
 from lightning_longshield.cli import run_cli  # noqa: E402
-from lightning_longshield.hf.demo import write_demo_llama  # noqa: E402
+from lightning_longshield.hf.demo import train_bpe_tokenizer, write_demo_llama  # noqa: E402
 from lightning_longshield.progress import StepProgressBar  # noqa: E402
 from lightning_longshield.text_data import python_stdlib_sources  # noqa: E402
 
@@ -72,6 +72,18 @@ def test_non_private_true_trains_without_dp_warns_and_prints_no_guarantee(capsys
     assert "Privacy guarantee" not in captured.out and "NOT differentially private" in captured.err
 
 
+def test_the_tokenizer_comes_from_the_model_directory_unless_given(tmp_path):
+    texts = [p.read_text(encoding="utf-8") for p in python_stdlib_sources() if 2_000 < p.stat().st_size < 8_000][:6]
+    write_demo_llama(tmp_path / "hf", texts, vocab_size=300, hidden_size=32, intermediate_size=64)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    args = ["--config", str(CONFIGS / "finetune_lora.yaml"), "--model.config", str(tmp_path / "hf"),
+            "--data.init_args.data_files", str(tmp_path / "docs.jsonl"), "--data.init_args.val_files", "null"]
+    assert len(run_cli(args, run=False).datamodule.tokenizer) == 300
+    train_bpe_tokenizer(texts, tmp_path / "other", vocab_size=280)
+    explicit = run_cli([*args, "--data.init_args.tokenizer", str(tmp_path / "other")], run=False)
+    assert len(explicit.datamodule.tokenizer) == 280
+
+
 def test_a_misspelt_lora_key_names_the_valid_keys():
     with pytest.raises(ValueError, match=r"Unknown LoRA option\(s\) \['rnk'\]: the valid keys are \['rank', 'alpha'"):
         run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--model.lora.rnk", "8"], run=False)
@@ -100,10 +112,10 @@ def test_lora_fine_tune_from_flags_exports_a_checkpoint_transformers_loads(tmp_p
     cli = run_cli(["fit", "--config", str(CONFIGS / "finetune_lora.yaml"), *QUICK,
                    "--trainer.default_root_dir", str(tmp_path),
                    "--model.config", str(tmp_path / "hf"), "--data.init_args.data_files", str(tmp_path / "docs.jsonl"),
-                   "--data.init_args.val_files", str(tmp_path / "val.jsonl"),
-                   "--data.init_args.tokenizer", str(tmp_path / "hf"), "--data.init_args.seq_len", "64",
+                   "--data.init_args.val_files", str(tmp_path / "val.jsonl"), "--data.init_args.seq_len", "64",
                    "--data.init_args.cache_dir", str(tmp_path / "cache"), "--export_to", str(tmp_path / "out")])
     assert all(".lora_" in name for name, p in cli.model.named_parameters() if p.requires_grad)
+    assert len(cli.datamodule.tokenizer) == 300  # the model directory's tokenizer, not given in the flags or YAML
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
     ids = torch.randint(0, 300, (2, 16))
     with torch.no_grad():
