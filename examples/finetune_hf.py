@@ -2,6 +2,7 @@
 
     python examples/finetune_hf.py --model-dir path/to/Llama-3.2-1B --data my_text.jsonl --lora-rank 8
     python examples/finetune_hf.py            # no checkpoint at hand: a tiny random one and standard-library text
+    python examples/finetune_hf.py --prepare-only --output-dir finetune_hf_demo   # for configs/finetune_lora.yaml
 
 The model is loaded from ``--model-dir`` (``config.json`` + safetensors; its tokenizer too, if it has one), each
 ``.jsonl`` line's ``text`` is one document, and ``--privacy-unit`` says what the guarantee protects: one document
@@ -9,10 +10,11 @@ The model is loaded from ``--model-dir`` (``config.json`` + safetensors; its tok
 are Poisson-sampled, the noise is calibrated to ``--target-epsilon`` over ``--max-steps``, and only the LoRA
 adapters train when ``--lora-rank`` > 0. The script prints the guarantee with its privacy unit and, given public
 validation documents (``--val-data``; the validation loss is released without noise, so never hold out private
-documents for it), the validation perplexity on them, then exports the model (adapters merged) to ``--export-to`` as
-a Hugging Face directory. Without ``--model-dir`` it writes a tiny random Llama (BPE tokenizer trained on the standard
-library's source), a ``.jsonl`` of standard-library files to train on and one of other standard-library files to
-validate on under ``--work-dir``; that run takes a few minutes on 2 CPU cores.
+documents for it), the validation perplexity on them before and after training, then exports the model (adapters
+merged) to ``--export-to`` as a Hugging Face directory. Everything it writes goes under ``--output-dir`` (default: a
+new temporary directory, printed at the end). Without ``--model-dir`` it writes there a tiny random Llama (BPE
+tokenizer trained on the standard library's source), a ``.jsonl`` of standard-library files to train on and one of
+other standard-library files to validate on; that run takes a few minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -54,25 +57,27 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank; 0 fine-tunes every weight")
     parser.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scaling numerator (alpha / rank)")
     parser.add_argument("--precision", default="32-true", help="Lightning precision, e.g. 32-true or bf16-mixed")
-    parser.add_argument("--work-dir", type=Path, default=Path("finetune_hf_demo"), help="demo files and cache")
-    parser.add_argument("--export-to", type=Path, help="export directory (default: <work-dir>/exported)")
+    parser.add_argument("--output-dir", type=Path,
+                        help="where the demo files, the tokenization cache and the export go (default: a new"
+                             " temporary directory)")
+    parser.add_argument("--export-to", type=Path, help="export directory (default: <output-dir>/exported)")
     parser.add_argument("--prepare-only", action="store_true",
                         help="only write the demo checkpoint and data (for examples/configs/finetune_lora.yaml)")
     return parser.parse_args(argv)
 
 
-def demo_inputs(work_dir: Path, max_files: int = 120, val_files: int = 12) -> tuple[Path, Path, Path]:
+def demo_inputs(output_dir: Path, max_files: int = 120, val_files: int = 12) -> tuple[Path, Path, Path]:
     """A tiny random Llama with a tokenizer, a .jsonl with one standard-library file per line to train on, and one
     of other (public) standard-library files to validate on."""
     sources = [p for p in python_stdlib_sources() if 2_000 < p.stat().st_size < 40_000][:max_files + val_files]
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in sources]
     texts, val_texts = texts[:max_files], texts[max_files:]
-    work_dir.mkdir(parents=True, exist_ok=True)
-    data, val_data = work_dir / "stdlib.jsonl", work_dir / "stdlib_val.jsonl"
+    output_dir.mkdir(parents=True, exist_ok=True)
+    data, val_data = output_dir / "stdlib.jsonl", output_dir / "stdlib_val.jsonl"
     for path, part in ((data, texts), (val_data, val_texts)):
         if not path.exists():
             path.write_text("".join(json.dumps({"text": text}) + "\n" for text in part))
-    model_dir = work_dir / "tiny-llama"
+    model_dir = output_dir / "tiny-llama"
     if not (model_dir / "config.json").exists():
         write_demo_llama(model_dir, texts)
     return model_dir, data, val_data
@@ -80,9 +85,10 @@ def demo_inputs(work_dir: Path, max_files: int = 120, val_files: int = 12) -> tu
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
+    output_dir = args.output_dir or Path(tempfile.mkdtemp(prefix="finetune_hf_"))
     model_dir, data_files, val_files = args.model_dir, args.data, args.val_data
     if model_dir is None or data_files is None:
-        demo_model, demo_data, demo_val = demo_inputs(args.work_dir)
+        demo_model, demo_data, demo_val = demo_inputs(output_dir)
         if data_files is None and val_files is None:
             val_files = [demo_val]
         model_dir, data_files = model_dir or demo_model, data_files or [demo_data]
@@ -94,7 +100,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         data_files=[str(path) for path in data_files], text_field=args.text_field, tokenizer=tokenizer,
         seq_len=args.seq_len, batch_size=args.batch_size, privacy_unit=args.privacy_unit,
         val_files=None if val_files is None else [str(path) for path in val_files],
-        val_batch_size=args.micro_batch_size, cache_dir=str(args.work_dir / "cache"),
+        val_batch_size=args.micro_batch_size, cache_dir=str(output_dir / "cache"),
     )
     lora = LoraOptions(rank=args.lora_rank, alpha=args.lora_alpha) if args.lora_rank > 0 else None
     module = CausalLMModule(str(model_dir), lora=lora, optimizer="adamw", learning_rate=args.learning_rate)
@@ -102,22 +108,28 @@ def main(argv: Optional[list[str]] = None) -> None:
                                   micro_batch_size=args.micro_batch_size)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=args.precision,
                         max_steps=args.max_steps, callbacks=[StepProgressBar()], logger=False,
-                        enable_checkpointing=False, num_sanity_val_steps=0,
+                        enable_checkpointing=False, default_root_dir=output_dir, num_sanity_val_steps=0,
                         check_val_every_n_epoch=None, val_check_interval=args.max_steps, log_every_n_steps=5)
     warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\).*")  # Lightning 2.6 on torch 2.13
+    before = None
+    if val_files is not None:  # the same public validation samples as after training, for a baseline
+        (before,) = trainer.validate(module, datamodule=data, verbose=False)
     trainer.fit(module, datamodule=data)
 
     trained = "LoRA adapters" if lora else "all weights"
     print(strategy.privacy.describe_guarantee(data.describe_privacy_unit()))
     print(f"Trained: {trained} ({sum(p.numel() for p in module.parameters() if p.requires_grad):,} parameters)"
           f" of {model_dir}")
-    if data.val_dataset is not None:
-        (metrics,) = trainer.validate(module, datamodule=data, verbose=False)
-        print(f"Validation perplexity: {math.exp(metrics['val_loss']):.2f} (loss {metrics['val_loss']:.3f}) on"
-              f" {len(data.val_dataset)} public validation samples")
-    export_to = args.export_to or args.work_dir / "exported"
-    module.save_pretrained(str(export_to))
+    if before is not None:
+        (after,) = trainer.validate(module, datamodule=data, verbose=False)
+        print(f"Validation perplexity before training: {math.exp(before['val_loss']):.2f}"
+              f" (loss {before['val_loss']:.3f})")
+        print(f"Validation perplexity: {math.exp(after['val_loss']):.2f} (loss {after['val_loss']:.3f}) after"
+              f" training, on the same {len(data.val_dataset)} public validation samples")
+    export_to = args.export_to or output_dir / "exported"
+    module.save_pretrained(export_to)
     print(f"Exported (adapters merged) to {export_to}: transformers.AutoModelForCausalLM.from_pretrained loads it")
+    print(f"Outputs (demo files, tokenization cache, export) are under {output_dir}")
 
 
 if __name__ == "__main__":

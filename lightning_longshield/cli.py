@@ -8,12 +8,15 @@
 ``data`` any data module by ``class_path`` (`LocalTextDataModule` for local files, `StdlibTextDataModule`), and
 ``trainer.strategy`` defaults to `LongShieldStrategy`, whose arguments go under its ``init_args``. After ``fit``
 the privacy guarantee is printed with the data's privacy unit; ``--export_to DIR`` then writes the trained model
-(LoRA merged) as a Hugging Face directory. The training progress bar counts steps (`StepProgressBar`).
+(LoRA merged) as a Hugging Face directory.
 
-``fit`` with a strategy other than `LongShieldStrategy` (``--trainer.strategy auto``, ``ddp``, ...) would train
-without differential privacy: it is refused unless ``--non_private true`` acknowledges it. A data module whose
-``tokenizer`` is left unset takes the model directory's tokenizer when ``model.config`` is a Hugging Face directory
-that has one; an explicit ``data.init_args.tokenizer`` wins.
+- A data module whose ``tokenizer`` is left unset takes the model directory's tokenizer when ``model.config`` is a
+  Hugging Face directory that has one; an explicit ``data.init_args.tokenizer`` wins.
+- ``fit`` with a strategy other than `LongShieldStrategy` (``--trainer.strategy auto``, ``ddp``, ...) trains
+  without differential privacy: it is refused unless ``--non_private true`` acknowledges it.
+- The training progress bar counts steps (`StepProgressBar`).
+- The merged configuration is saved as ``config.yaml`` in the logger's log directory when the run has a logger;
+  with ``trainer.logger: false`` nothing is written (``--print_config`` shows it).
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -60,6 +63,16 @@ def is_private_strategy(strategy: Any) -> bool:
     except (ImportError, AttributeError, ValueError):
         return False
     return isinstance(strategy_class, type) and issubclass(strategy_class, LongShieldStrategy)
+
+
+class SaveConfigToLogDir(SaveConfigCallback):
+    """Saves the merged configuration in the logger's log directory; nothing without a logger (rather than
+    ``config.yaml`` in the working directory)."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.logger is None:
+            return
+        super().setup(trainer, pl_module, stage)
 
 
 class LongShieldCLI(LightningCLI):
@@ -143,6 +156,7 @@ def run_cli(args: Optional[list[str]] = None, run: bool = True) -> LongShieldCLI
         CausalLMModule,
         subclass_mode_data=True,
         trainer_defaults={"strategy": DEFAULT_STRATEGY},
+        save_config_callback=SaveConfigToLogDir,
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,

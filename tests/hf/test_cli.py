@@ -1,5 +1,6 @@
 """``longshield-train``: YAML + flags train with LongShieldStrategy, print the guarantee with its privacy unit, and
-export a LoRA fine-tune that transformers loads; the installed console script exits with status 0."""
+export a LoRA fine-tune that transformers loads; the installed console script exits with status 0, and a run
+leaves nothing in the working directory."""
 
 from __future__ import annotations
 
@@ -25,14 +26,22 @@ QUICK = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--tra
 TINY_MODEL = json.dumps(dict(vocab_size=256, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64))
 
 
-def test_yaml_run_prints_the_guarantee_with_its_privacy_unit(capsys, tmp_path):
-    cli = run_cli(["fit", "--config", str(CONFIGS / "stdlib_tiny.yaml"), *QUICK, "--trainer.default_root_dir",
-                   str(tmp_path), "--data.init_args.max_bytes", "100000",
-                   "--data.init_args.seq_len", "64", "--trainer.strategy.init_args.micro_batch_size", "8"])
+def test_yaml_run_prints_the_guarantee_with_its_privacy_unit(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = run_cli(["fit", "--config", str(CONFIGS / "stdlib_tiny.yaml"), *QUICK, "--data.init_args.max_bytes",
+                   "100000", "--data.init_args.seq_len", "64", "--trainer.strategy.init_args.micro_batch_size", "8"])
     assert type(cli.trainer.strategy).__name__ == "LongShieldStrategy" and cli.trainer.global_step == 2
-    assert (tmp_path / "config.yaml").exists()  # LightningCLI saves the merged configuration beside the run
     out = capsys.readouterr().out
     assert "Privacy guarantee: (epsilon=" in out and "privacy unit: one window of 65 bytes" in out
+    assert not list(tmp_path.iterdir())  # no config.yaml, nor anything else, in the working directory
+
+
+def test_the_configuration_is_saved_only_into_a_loggers_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_cli(["fit", "--config", str(CONFIGS / "stdlib_tiny.yaml"), *QUICK, "--data.init_args.max_bytes", "100000",
+             "--data.init_args.seq_len", "64", "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+             "--trainer.logger.save_dir", str(tmp_path / "logs")])
+    assert [path.relative_to(tmp_path).parts[0] for path in tmp_path.rglob("config.yaml")] == ["logs"]
 
 
 def test_console_script_exits_zero_and_prints_the_guarantee(tmp_path):
@@ -53,6 +62,7 @@ def test_console_script_exits_zero_and_prints_the_guarantee(tmp_path):
     result = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "Privacy guarantee: (epsilon=" in result.stdout and "LongShieldCLI object" not in result.stderr
+    assert not list(workdir.iterdir())
 
 
 @pytest.mark.parametrize("strategy", ["auto", "ddp", "lightning.pytorch.strategies.SingleDeviceStrategy"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -32,14 +33,24 @@ def test_train_dp_stdlib_prints_guarantee_and_perplexity(options):
 
 
 def test_finetune_hf_example_prints_guarantee_with_unit_and_exports(tmp_path):
+    """Without --output-dir everything goes to a new temporary directory (under TMPDIR), printed at the end; the
+    working directory is left as it was. The validation perplexity is printed before and after training."""
     example = EXAMPLE.with_name("finetune_hf.py")
-    command = [sys.executable, str(example), "--max-steps", "2", "--seq-len", "64", "--work-dir", str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "cwd").mkdir()
+    command = [sys.executable, str(example), "--max-steps", "2", "--seq-len", "64"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path / "cwd",
+                            env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     guarantee = re.search(r"Privacy guarantee: \(epsilon=(\S+), delta=(\S+)\)-DP .*privacy unit: one document",
                           result.stdout)
-    perplexity = re.search(r"Validation perplexity: (\S+)", result.stdout)
-    assert guarantee and perplexity, result.stdout[-3000:]
-    assert 0 < float(guarantee[1]) <= 8.0 and math.isfinite(float(perplexity[1]))
+    before = re.search(r"Validation perplexity before training: (\S+)", result.stdout)
+    perplexity = re.search(r"Validation perplexity: (\S+) .* after training, on the same", result.stdout)
+    outputs = re.search(r"Outputs .* are under (\S+)", result.stdout)
+    assert guarantee and before and perplexity and outputs, result.stdout[-3000:]
+    assert 0 < float(guarantee[1]) <= 8.0 and math.isfinite(float(perplexity[1])) and math.isfinite(float(before[1]))
     assert "Trained: LoRA adapters" in result.stdout
-    assert (tmp_path / "exported" / "model.safetensors").exists() and (tmp_path / "exported" / "config.json").exists()
+    output_dir = Path(outputs[1])
+    assert output_dir.parent == tmp_path / "tmp" and not list((tmp_path / "cwd").iterdir())
+    exported = output_dir / "exported"
+    assert (exported / "model.safetensors").exists() and (exported / "config.json").exists()
