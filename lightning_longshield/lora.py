@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_longshield.hf import require_hf
-from simulate.specs import LORA_TARGETS
+from simulate.specs import DEFAULT_LORA_RANK, LORA_TARGETS
 
 #: Hugging Face (PEFT recipe) names of Llama's linear layers -> `Llama`'s own.
 HF_TARGET_NAMES = {
@@ -36,7 +36,7 @@ class LoraOptions:
     recipes (``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head``), which are stored as `Llama`'s;
     any other name is refused."""
 
-    rank: int = 8
+    rank: int = DEFAULT_LORA_RANK
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: Sequence[str] = LORA_TARGETS

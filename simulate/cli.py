@@ -24,9 +24,11 @@ from rich.console import Console
 from rich.table import Table
 
 from simulate import planner
-from simulate.config import CLIPPINGS, METHODS, PER_LAYER_KERNELS, PRECISIONS, RunConfig, parse_gpus
+from simulate.config import CLIPPINGS, METHODS, PER_LAYER_KERNELS, PRECISIONS, RunConfig, method_for, parse_gpus
 from simulate.memory import estimate_memory
+from simulate.run_file import read_run_file
 from simulate.specs import GPU_PRESETS, MODEL_PRESETS
+from simulate.strategy_config import describe_arguments
 
 BREAKDOWN_ROWS = (
     ("model_states", "model states (params, grads/accumulator, AdamW)"),
@@ -47,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``longshield-plan`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser(argv)
+    try:
+        _defaults_from_run_file(parser, argv)
+    except (OSError, ValueError, ImportError) as err:
+        parser.error(str(err))
     args = parser.parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)
     try:
@@ -59,6 +65,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # --- commands -------------------------------------------------------------------------------------------------
+
+def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """``--config run.yaml``: the ``longshield-train`` file's run becomes the command's defaults (flags given on the
+    command line still win): model, LoRA rank, GPUs, precision, sequence length and the strategy's arguments, as
+    the planner's method (`method_for`), micro-batch size, CP size and clipping."""
+    path = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"), None)
+    path = path or next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")), None)
+    command = parser.subcommands.get(argv[0]) if argv else None  # type: ignore[attr-defined]
+    if path is None or command is None:
+        return
+    run = read_run_file(path)
+    method, _ = method_for(run.strategy)
+    per_layer = run.strategy.per_layer
+    defaults: dict[str, object] = dict(
+        model=run.model, gpus=None if run.gpus is None else float(run.gpus), precision=run.precision,
+        seq_len=run.seq_len, method=method, mbs=run.strategy.micro_batch_size, cp=run.strategy.context_parallel_size,
+        lora_rank=run.lora_rank, clipping="flat" if per_layer is None else "per_layer",
+        per_layer_kernel="torch" if per_layer is not None and per_layer.kernel == "torch" else "auto",
+    )
+    known = {action.dest: action for action in command._actions if action.nargs not in ("+", "*")}  # not lists
+    defaults = {name: value for name, value in defaults.items() if value is not None and name in known}
+    command.set_defaults(**defaults)
+    if "seq_len" in defaults:
+        known["seq_len"].required = False
+
 
 def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
     p = planner.plan(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, seq_len=args.seq_len,
@@ -172,8 +203,9 @@ def _compare(args: argparse.Namespace, console: Console) -> dict[str, object]:
 def _recommend(args: argparse.Namespace, console: Console) -> dict[str, object]:
     plans = planner.recommend(args.model, args.gpus, args.seq_len, gpu=args.gpu, precision=args.precision,
                               methods=tuple(args.methods), mbs_options=tuple(args.mbs))
+    recommendations = [{**p.to_dict(), "strategy_arguments": p.config.strategy.as_arguments()} for p in plans]
     out = {"model": args.model, "gpus": _gpus_json(args.gpus), "gpu": args.gpu, "precision": args.precision,
-           "seq_len": args.seq_len, "fits": bool(plans), "recommendations": [p.to_dict() for p in plans]}
+           "seq_len": args.seq_len, "fits": bool(plans), "recommendations": recommendations}
     if not args.json:
         if not plans:
             console.print(f"[bold red]No configuration fits {args.seq_len:,} tokens[/] on {_gpus_text(args.gpus)} x "
@@ -188,6 +220,8 @@ def _recommend(args: argparse.Namespace, console: Console) -> dict[str, object]:
                           "yes" if p.config.method.activation_checkpointing else "no", f"{p.peak_memory_gib:.1f}",
                           _tps(p.tokens_per_second_per_gpu), _cell(p.dp_gap, "{:.2f}"))
         console.print(table)
+        console.print("#1 as the strategy's arguments (`Trainer(strategy=...)`, or trainer.strategy.init_args):\n"
+                      f"  LongShieldStrategy({describe_arguments(recommendations[0]['strategy_arguments'])})")
     return out
 
 
@@ -210,6 +244,7 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{fit,max-seq,compare,recommend,plot,...}")
+    parser.subcommands = sub.choices  # type: ignore[attr-defined]
     fit = add_command(sub, "fit", _fit, "verdict, peak memory breakdown, tokens/s/GPU and DP/non-DP gap")
     _add_run_args(fit, seq_len=True)
     max_seq = add_command(sub, "max-seq", _max_seq, "largest power-of-two sequence length that fits")
@@ -227,6 +262,7 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
                            metavar="METHOD", help="methods to consider")
     recommend.add_argument("--mbs", nargs="+", type=positive_int, default=list(planner.MBS_OPTIONS),
                            help="micro-batch sizes to try")
+    _add_config_arg(recommend)
     plot = add_command(sub, "plot", _plot, "PNG of peak memory vs sequence length per method")
     plot.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), metavar="METHOD",
                       help="methods to plot")
@@ -272,8 +308,18 @@ def add_command(sub: argparse._SubParsersAction, name: str, handler: Handler, he
     return p
 
 
+def _add_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="RUN.yaml", default=None,
+                   help="a longshield-train YAML file: plan its model, GPUs, precision, sequence length and strategy"
+                        " arguments (flags given here override it)")
+
+
 def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
-    p.add_argument("--method", choices=list(METHODS), default="v2", help="training method")
+    _add_config_arg(p)
+    p.add_argument("--method", choices=list(METHODS), default="v2",
+                   help="a preset of the strategy's arguments: v1 exchange='all_reduce', v2 the defaults, v3"
+                        " activation_checkpointing=True, zero-dp context_parallel_size=1, shard_over='all',"
+                        " norms='mixed'; nondp-* the non-private baselines")
     p.add_argument("--mbs", type=positive_int, default=1, help="micro-batch size")
     p.add_argument("--cp", type=positive_int, default=None, help="CP size (default: all GPUs for CP methods)")
     p.add_argument("--lora-rank", type=int, default=0,

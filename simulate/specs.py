@@ -108,6 +108,8 @@ class ModelSpec:
 
 #: The projections LoRA adapts by default: every linear layer of every block.
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+#: The adapter rank of `LoraOptions` when none is given.
+DEFAULT_LORA_RANK = 8
 
 
 def lora_numel(spec: ModelSpec, rank: int, target_modules: tuple[str, ...] | list[str] = LORA_TARGETS) -> int:

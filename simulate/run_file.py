@@ -1,0 +1,100 @@
+"""The planner's inputs from a ``longshield-train`` YAML file: the run a user is about to launch, planned as written.
+
+The file is LightningCLI's (``model``, ``data``, ``trainer`` with ``trainer.strategy.init_args`` the strategy's own
+arguments). What the planner needs: the model (``model.config``: a preset or a Hugging Face directory), its LoRA
+rank, the sequence length (``data.init_args.seq_len``), the GPU count (``trainer.devices`` x ``trainer.num_nodes``),
+the precision (Lightning's default, 32-true, when unset) and the strategy's layout (`StrategyConfig.from_arguments`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from simulate.config import precision_of
+from simulate.specs import DEFAULT_LORA_RANK
+from simulate.strategy_config import StrategyConfig
+
+LIGHTNING_DEFAULT_PRECISION = "32-true"
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """A ``longshield-train`` file's run, as far as the file says (``None``: not in the file)."""
+
+    model: str | None
+    lora_rank: int
+    seq_len: int | None
+    gpus: int | None
+    precision: str | None
+    strategy: StrategyConfig
+
+
+def read_run_file(path: str | os.PathLike) -> PlannedRun:
+    """Read ``path`` (YAML); errors name the file and the key."""
+    try:
+        import yaml
+    except ImportError as err:  # PyYAML comes with Lightning; the torch-free planner may lack it
+        raise ImportError("--config needs PyYAML: pip install pyyaml") from err
+    with open(path, encoding="utf-8") as file:
+        document = yaml.safe_load(file) or {}
+    if not isinstance(document, Mapping):
+        raise ValueError(f"{path}: expected a longshield-train YAML file (model, data, trainer), not a"
+                         f" {type(document).__name__}.")
+    return planned_run(document, str(path))
+
+
+def planned_run(document: Mapping[str, Any], source: str = "the run file") -> PlannedRun:
+    """The planner's view of a parsed ``longshield-train`` document."""
+    model = _init_args(document.get("model"))
+    data = _init_args(document.get("data"))
+    trainer = document.get("trainer") or {}
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, str):
+        if strategy not in ("longshield", "longshield_spawn"):
+            raise ValueError(f"{source}: trainer.strategy={strategy!r} is not LongShieldStrategy; the planner plans"
+                             " DP runs of LongShieldStrategy.")
+        strategy_args: Mapping[str, Any] = {}
+    else:
+        strategy_args = _init_args(strategy)
+    lora = _init_args(model.get("lora")) if model.get("lora") is not None else None
+    config = model.get("config")
+    return PlannedRun(
+        model=None if config is None else os.fspath(config),
+        lora_rank=0 if lora is None else int(lora.get("rank", DEFAULT_LORA_RANK)),
+        seq_len=_positive_int(data.get("seq_len"), "data.init_args.seq_len", source),
+        gpus=_gpus(trainer, source),
+        precision=precision_of(trainer.get("precision", LIGHTNING_DEFAULT_PRECISION)),
+        strategy=StrategyConfig.from_arguments(strategy_args),
+    )
+
+
+def _init_args(section: object) -> Mapping[str, Any]:
+    """A section's arguments: ``init_args`` of a ``class_path`` section, else the section itself."""
+    if not isinstance(section, Mapping):
+        return {}
+    return section.get("init_args") or {} if "class_path" in section else section
+
+
+def _positive_int(value: object, key: str, source: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}.")
+    return value
+
+
+def _gpus(trainer: Mapping[str, Any], source: str) -> int | None:
+    """``devices`` x ``num_nodes`` where ``devices`` is a count (or a list of device indices); ``None`` otherwise
+    (``"auto"``: the planner cannot know; give ``--gpus``)."""
+    devices = trainer.get("devices")
+    if isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    elif isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or isinstance(devices, bool):
+        return None
+    nodes = _positive_int(trainer.get("num_nodes", 1), "trainer.num_nodes", source) or 1
+    return _positive_int(devices, "trainer.devices", source) * nodes  # type: ignore[operator]

@@ -1,0 +1,89 @@
+"""``longshield-plan ... --config run.yaml`` plans the ``longshield-train`` run a user is about to launch, and
+``recommend`` answers in the strategy's own arguments (torch-free)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from simulate.cli import main
+from simulate.config import method_for
+from simulate.run_file import read_run_file
+from simulate.strategy_config import StrategyConfig
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "configs" / "stdlib_tiny.yaml"
+
+RUN = """
+model:
+  config: llama3.2-1b
+  lora: {rank: 16}
+data:
+  class_path: lightning_longshield.local_text_data.LocalTextDataModule
+  init_args: {seq_len: 65536, batch_size: 8}
+trainer:
+  devices: 2
+  num_nodes: 2
+  precision: bf16-mixed
+  strategy:
+    class_path: lightning_longshield.LongShieldStrategy
+    init_args:
+      target_epsilon: 8.0
+      micro_batch_size: 1
+      activation_checkpointing: true
+      clipping: {class_path: lightning_longshield.PerLayerClipping, init_args: {kernel: torch}}
+"""
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_shipped_example_is_planned_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _json(capsys, "fit", "--config", str(EXAMPLE))
+    assert (out["model"], out["gpus"], out["mbs"], out["seq_len"], out["method"]) == ("tiny", 1, 4, 256, "v2")
+    assert out["precision"] == "fp32"  # Lightning's default precision, which the file leaves unset
+
+
+def test_a_run_file_gives_every_input_and_flags_override_it(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(RUN)
+    run = read_run_file(path)
+    assert (run.model, run.gpus, run.seq_len, run.lora_rank, run.precision) == ("llama3.2-1b", 4, 65536, 16,
+                                                                                 "bf16-mixed")
+    out = _json(capsys, "fit", "--config", str(path))
+    assert (out["method"], out["cp"], out["gpus"], out["lora_rank"]) == ("v3", 4, 4, 16)
+    assert (out["clipping"], out["per_layer_kernel"]) == ("per_layer", "torch")
+    overridden = _json(capsys, "fit", "--config", str(path), "--seq-len", "16k", "--mbs", "2")
+    assert (overridden["seq_len"], overridden["mbs"], overridden["method"]) == (16384, 2, "v3")
+    assert _json(capsys, "max-seq", "--config", str(path))["max_seq_len"] >= 65536
+
+
+def test_recommendations_are_strategy_arguments_that_plan_as_recommended(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(RUN)
+    out = _json(capsys, "recommend", "--config", str(path))
+    assert out["seq_len"] == 65536 and out["fits"]
+    for recommendation in out["recommendations"]:
+        config = StrategyConfig(**recommendation["strategy_arguments"])
+        assert method_for(config)[0] == recommendation["method"]
+        assert (config.context_parallel_size, config.micro_batch_size) == (recommendation["cp"],
+                                                                           recommendation["mbs"])
+    assert main(["recommend", "--config", str(path)]) == 0
+    assert "LongShieldStrategy(" in capsys.readouterr().out
+
+
+def test_a_bad_run_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("data: {class_path: my.Data, init_args: {seq_len: -3}}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path)])
+    assert exit_info.value.code == 2
+    assert f"{path}: data.init_args.seq_len must be a positive integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(tmp_path / "missing.yaml")])
+    assert "missing.yaml" in capsys.readouterr().err
