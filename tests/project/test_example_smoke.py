@@ -11,7 +11,22 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_dp_stdlib.py"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_dp_stdlib.py"
+NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def readme_example_lines() -> list[str]:
+    """The lines README.md shows as the example's output (its first code block after "What the example prints")."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## What the example prints", 1)[1]
+    return section.split("```", 2)[1].strip().splitlines()
+
+
+def as_pattern(line: str) -> re.Pattern[str]:
+    """``line`` with every number free to differ (steps, epsilon, sizes and perplexity vary with the run)."""
+    parts = NUMBER.split(line)
+    return re.compile(NUMBER.pattern.join(re.escape(part) for part in parts))
 
 
 @pytest.mark.parametrize("options", [[], ["--norms", "hutchinson", "--micro-batch-size", "2"]],
@@ -30,6 +45,9 @@ def test_train_dp_stdlib_prints_guarantee_and_perplexity(options):
     assert math.isfinite(float(perplexity[1])) and float(perplexity[1]) > 1
     assert "Not released: training losses" in result.stdout
     assert re.search(r"Step\s.*\b2/2\b", result.stdout), result.stdout[-3000:]  # the bar counts the run's steps
+    if not options:  # README.md shows this output: every line of it is printed, up to the numbers
+        for line in readme_example_lines():
+            assert as_pattern(line).search(result.stdout), (line, result.stdout[-3000:])
 
 
 def test_finetune_hf_example_prints_guarantee_with_unit_and_exports(tmp_path):

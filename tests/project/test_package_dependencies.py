@@ -63,3 +63,12 @@ def test_the_planner_cli_runs_without_importing_torch():
             " '1024', '--json']); assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_parallelisation_knows_nothing_of_lora_and_the_strategy_stays_small():
+    """Adapters are initialised through the LightningModule's hook, not by `parallelize`; the strategy delegates
+    (configuration to `StrategyConfig`, padding, checkpoints) and stays under 400 lines."""
+    package = MODELS.parent
+    imported = _imported_names(package / "parallelize.py", "lightning_longshield")
+    assert not any(name.startswith("lightning_longshield.lora") for name in imported), imported
+    assert len((package / "strategy.py").read_text().splitlines()) < 400
