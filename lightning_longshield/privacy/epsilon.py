@@ -127,8 +127,11 @@ def calibrate_noise_multiplier(
     ``log eps`` against ``log sigma`` (Illinois variant): a handful of accountant evaluations where bisection needs
     twenty. The returned sigma always comes from an evaluation that met the target.
     """
-    if not target_epsilon > 0:
-        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}.")
+    if not 0 < target_epsilon < math.inf:
+        raise ValueError(
+            f"target_epsilon must be > 0 and finite, got {target_epsilon}: a finite budget is what the noise is"
+            " calibrated to (noise_multiplier=0.0 is the non-private run)."
+        )
 
     def log_excess(sigma: float) -> float:
         value = epsilon([(sigma, sample_rate, steps)], delta, mechanism)

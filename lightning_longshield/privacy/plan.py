@@ -22,14 +22,22 @@ class PrivacyArguments:
     accountant: str
 
     def validate(self) -> None:
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}.")
+        if not 0 < self.max_grad_norm < math.inf:
+            raise ValueError(f"max_grad_norm must be > 0 and finite, got {self.max_grad_norm}.")
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant={self.accountant!r} is not supported; choose one of {ACCOUNTANTS}.")
-        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}.")
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
-            raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
+        if self.noise_multiplier is not None and not 0 <= self.noise_multiplier < math.inf:
+            raise ValueError(f"noise_multiplier must be >= 0 and finite, got {self.noise_multiplier}.")
+        if self.target_epsilon == math.inf:
+            raise ValueError(
+                "target_epsilon=inf is no privacy budget: use noise_multiplier=0.0 for a non-private run, or a finite"
+                " target_epsilon."
+            )
+        if self.target_epsilon is not None and not 0 < self.target_epsilon < math.inf:
+            raise ValueError(
+                f"target_epsilon must be > 0 and finite, got {self.target_epsilon}: pass a positive budget such"
+                " as target_epsilon=8.0, or noise_multiplier=0.0 for a non-private run."
+            )
         if self.target_delta is not None and not 0 < self.target_delta < 1:
             raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta}.")
         if self.noise_multiplier == 0 and self.target_epsilon is not None:
