@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
 
 class SampledBatchMetricGuard:

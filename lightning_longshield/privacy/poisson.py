@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.utils.data import Dataset, Sampler
 
 from lightning_longshield.privacy.randomness import SecretKey
@@ -74,5 +73,22 @@ class CollateAllowingEmpty:
     def __call__(self, samples: list[Any]) -> Any:
         if samples:
             return self.collate_fn(samples)
-        template = self.collate_fn([self.dataset[0]])
-        return apply_to_collection(template, torch.Tensor, lambda t: t[:0])
+        return _without_samples(self.collate_fn([self.dataset[0]]))
+
+
+def _without_samples(batch: Any) -> Any:
+    """``batch`` with every tensor cut to zero rows, through mappings (their own type where it takes a dict),
+    named tuples, tuples and lists; other values are kept."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0] if batch.dim() else batch
+    if isinstance(batch, Mapping):
+        items = {key: _without_samples(value) for key, value in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_without_samples(value) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_without_samples(value) for value in batch)
+    return batch

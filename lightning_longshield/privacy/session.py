@@ -14,7 +14,6 @@ from dataclasses import replace
 from typing import Any, Optional, TypeVar
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.noise import GaussianNoise
@@ -22,6 +21,7 @@ from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, res
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
 from lightning_longshield.privacy.randomized.estimator import accountant_envelope
 from lightning_longshield.privacy.randomness import KEY_BYTES, SecretKey
+from lightning_longshield.privacy.rank_zero import rank_zero_info, rank_zero_warn
 from simulate.strategy_config import ProjectedNorms
 
 T = TypeVar("T")

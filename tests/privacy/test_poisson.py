@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import UserDict, namedtuple
+
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import default_collate
@@ -48,6 +50,23 @@ def test_empty_batches_collate_to_zero_length_tensors():
     batch = CollateAllowingEmpty(dataset, default_collate)([])
     assert batch["input_ids"].shape == (0, 6) and batch["labels"].shape == (0, 6)
     assert any(len(b) == 0 for b in PoissonBatchSampler(1000, 0.0005, randomness=SecretKey.from_seed(0)))
+
+
+class _Encoding(UserDict):
+    """A mapping batch type, as tokenizers' collators return (`BatchEncoding`)."""
+
+
+def test_an_empty_batch_keeps_the_collated_structure():
+    Pair = namedtuple("Pair", "tokens mask")
+
+    def collate(samples):
+        batch = default_collate(samples)
+        return _Encoding(input_ids=batch["input_ids"], extra=[Pair(batch["labels"], batch["labels"] > 0), "tag"])
+
+    empty = CollateAllowingEmpty(RandomTokens(size=4, seq_len=6), collate)([])
+    assert isinstance(empty, _Encoding) and empty["input_ids"].shape == (0, 6)
+    pair, tag = empty["extra"]
+    assert isinstance(pair, Pair) and pair.tokens.shape == pair.mask.shape == (0, 6) and tag == "tag"
 
 
 def test_fit_through_empty_logical_batches():
