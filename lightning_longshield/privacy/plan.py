@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from lightning_longshield.privacy.accountant import ACCOUNTANTS, PrivacyAccountant
 
@@ -48,6 +48,14 @@ class PrivacyArguments:
             )
 
 
+class PlanMessage(NamedTuple):
+    """A message about the plan: a warning (``warn``: the user should change something, or a guarantee does not
+    hold) or a plain log line."""
+
+    text: str
+    warn: bool
+
+
 @dataclass(frozen=True)
 class PrivacyPlan:
     """The resolved mechanism: sigma, delta, sampling rate, the budget (if any) and the planned steps."""
@@ -78,36 +86,38 @@ def resolve_plan(
     expected_batch_size: int,
     planned_steps: int,
     accountant: PrivacyAccountant,
-) -> tuple[PrivacyPlan, list[str]]:
+) -> tuple[PrivacyPlan, list[PlanMessage]]:
     """Turn the arguments into a plan for ``planned_steps`` more steps; returns the plan and messages to log.
 
     With only a target epsilon the noise is calibrated so that the accountant's history plus ``planned_steps``
     steps spend at most the target. With both, the target is a budget that training stops at.
     """
-    messages: list[str] = []
+    messages: list[PlanMessage] = []
     sample_rate = expected_batch_size / dataset_size
-    delta = arguments.target_delta
+    noise_multiplier, target_epsilon, delta = (
+        arguments.noise_multiplier, arguments.target_epsilon, arguments.target_delta
+    )
     if delta is None:
         delta = 1.0 / (10 * dataset_size)
-        messages.append(f"target_delta not set: using 1 / (10 x dataset size) = {delta:.3g}.")
-    elif delta >= 1.0 / dataset_size:
+        messages.append(PlanMessage(f"target_delta not set: using 1 / (10 x dataset size) = {delta:.3g}.", False))
+    if noise_multiplier is None and target_epsilon is None:
+        target_epsilon = DEFAULT_TARGET_EPSILON
+        messages.append(PlanMessage(
+            f"Neither noise_multiplier nor target_epsilon was given: calibrating the noise to the default"
+            f" target_epsilon={DEFAULT_TARGET_EPSILON:g}. Pass target_epsilon=... to choose the privacy level.",
+            True,
+        ))
+    if noise_multiplier is not None and target_epsilon is not None:
+        messages.append(PlanMessage(
+            f"noise_multiplier={noise_multiplier:g} and target_epsilon={target_epsilon:g} are both set: the noise is"
+            " the given noise_multiplier (not calibrated), and target_epsilon is a budget: training stops before a"
+            " step would exceed it. Pass only target_epsilon to calibrate the noise to the planned steps instead.",
+            False,
+        ))
+    if delta >= 1.0 / dataset_size:
         raise ValueError(
             f"target_delta={delta:g} is not below 1 / dataset size = {1 / dataset_size:.3g}: such a guarantee allows"
             " releasing a whole sample. Lower target_delta (default 1 / (10 x dataset size))."
-        )
-    target_epsilon = arguments.target_epsilon
-    noise_multiplier = arguments.noise_multiplier
-    if noise_multiplier is None and target_epsilon is None:
-        target_epsilon = DEFAULT_TARGET_EPSILON
-        messages.append(
-            f"Neither noise_multiplier nor target_epsilon was given: calibrating the noise to the default"
-            f" target_epsilon={DEFAULT_TARGET_EPSILON:g}. Pass target_epsilon=... to choose the privacy level."
-        )
-    if noise_multiplier is not None and target_epsilon is not None:
-        messages.append(
-            f"noise_multiplier={noise_multiplier:g} and target_epsilon={target_epsilon:g} are both set: the noise is"
-            " the given noise_multiplier (not calibrated), and target_epsilon is a budget: training stops before a"
-            " step would exceed it. Pass only target_epsilon to calibrate the noise to the planned steps instead."
         )
     if noise_multiplier is None:
         assert target_epsilon is not None
@@ -120,7 +130,8 @@ def resolve_plan(
             )
         noise_multiplier = accountant.calibrate_noise_multiplier(target_epsilon, delta, sample_rate, planned_steps)
     if noise_multiplier == 0:
-        messages.append("noise_multiplier=0: this run is NOT differentially private (epsilon is infinite).")
+        messages.append(PlanMessage("noise_multiplier=0: this run is NOT differentially private (epsilon is infinite).",
+                                    True))
     plan = PrivacyPlan(
         noise_multiplier=float(noise_multiplier),
         delta=delta,
@@ -131,3 +142,4 @@ def resolve_plan(
         target_epsilon=target_epsilon,
     )
     return plan, messages
+

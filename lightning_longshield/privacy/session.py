@@ -17,7 +17,7 @@ import torch
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.noise import GaussianNoise
-from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan, resolve_plan
+from lightning_longshield.privacy.plan import PlanMessage, PrivacyArguments, PrivacyPlan, resolve_plan
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
 from lightning_longshield.privacy.randomized.estimator import accountant_envelope
 from lightning_longshield.privacy.randomness import KEY_BYTES, SecretKey
@@ -122,7 +122,7 @@ class PrivacySession:
         """Resolve the plan for ``planned_steps`` more steps and the budget; returns whether training must stop now.
 
         A restored checkpoint's noise multiplier, target and delta replace the arguments, so a resumed run keeps
-        the mechanism it was accounted with.
+        the mechanism it was accounted with. Information goes to the log, what the user should change is warned.
         """
         if self.dataset_size is None or self.dataloader_batch_size is None:
             raise ValueError("LongShieldStrategy needs a training DataLoader with a sized dataset.")
@@ -143,12 +143,13 @@ class PrivacySession:
             accountant=self.accountant,
         )
         if not self.poisson_sampling:
-            messages.append(
+            messages.append(PlanMessage(
                 "poisson_sampling=False: logical batches come from the DataLoader, but the accountant assumes"
-                " Poisson sampling, so the reported epsilon is not a formal guarantee."
-            )
+                " Poisson sampling, so the reported epsilon is not a formal guarantee.",
+                True,
+            ))
         for message in messages:
-            rank_zero_warn(message)
+            (rank_zero_warn if message.warn else rank_zero_info)(message.text)
         rank_zero_info(f"LongShield DP-SGD: {self.plan.describe()}, max_grad_norm={self.max_grad_norm:g}.")
         self._planned_end = global_step + planned_steps
         self.steps_left_in_budget = self._budgeted_steps(planned_steps)

@@ -1,13 +1,33 @@
-"""What the privacy session refuses, warns and logs."""
+"""What the privacy session refuses, warns and logs: impossible budgets, and information as plain log lines (rank
+zero only) rather than warnings."""
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 
 import pytest
+import torch
 
 from lightning_longshield import LongShieldStrategy
 from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier
+from lightning_longshield.privacy.plan import PrivacyArguments
+from lightning_longshield.privacy.rank_zero import LOGGER_NAME, global_rank
+from lightning_longshield.privacy.session import PrivacySession
+
+CPU = torch.device("cpu")
+
+
+def session(noise_multiplier=None, target_epsilon=None, target_delta=1e-3) -> PrivacySession:
+    arguments = PrivacyArguments(noise_multiplier, target_epsilon, target_delta, max_grad_norm=1.0, accountant="rdp")
+    return PrivacySession(arguments)
+
+
+def start(privacy: PrivacySession, planned_steps: int = 10, global_step: int = 0) -> bool:
+    privacy.open_fit(CPU, (0, 0), broadcast=lambda value: value)
+    privacy.record_training_data(100, 5)
+    return privacy.start_training(global_step=global_step, planned_steps=planned_steps, data_parallel_size=2)
 
 
 def test_an_infinite_target_epsilon_is_refused_with_the_fix():
@@ -28,3 +48,27 @@ def test_a_target_epsilon_that_is_not_a_positive_number_is_refused(value):
 def test_noise_and_clipping_bounds_must_be_finite(argument, value):
     with pytest.raises(ValueError, match=f"{argument} must be >=? 0 and finite"):
         LongShieldStrategy(**{argument: value})
+
+
+def test_information_is_logged_and_only_what_to_change_is_warned(caplog):
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        warnings.simplefilter("always")
+        start(session(noise_multiplier=1.0, target_epsilon=20.0, target_delta=None))
+    assert not caught, [str(w.message) for w in caught]
+    logged = " ".join(caplog.messages)
+    for information in ("target_delta not set", "both set", "LongShield DP-SGD: noise_multiplier=1.0000",
+                        "covers all 10 planned steps"):
+        assert information in logged
+    assert {record.name for record in caplog.records} == {LOGGER_NAME}
+
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        start(session(noise_multiplier=0.0))
+
+
+def test_messages_come_from_rank_zero_only(caplog, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert global_rank() == 1
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        warnings.simplefilter("always")
+        start(session(noise_multiplier=0.0, target_delta=None))
+    assert not caught and not caplog.records

@@ -3,6 +3,7 @@ or hooks, every sample's contribution <= C in every precision, truthful messages
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -309,12 +310,13 @@ def fit(strategy: LongShieldStrategy, max_steps: int, data: Dataset | None = Non
     return trainer
 
 
-def test_both_noise_and_budget_say_which_wins_and_a_run_that_ends_on_plan_says_nothing_of_a_stop(recwarn):
+def test_both_noise_and_budget_say_which_wins_and_a_run_that_ends_on_plan_says_nothing_of_a_stop(recwarn, caplog):
     strategy = LongShieldStrategy(noise_multiplier=1.1, target_epsilon=8.0, accountant="rdp", target_delta=1e-4)
-    trainer = fit(strategy, 3)
+    with caplog.at_level(logging.INFO, logger="lightning_longshield"):
+        trainer = fit(strategy, 3)
     assert trainer.global_step == 3 and strategy.privacy_plan.noise_multiplier == 1.1
-    messages = [str(w.message) for w in recwarn]
-    assert any("both set: the noise is the given noise_multiplier" in m for m in messages)
+    assert any("both set: the noise is the given noise_multiplier" in m for m in caplog.messages)  # a log line
+    messages = [str(w.message) for w in recwarn] + caplog.messages
     assert not any("Stopping DP training" in m or "one more step would exceed" in m for m in messages)
 
 
