@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -86,34 +87,41 @@ def resolve_plan(
     expected_batch_size: int,
     planned_steps: int,
     accountant: PrivacyAccountant,
+    restored: Optional[Mapping[str, Any]] = None,
 ) -> tuple[PrivacyPlan, list[PlanMessage]]:
     """Turn the arguments into a plan for ``planned_steps`` more steps; returns the plan and messages to log.
 
     With only a target epsilon the noise is calibrated so that the accountant's history plus ``planned_steps``
-    steps spend at most the target. With both, the target is a budget that training stops at.
+    steps spend at most the target. With both, the target is a budget that training stops at. ``restored``: the
+    plan of the checkpoint a run resumes (`PrivacyPlan.state_dict`), whose noise multiplier, target and delta are
+    kept, so that the checkpoint's accounted steps and the next ones compose under one mechanism.
     """
     messages: list[PlanMessage] = []
     sample_rate = expected_batch_size / dataset_size
-    noise_multiplier, target_epsilon, delta = (
-        arguments.noise_multiplier, arguments.target_epsilon, arguments.target_delta
-    )
-    if delta is None:
-        delta = 1.0 / (10 * dataset_size)
-        messages.append(PlanMessage(f"target_delta not set: using 1 / (10 x dataset size) = {delta:.3g}.", False))
-    if noise_multiplier is None and target_epsilon is None:
-        target_epsilon = DEFAULT_TARGET_EPSILON
-        messages.append(PlanMessage(
-            f"Neither noise_multiplier nor target_epsilon was given: calibrating the noise to the default"
-            f" target_epsilon={DEFAULT_TARGET_EPSILON:g}. Pass target_epsilon=... to choose the privacy level.",
-            True,
-        ))
-    if noise_multiplier is not None and target_epsilon is not None:
-        messages.append(PlanMessage(
-            f"noise_multiplier={noise_multiplier:g} and target_epsilon={target_epsilon:g} are both set: the noise is"
-            " the given noise_multiplier (not calibrated), and target_epsilon is a budget: training stops before a"
-            " step would exceed it. Pass only target_epsilon to calibrate the noise to the planned steps instead.",
-            False,
-        ))
+    if restored is not None:
+        noise_multiplier, target_epsilon, delta = _kept_from_checkpoint(arguments, restored, messages)
+    else:
+        noise_multiplier, target_epsilon, delta = (
+            arguments.noise_multiplier, arguments.target_epsilon, arguments.target_delta
+        )
+        if delta is None:
+            delta = 1.0 / (10 * dataset_size)
+            messages.append(PlanMessage(f"target_delta not set: using 1 / (10 x dataset size) = {delta:.3g}.", False))
+        if noise_multiplier is None and target_epsilon is None:
+            target_epsilon = DEFAULT_TARGET_EPSILON
+            messages.append(PlanMessage(
+                f"Neither noise_multiplier nor target_epsilon was given: calibrating the noise to the default"
+                f" target_epsilon={DEFAULT_TARGET_EPSILON:g}. Pass target_epsilon=... to choose the privacy level.",
+                True,
+            ))
+        if noise_multiplier is not None and target_epsilon is not None:
+            messages.append(PlanMessage(
+                f"noise_multiplier={noise_multiplier:g} and target_epsilon={target_epsilon:g} are both set: the noise"
+                " is the given noise_multiplier (not calibrated), and target_epsilon is a budget: training stops"
+                " before a step would exceed it. Pass only target_epsilon to calibrate the noise to the planned steps"
+                " instead.",
+                False,
+            ))
     if delta >= 1.0 / dataset_size:
         raise ValueError(
             f"target_delta={delta:g} is not below 1 / dataset size = {1 / dataset_size:.3g}: such a guarantee allows"
@@ -143,3 +151,33 @@ def resolve_plan(
     )
     return plan, messages
 
+
+def _kept_from_checkpoint(
+    arguments: PrivacyArguments, restored: Mapping[str, Any], messages: list[PlanMessage]
+) -> tuple[float, Optional[float], float]:
+    """The checkpoint's noise multiplier, target epsilon and delta; a warning names each value the user passed that
+    differs from the checkpoint's (values the user did not pass are not mentioned)."""
+    kept = {"noise_multiplier": restored["noise_multiplier"], "target_epsilon": restored["target_epsilon"],
+            "target_delta": restored["delta"]}
+    given = {"noise_multiplier": arguments.noise_multiplier, "target_epsilon": arguments.target_epsilon,
+             "target_delta": arguments.target_delta}
+    differ = [f"{name}={value:g} (the checkpoint's run: {_shown(kept[name])})" for name, value in given.items()
+              if value is not None and value != kept[name]]
+    if differ:
+        messages.append(PlanMessage(
+            f"Resuming a checkpoint with {', '.join(differ)}: the resumed run keeps the checkpoint's noise_multiplier,"
+            " target_epsilon and delta, so that its accounted steps and the next ones compose under one mechanism."
+            " Start a new run (without ckpt_path) to change them.",
+            True,
+        ))
+    else:
+        messages.append(PlanMessage(
+            "Resuming a checkpoint: its noise_multiplier, target_epsilon and delta are kept (accounted steps and the"
+            " next ones compose under one mechanism).",
+            False,
+        ))
+    return float(kept["noise_multiplier"]), kept["target_epsilon"], float(kept["target_delta"])
+
+
+def _shown(value: Optional[float]) -> str:
+    return "not set" if value is None else f"{value:g}"

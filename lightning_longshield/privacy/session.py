@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, Optional, TypeVar
 
 import torch
@@ -126,21 +125,13 @@ class PrivacySession:
         """
         if self.dataset_size is None or self.dataloader_batch_size is None:
             raise ValueError("LongShieldStrategy needs a training DataLoader with a sized dataset.")
-        arguments = self.arguments
-        if self._restored_plan is not None:
-            stored = self._restored_plan
-            arguments = replace(
-                arguments,
-                noise_multiplier=stored["noise_multiplier"],
-                target_epsilon=stored["target_epsilon"],
-                target_delta=stored["delta"],
-            )
         self.plan, messages = resolve_plan(
-            arguments,
+            self.arguments,
             dataset_size=self.dataset_size,
             expected_batch_size=self.dataloader_batch_size * data_parallel_size,
             planned_steps=planned_steps,  # type: ignore[arg-type]
             accountant=self.accountant,
+            restored=self._restored_plan,
         )
         if not self.poisson_sampling:
             messages.append(PlanMessage(

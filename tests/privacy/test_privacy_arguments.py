@@ -1,5 +1,5 @@
-"""What the privacy session refuses, warns and logs: impossible budgets, and information as plain log lines (rank
-zero only) rather than warnings."""
+"""What the privacy session refuses, warns and logs: impossible budgets, resumed runs, and information as plain log
+lines (rank zero only) rather than warnings."""
 
 from __future__ import annotations
 
@@ -72,3 +72,39 @@ def test_messages_come_from_rank_zero_only(caplog, monkeypatch):
         warnings.simplefilter("always")
         start(session(noise_multiplier=0.0, target_delta=None))
     assert not caught and not caplog.records
+
+
+def _checkpointed(**arguments) -> dict:
+    privacy = session(**arguments)
+    start(privacy, planned_steps=5)
+    for _ in range(3):
+        privacy.accountant.step(privacy.plan.noise_multiplier, privacy.plan.sample_rate)
+    return privacy.state_dict()
+
+
+def _resume(state: dict, **arguments) -> PrivacySession:
+    resumed = session(**arguments)
+    resumed.open_fit(CPU, (0, 0), broadcast=lambda value: value)
+    resumed.load_state_dict(state)
+    resumed.record_training_data(100, 5)
+    resumed.start_training(global_step=3, planned_steps=2, data_parallel_size=2)
+    return resumed
+
+
+def test_a_resumed_run_speaks_only_of_what_the_user_set(caplog, recwarn):
+    state = _checkpointed(target_epsilon=4.0)
+    recwarn.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        resumed = _resume(state, target_epsilon=4.0)
+    assert resumed.plan.noise_multiplier == state["plan"]["noise_multiplier"]  # the calibrated sigma is kept
+    said = [str(w.message) for w in recwarn] + caplog.messages
+    assert not any("both set" in text for text in said)
+    assert any("Resuming a checkpoint" in text for text in caplog.messages)
+
+
+def test_a_resumed_run_warns_about_a_value_the_user_set_differently():
+    state = _checkpointed(noise_multiplier=1.0, target_epsilon=6.0)
+    with pytest.warns(UserWarning, match=r"noise_multiplier=2 \(the checkpoint's run: 1\)") as caught:
+        resumed = _resume(state, noise_multiplier=2.0, target_epsilon=6.0)
+    assert resumed.plan.noise_multiplier == 1.0
+    assert not any("target_epsilon=6 (" in str(w.message) for w in caught)  # the same value: not mentioned
