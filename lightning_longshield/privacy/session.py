@@ -145,7 +145,7 @@ class PrivacySession:
         self._planned_end = global_step + planned_steps
         self.steps_left_in_budget = self._budgeted_steps(planned_steps)
         if self.steps_left_in_budget == 0:
-            self._warn_stop("the privacy budget is already spent")
+            self._warn_no_step_fits()
             return True
         if self.steps_left_in_budget is not None and self.steps_left_in_budget < planned_steps:
             rank_zero_warn(
@@ -155,6 +155,23 @@ class PrivacySession:
         elif self.steps_left_in_budget is not None:
             rank_zero_info(f"The privacy budget (target epsilon) covers all {planned_steps} planned steps.")
         return False
+
+    def _warn_no_step_fits(self) -> None:
+        """The budget covers not even the next step: say what that step would spend, and, before any step, what to
+        change."""
+        plan = self.plan
+        assert plan is not None
+        after_one = self.accountant.epsilon_after(1, plan.noise_multiplier, plan.sample_rate, plan.delta)
+        if self.accountant.steps:
+            self._warn_stop(f"the privacy budget is spent: the next step would bring epsilon to {after_one:.4g}")
+            return
+        rank_zero_warn(
+            f"Stopping DP training before its first step: the first step alone would spend epsilon={after_one:.4g} >"
+            f" target_epsilon={plan.target_epsilon:g} (noise_multiplier={plan.noise_multiplier:g}, sampling rate q="
+            f"{plan.sample_rate:.3g}, delta={plan.delta:.3g}). Add noise (a larger noise_multiplier, or only"
+            " target_epsilon to calibrate it), allow a larger budget (target_epsilon), or lower the sampling rate"
+            " (a smaller batch_size, or more data)."
+        )
 
     def _budgeted_steps(self, planned_steps: float) -> Optional[int]:
         plan = self.plan

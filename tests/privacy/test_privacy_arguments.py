@@ -1,5 +1,5 @@
-"""What the privacy session refuses, warns and logs: impossible budgets, resumed runs, and information as plain log
-lines (rank zero only) rather than warnings."""
+"""What the privacy session refuses, warns and logs: impossible budgets, an over-budget first step, resumed runs,
+and information as plain log lines (rank zero only) rather than warnings."""
 
 from __future__ import annotations
 
@@ -108,3 +108,16 @@ def test_a_resumed_run_warns_about_a_value_the_user_set_differently():
         resumed = _resume(state, noise_multiplier=2.0, target_epsilon=6.0)
     assert resumed.plan.noise_multiplier == 1.0
     assert not any("target_epsilon=6 (" in str(w.message) for w in caught)  # the same value: not mentioned
+
+
+def test_a_first_step_over_the_budget_says_what_it_would_spend_and_how_to_fix_it():
+    privacy = session(noise_multiplier=1.0, target_epsilon=0.05)
+    with pytest.warns(UserWarning) as caught:
+        assert start(privacy) is True
+    first_step = privacy.accountant.epsilon_after(1, 1.0, 0.1, 1e-3)
+    assert first_step > 0.05 and privacy.accountant.steps == 0
+    message = " ".join(str(w.message) for w in caught)
+    assert f"the first step alone would spend epsilon={first_step:.4g} > target_epsilon=0.05" in message
+    for fix in ("noise_multiplier", "larger budget", "sampling rate", "batch_size"):
+        assert fix in message
+    assert "already spent" not in message and "epsilon=0.000" not in message

@@ -120,8 +120,8 @@ def test_checkpoint_state_holds_plan_and_history_but_no_secret_and_fixes_the_res
     assert resumed.get_epsilon() == privacy.get_epsilon()
 
 
-def test_a_spent_budget_stops_at_the_start():
+def test_a_budget_that_no_step_fits_stops_at_the_start():
     privacy = session(noise_multiplier=0.5, target_epsilon=0.01)
-    with pytest.warns(UserWarning, match="budget is already spent"):
+    with pytest.warns(UserWarning, match="first step alone would spend"):
         assert started(privacy) is True
     assert privacy.steps_left_in_budget == 0
