@@ -8,6 +8,32 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Samp
 
 from lightning_longshield.privacy.poisson import CollateAllowingEmpty, PoissonBatchSampler
 from lightning_longshield.privacy.randomness import SecretKey
+from lightning_longshield.privacy.rank_zero import rank_zero_info
+
+
+class PoissonDataLoader(DataLoader):
+    """The training `DataLoader` of Poisson logical batches, resumable anywhere in an epoch.
+
+    Each batch is drawn on its own, keyed by its DP step number (`PoissonBatchSampler`), and the loader is rebuilt
+    for every fit starting at the steps already taken, which the strategy's checkpoint entry (the accountant's
+    history) restores. So a run resumed from a mid-epoch checkpoint continues the very sampling an uninterrupted run
+    does: the same draws under ``noise_seed``, otherwise fresh secret draws, which is what the accountant assumes of
+    every step (independent Poisson samples; no epoch order to lose). `state_dict` therefore holds nothing (never a
+    key or which samples were drawn); having it tells Lightning that the loader is resumable.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore (the first draw is the number of DP steps the restored accountant has taken); says so
+        in one log line."""
+        sampler = self.batch_sampler
+        assert isinstance(sampler, PoissonBatchSampler)
+        rank_zero_info(
+            f"Resuming Poisson sampling at DP step {sampler.next_draw}: every step draws its own sample, keyed by its"
+            " step number, so resuming within an epoch continues exactly the sampling the accountant assumes."
+        )
 
 
 def rebuild_dataloader(
@@ -16,8 +42,10 @@ def rebuild_dataloader(
     sampler: Optional[Sampler] = None,
     batch_sampler: Optional[Sampler] = None,
     collate_fn: Optional[Any] = None,
+    loader_class: type[DataLoader] = DataLoader,
 ) -> DataLoader:
-    """A plain `DataLoader` over the same dataset and worker settings with a new (batch) sampler."""
+    """A plain `DataLoader` (or ``loader_class``) over the same dataset and worker settings with a new (batch)
+    sampler."""
     workers = dataloader.num_workers
     kwargs: dict[str, Any] = dict(
         collate_fn=collate_fn or dataloader.collate_fn,
@@ -30,8 +58,8 @@ def rebuild_dataloader(
     if workers:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
     if batch_sampler is not None:
-        return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
-    return DataLoader(
+        return loader_class(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
+    return loader_class(
         dataloader.dataset, batch_size=dataloader.batch_size, sampler=sampler, drop_last=dataloader.drop_last, **kwargs
     )
 
@@ -39,7 +67,8 @@ def rebuild_dataloader(
 def poisson_dataloader(
     dataloader: DataLoader, randomness: SecretKey, first_draw: int, data_parallel_rank: int, data_parallel_size: int
 ) -> DataLoader:
-    """Replace the sampling of ``dataloader``: every batch is a Poisson sample of expected size ``batch_size``."""
+    """Replace the sampling of ``dataloader``: every batch is a Poisson sample of expected size ``batch_size``, the
+    first one draw ``first_draw`` (the DP steps already taken)."""
     dataset = dataloader.dataset
     size = len(dataset)  # type: ignore[arg-type]
     sampler = PoissonBatchSampler(
@@ -51,7 +80,8 @@ def poisson_dataloader(
         data_parallel_size=data_parallel_size,
     )
     return rebuild_dataloader(
-        dataloader, batch_sampler=sampler, collate_fn=CollateAllowingEmpty(dataset, dataloader.collate_fn)
+        dataloader, batch_sampler=sampler, collate_fn=CollateAllowingEmpty(dataset, dataloader.collate_fn),
+        loader_class=PoissonDataLoader,
     )
 
 
