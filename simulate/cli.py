@@ -8,6 +8,9 @@
     longshield-plan trace --model llama3.1-8b --method v2 --cp 4 --mbs 1 --seq-len 16384   # needs torch
 
 Every command takes ``--json`` and then prints exactly one JSON object.
+
+Exit status: 0 when the command answered (for ``fit``: the run fits), ``EXIT_DOES_NOT_FIT`` (1) when ``fit`` finds
+that the run does not fit in GPU memory, 2 for invalid input (with the command's usage line).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import functools
 import json
 import math
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -43,6 +47,7 @@ BREAKDOWN_ROWS = (
 Handler = Callable[[argparse.Namespace, Console], dict]
 PLUGIN_GROUP = "longshield_plan.commands"  # entry points: subcommand name -> register(add_command)
 MAX_ADVISED_GPUS = 1024  # `max-seq` suggests at most this many GPUs when nothing fits
+EXIT_DOES_NOT_FIT = 1  # `fit`'s exit status when the run does not fit (argparse's usage errors exit with 2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.parser.error(str(err))  # exits with status 2 and the command's usage line
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
-    return 0
+    return getattr(args, "exit_status", 0)  # a handler may set it (`fit`: EXIT_DOES_NOT_FIT)
 
 
 # --- commands -------------------------------------------------------------------------------------------------
@@ -95,9 +100,37 @@ def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
     p = planner.plan(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, seq_len=args.seq_len,
                      cp=args.cp, gpu=args.gpu, precision=args.precision, lora_rank=args.lora_rank,
                      clipping=args.clipping, per_layer_kernel=args.per_layer_kernel)
+    args.exit_status = 0 if p.fits else EXIT_DOES_NOT_FIT
     if not args.json:
         _print_plan(console, p)
+        if not p.fits:
+            console.print(_does_not_fit_advice(p, args))
     return p.to_dict()
+
+
+def _does_not_fit_advice(p: planner.Plan, args: argparse.Namespace) -> str:
+    """What to run next when ``fit`` says OOM: `recommend` for the same model, GPUs and length, and activation
+    checkpointing (with whether it alone fits) where the method runs without it."""
+    cfg = p.config
+    recommend = (f"longshield-plan recommend --model {shlex.quote(args.model)} --gpus {_gpus_text(cfg.num_gpus)}"
+                 f" --seq-len {cfg.seq_len}")
+    if args.gpu != "h100":
+        recommend += f" --gpu {args.gpu}"
+    if args.precision != "bf16-mixed":
+        recommend += f" --precision {args.precision}"
+    if not cfg.method.private:
+        recommend += " --methods nondp-fsdp nondp-cp nondp-cp-ac"
+    advice = f"Does not fit (exit status {EXIT_DOES_NOT_FIT}). For configurations that fit, run `{recommend}`"
+    if not cfg.method.activation_checkpointing:
+        ac = "v3" if cfg.method.private else "nondp-cp-ac"
+        try:
+            with_ac = estimate_memory(cfg.replace(method=ac, cp=cfg.cp_size if cfg.method.context_parallel else None))
+            verdict = (f"fits ({with_ac.peak_gib:.1f} GiB)" if with_ac.fits
+                       else f"does not fit either ({with_ac.peak_gib:.1f} GiB)")
+        except ValueError as err:
+            verdict = f"is not valid here: {err}"
+        advice += f"; with --method {ac} (activation checkpointing) this run {verdict}"
+    return advice + "."
 
 
 def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:

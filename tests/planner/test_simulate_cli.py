@@ -9,8 +9,8 @@ import pytest
 from simulate.cli import main
 
 
-def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
-    assert main([*argv, "--json"]) == 0
+def _json(capsys: pytest.CaptureFixture[str], *argv: str, status: int = 0) -> dict:
+    assert main([*argv, "--json"]) == status
     out = capsys.readouterr().out
     assert out.count("\n") == 1  # exactly one JSON object
     return json.loads(out)
@@ -27,7 +27,7 @@ def test_fit_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_fit_reports_oom_and_infinite_gpus(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _json(capsys, "fit", "--method", "v1", "--seq-len", "16k")["fits"] is False
+    assert _json(capsys, "fit", "--method", "v1", "--seq-len", "16k", status=1)["fits"] is False
     out = _json(capsys, "fit", "--method", "zero-dp", "--gpus", "inf", "--seq-len", "4096")
     assert out["gpus"] == "inf" and out["fits"] is True and out["tokens_per_second_per_gpu"] is None
 
@@ -99,8 +99,8 @@ def test_plot_writes_a_png(tmp_path, capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_seq_len_takes_k_and_m_suffixes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _json(capsys, "fit", "--model", "llama3.2-1b", "--seq-len", "1M")["seq_len"] == 2**20 == 1048576
-    assert _json(capsys, "fit", "--model", "llama3.2-1b", "--seq-len", "1m")["seq_len"] == 2**20
+    assert _json(capsys, "fit", "--model", "llama3.2-1b", "--seq-len", "1M", status=1)["seq_len"] == 2**20 == 1048576
+    assert _json(capsys, "fit", "--model", "llama3.2-1b", "--seq-len", "1m", status=1)["seq_len"] == 2**20
     assert _json(capsys, "recommend", "--model", "llama3.2-1b", "--seq-len", "16k", "--methods", "v3",
                  "--mbs", "1")["seq_len"] == 16384
 
