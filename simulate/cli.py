@@ -97,6 +97,7 @@ def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) ->
 
 
 def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
+    _check_cp_splits(args.method, args.gpus, args.cp, args.seq_len)
     p = planner.plan(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, seq_len=args.seq_len,
                      cp=args.cp, gpu=args.gpu, precision=args.precision, lora_rank=args.lora_rank,
                      clipping=args.clipping, per_layer_kernel=args.per_layer_kernel)
@@ -133,10 +134,30 @@ def _does_not_fit_advice(p: planner.Plan, args: argparse.Namespace) -> str:
     return advice + "."
 
 
+def _check_cp_splits(method: str, gpus: float, cp: int | None, seq_len: int | None) -> None:
+    """Refuse a context-parallel size that cannot cut the sequence into ``2 x CP`` equal chunks, naming the ``--cp``
+    values that can: divisors of the GPU count that split ``seq_len`` (every power-of-two length when ``None``)."""
+    if not METHODS[method].context_parallel or math.isinf(gpus):
+        return
+    size = cp if cp is not None else int(gpus)
+    if int(gpus) % size:
+        return  # make_config names that error
+    splits = (lambda n: seq_len % (2 * n) == 0) if seq_len is not None else (lambda n: n & (n - 1) == 0)
+    if splits(size):
+        return
+    options = [n for n in range(1, int(gpus) + 1) if int(gpus) % n == 0 and splits(n)]
+    length = f"Sequence length {seq_len}" if seq_len is not None else "A power-of-two sequence length"
+    source = "--cp" if cp is not None else f"all {int(gpus)} GPUs in one context-parallel group, the default --cp"
+    fix = (f"use {' or '.join(f'--cp {n}' for n in reversed(options))} (CP divides --gpus {int(gpus)}; the"
+           f" {int(gpus)} / CP groups run data-parallel)" if options else "change --gpus")
+    raise ValueError(f"{length} cannot be cut into 2 x CP = {2 * size} equal chunks (CP {size}: {source}); {fix}.")
+
+
 def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:
     inputs = dict(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, cp=args.cp, gpu=args.gpu,
                   precision=args.precision, lora_rank=args.lora_rank, clipping=args.clipping,
                   per_layer_kernel=args.per_layer_kernel)
+    _check_cp_splits(args.method, args.gpus, args.cp, None)
     best = planner.max_seq_len(**inputs)
     probe = planner.probe_config(**inputs)
     out = {k: v for k, v in probe.inputs().items() if k != "seq_len"}
@@ -208,6 +229,8 @@ def _fits_shortest(inputs: dict[str, object]) -> bool:
 
 
 def _compare(args: argparse.Namespace, console: Console) -> dict[str, object]:
+    for method in args.methods:
+        _check_cp_splits(method, args.gpus, args.cp, None)
     rows = planner.compare(args.model, args.gpus, gpu=args.gpu, precision=args.precision, methods=tuple(args.methods),
                            mbs_options=tuple(args.mbs), cp=args.cp)
     records = []
@@ -261,6 +284,8 @@ def _recommend(args: argparse.Namespace, console: Console) -> dict[str, object]:
 def _plot(args: argparse.Namespace, console: Console) -> dict[str, object]:
     from simulate.plot import plot_memory_vs_seq_len
 
+    for method in args.methods:
+        _check_cp_splits(method, args.gpus, args.cp, None)
     path = plot_memory_vs_seq_len(args.out, args.model, args.gpus, tuple(args.methods), mbs=args.mbs, cp=args.cp,
                                   gpu=args.gpu, precision=args.precision, min_seq_len=args.min_seq_len,
                                   max_seq_len=args.max_seq_len)
