@@ -7,6 +7,7 @@
     longshield-plan plot --model llama3.1-8b --gpus 4 --out memory.png
     longshield-plan trace --model llama3.1-8b --method v2 --cp 4 --mbs 1 --seq-len 16384   # needs torch
 
+``--model`` is a preset or a local Hugging Face Llama checkpoint folder (its ``config.json`` is read; no weights).
 Every command takes ``--json`` and then prints exactly one JSON object.
 
 Exit status: 0 when the command answered (for ``fit``: the run fits), ``EXIT_DOES_NOT_FIT`` (1) when ``fit`` finds
@@ -31,7 +32,7 @@ from simulate import planner
 from simulate.config import CLIPPINGS, METHODS, PER_LAYER_KERNELS, PRECISIONS, RunConfig, method_for, parse_gpus
 from simulate.memory import estimate_memory
 from simulate.run_file import read_run_file
-from simulate.specs import GPU_PRESETS, MODEL_PRESETS
+from simulate.specs import GPU_PRESETS, MODEL_PRESETS, get_model_spec
 from simulate.strategy_config import describe_arguments
 
 BREAKDOWN_ROWS = (
@@ -356,7 +357,9 @@ def add_command(sub: argparse._SubParsersAction, name: str, handler: Handler, he
     ``--precision``, ``--json``); ``handler(args, console)`` returns the command's JSON object."""
     p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_DefaultsHelpFormatter)
     p.set_defaults(handler=handler, parser=p)
-    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="llama3.1-8b", help="model preset")
+    presets = ",".join(sorted(MODEL_PRESETS))
+    p.add_argument("--model", type=_model, default="llama3.1-8b", metavar=f"{{{presets}}}|DIR",
+                   help="a local Hugging Face Llama checkpoint folder (DIR, its config.json), or a model preset")
     if hardware:  # `trace` measures one rank's tensors: no GPU type or count
         # A string default goes through `type` like typed input, and shows as "4" rather than "4.0" in --help.
         p.add_argument("--gpus", type=_gpus, default="4", help="GPU count, or 'inf' for the FSDP ceiling")
@@ -391,6 +394,15 @@ def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
     if seq_len:
         p.add_argument("--seq-len", type=power_of_two, required=True,
                        help="sequence length, a power of two (16k and 1M ok)")
+
+
+def _model(text: str) -> str:
+    """A model preset, or a folder whose ``config.json`` reads as a Llama (checked here, read again where used)."""
+    try:
+        get_model_spec(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 def _gpus(text: str) -> float:

@@ -6,6 +6,7 @@ and the model that is simulated can never drift apart.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -184,11 +185,21 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    """Return the preset called ``name``; unknown names list the valid ones."""
-    try:
+    """Return the preset called ``name``, or the spec of the local Hugging Face Llama checkpoint folder ``name``
+    (its ``config.json``, read with `simulate.hf_config`); anything else lists the valid presets."""
+    if name in MODEL_PRESETS:
         return MODEL_PRESETS[name]
-    except KeyError:
-        raise ValueError(f"Unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}.") from None
+    if os.path.isdir(os.path.expanduser(name)):
+        from simulate.hf_config import read_hf_config
+
+        try:
+            return read_hf_config(os.path.expanduser(name))
+        except FileNotFoundError as err:
+            raise ValueError(str(err)) from None
+    raise ValueError(
+        f"Unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}, or give a local Hugging Face Llama"
+        " checkpoint folder (one with a config.json)."
+    )
 
 
 @dataclass(frozen=True)

@@ -28,19 +28,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from lightning_longshield.hf import require_hf
 from lightning_longshield.lora import is_adapter_parameter, merged_state_dict
 from lightning_longshield.models import Llama, LlamaConfig
-from simulate.specs import RopeScaling
+from simulate.hf_config import spec_from_hf_config
 
 PathLike = Union[str, "os.PathLike[str]"]
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
-#: transformers' `LlamaConfig` defaults, for the keys a ``config.json`` may leave out.
-HF_LLAMA_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-    max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
-    hidden_act="silu", attention_bias=False, mlp_bias=False,
-)
 _TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
     "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
@@ -55,53 +49,12 @@ _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "base_
 
 
 def config_from_hf(hf_config: Mapping[str, Any]) -> LlamaConfig:
-    """The `LlamaConfig` of a Hugging Face Llama ``config.json`` (as a dict); ValueError for what `Llama` lacks."""
-    model_type, architectures = hf_config.get("model_type"), hf_config.get("architectures") or []
-    if model_type != "llama" and "LlamaForCausalLM" not in architectures:
-        raise ValueError(
-            f"Found a checkpoint with model_type={model_type!r} and architectures={architectures}; only Llama"
-            " checkpoints (model_type 'llama', LlamaForCausalLM) are supported."
-        )
-    hf = {**HF_LLAMA_DEFAULTS, **{key: value for key, value in hf_config.items() if value is not None}}
-    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim", dim // heads) != dim // heads:
-        raise ValueError(
-            f"head_dim={hf['head_dim']} is not hidden_size // num_attention_heads = {dim // heads}; Llama derives"
-            " its head size from hidden_size."
-        )
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf[flag]:
-            raise ValueError(f"{flag}=True is not supported: Llama's projections have no biases.")
-    if hf["hidden_act"] != "silu":
-        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported: Llama's MLP is SwiGLU (silu).")
-    rope_theta, rope_scaling = _rope_from_hf(hf)
-    return LlamaConfig(
-        vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads", heads), ffn_dim=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"], rope_theta=float(rope_theta), norm_eps=float(hf["rms_norm_eps"]),
-        tie_embeddings=bool(hf["tie_word_embeddings"]), rope_scaling=rope_scaling,
-    )
+    """The `LlamaConfig` of a Hugging Face Llama ``config.json`` (as a dict); ValueError for what `Llama` lacks.
 
-
-def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
-    """RoPE base and scaling from ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling``."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    theta = params.get("rope_theta") or hf["rope_theta"]
-    if rope_type == "default":
-        return theta, RopeScaling()
-    if rope_type != "llama3":
-        raise ValueError(
-            f"RoPE type {rope_type!r} is not supported; Llama implements the default RoPE and Llama-3 scaling"
-            " ('llama3')."
-        )
-    missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in params]
-    if missing:
-        raise ValueError(f"Llama-3 RoPE scaling {dict(params)} lacks {missing}.")
-    original = params.get("original_max_position_embeddings", hf["max_position_embeddings"])
-    return theta, RopeScaling(
-        float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"]), int(original)
-    )
+    The reading is the planner's (`simulate.hf_config`, torch-free), so ``longshield-plan --model DIR`` plans the
+    model that loads here.
+    """
+    return spec_from_hf_config(hf_config, LlamaConfig)
 
 
 def hf_config_dict(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:

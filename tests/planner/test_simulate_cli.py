@@ -72,7 +72,7 @@ def test_tables_render(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["fit", "--model", "llama9", "--seq-len", "4096"], "invalid choice"),
+    (["fit", "--model", "llama9", "--seq-len", "4096"], "Unknown model preset 'llama9'"),
     (["fit", "--seq-len", "1000"], "must be a power of two, got 1000; try 512 or 1024"),
     (["fit", "--seq-len", "4096", "--mbs", "0"], "positive integer"),
     (["fit", "--seq-len", "4096", "--gpus", "0"], "positive integer or 'inf'"),

@@ -1,0 +1,94 @@
+"""A Hugging Face Llama ``config.json`` as a `ModelSpec` (``json`` only: no transformers, no torch).
+
+`longshield-plan --model DIR` plans a local checkpoint folder with it, and `lightning_longshield.hf` reads a
+checkpoint's configuration with it when the checkpoint loads: the model that is planned is the model that trains.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar, Union
+
+from simulate.specs import ModelSpec, RopeScaling
+
+CONFIG_FILE = "config.json"
+
+#: transformers' `LlamaConfig` defaults, for the keys a ``config.json`` may leave out.
+HF_LLAMA_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+    hidden_act="silu", attention_bias=False, mlp_bias=False,
+)
+
+Spec = TypeVar("Spec", bound=ModelSpec)
+
+
+def spec_from_hf_config(hf_config: Mapping[str, Any], spec_class: type[Spec] = ModelSpec) -> Spec:  # type: ignore[assignment]
+    """The `ModelSpec` (or ``spec_class``, e.g. `LlamaConfig`) of a Hugging Face Llama ``config.json`` read as a
+    dict; ValueError for what the Llama of this project lacks (another architecture, biases, another activation,
+    another RoPE, a head size other than ``hidden_size // num_attention_heads``).
+
+    ``torch_dtype`` is not part of the shape: the training precision is chosen separately.
+    """
+    model_type, architectures = hf_config.get("model_type"), hf_config.get("architectures") or []
+    if model_type != "llama" and "LlamaForCausalLM" not in architectures:
+        raise ValueError(
+            f"Found a checkpoint with model_type={model_type!r} and architectures={architectures}; only Llama"
+            " checkpoints (model_type 'llama', LlamaForCausalLM) are supported."
+        )
+    hf = {**HF_LLAMA_DEFAULTS, **{key: value for key, value in hf_config.items() if value is not None}}
+    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim", dim // heads) != dim // heads:
+        raise ValueError(
+            f"head_dim={hf['head_dim']} is not hidden_size // num_attention_heads = {dim // heads}; Llama derives"
+            " its head size from hidden_size."
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf[flag]:
+            raise ValueError(f"{flag}=True is not supported: Llama's projections have no biases.")
+    if hf["hidden_act"] != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported: Llama's MLP is SwiGLU (silu).")
+    rope_theta, rope_scaling = _rope_from_hf(hf)
+    return spec_class(
+        vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads", heads), ffn_dim=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"], rope_theta=float(rope_theta), norm_eps=float(hf["rms_norm_eps"]),
+        tie_embeddings=bool(hf["tie_word_embeddings"]), rope_scaling=rope_scaling,
+    )
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+    """RoPE base and scaling from ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling``."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = params.get("rope_theta") or hf["rope_theta"]
+    if rope_type == "default":
+        return theta, RopeScaling()
+    if rope_type != "llama3":
+        raise ValueError(
+            f"RoPE type {rope_type!r} is not supported; Llama implements the default RoPE and Llama-3 scaling"
+            " ('llama3')."
+        )
+    missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in params]
+    if missing:
+        raise ValueError(f"Llama-3 RoPE scaling {dict(params)} lacks {missing}.")
+    original = params.get("original_max_position_embeddings", hf["max_position_embeddings"])
+    return theta, RopeScaling(
+        float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"]), int(original)
+    )
+
+
+def read_hf_config(directory: Union[str, Path], spec_class: type[Spec] = ModelSpec) -> Spec:  # type: ignore[assignment]
+    """The `ModelSpec` (or ``spec_class``) of the Hugging Face Llama checkpoint folder ``directory``."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"No {CONFIG_FILE} in {directory}: expected a Hugging Face Llama checkpoint there.")
+    try:
+        hf_config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err.msg}, line {err.lineno}).") from None
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{path} holds no JSON object: expected a Hugging Face model configuration.")
+    return spec_from_hf_config(hf_config, spec_class)
