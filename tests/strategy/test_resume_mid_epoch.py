@@ -59,4 +59,3 @@ def test_the_loader_state_holds_nothing_secret():
     assert poisson.state_dict() == {}
     next(iter(poisson))
     assert poisson.state_dict() == {}
-
