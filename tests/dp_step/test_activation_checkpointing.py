@@ -105,6 +105,7 @@ def live_tensor_count() -> int:
     return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
+@pytest.mark.slow
 def test_no_leak_across_steps():
     counts = {}
 
@@ -134,6 +135,7 @@ def test_bf16_with_checkpointing_equals_bf16_without(precision):
     torch.testing.assert_close(updates[0], updates[1])
 
 
+@pytest.mark.slow
 def test_checkpoint_and_resume_with_checkpointing(tmp_path):
     def run(max_steps, ckpt_path=None, save=None):
         module = make_module(small_config(n_layers=2), optimizer="adamw", learning_rate=1e-2)

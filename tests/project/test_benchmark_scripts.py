@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -20,6 +22,7 @@ def test_cp_attention_benchmark_runs_and_reports_ratios():
     assert row["seq_len"] == 64 and row["prefix_over_flash_share"] > 0 and row["masked_over_flash_share"] > 0
 
 
+@pytest.mark.slow
 def test_gpu_throughput_benchmark_runs_and_reports_ratios():
     command = [sys.executable, str(BENCHMARKS / "gpu_throughput.py"), "--device", "cpu", "--preset", "tiny",
                "--points", "32x1", "--methods", "nondp_lightning", "longshield", "--accumulation", "2",
@@ -52,6 +55,7 @@ def test_gpu_throughput_benchmark_refuses_without_cuda():
     assert result.returncode == 2 and "CUDA is not available" in result.stderr
 
 
+@pytest.mark.slow
 def test_lora_vs_full_benchmark_reports_side_by_side_ratios():
     command = [sys.executable, str(BENCHMARKS / "lora_vs_full.py"), "--seq-len", "32", "--micro-batch-size", "2",
                "--steps", "1", "--warmup", "0", "--lora-rank", "4"]
@@ -64,6 +68,7 @@ def test_lora_vs_full_benchmark_reports_side_by_side_ratios():
     assert ratios["per_sample_grad_bytes"] == ratios["trainable_parameters"]
 
 
+@pytest.mark.slow
 def test_zero_dp_vs_longshield_benchmark_reports_every_method_against_its_non_dp_loop():
     command = [sys.executable, str(BENCHMARKS / "zero_dp_vs_longshield.py"), "--seq-len", "32",
                "--micro-batch-sizes", "2", "--accumulation", "2", "--steps", "1", "--markdown"]
@@ -79,6 +84,7 @@ def test_zero_dp_vs_longshield_benchmark_reports_every_method_against_its_non_dp
     assert "| 2 | " in result.stdout and "ZeRO-DP+ step / non-DP" in result.stdout
 
 
+@pytest.mark.slow
 def test_per_layer_clipping_benchmark_reports_flat_per_layer_and_opacus_against_non_dp():
     command = [sys.executable, str(BENCHMARKS / "per_layer_clipping.py"), "--seq-len", "32",
                "--micro-batch-sizes", "2", "--accumulation", "2", "--steps", "1", "--markdown"]

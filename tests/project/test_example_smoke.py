@@ -29,6 +29,7 @@ def as_pattern(line: str) -> re.Pattern[str]:
     return re.compile(NUMBER.pattern.join(re.escape(part) for part in parts))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [[], ["--norms", "hutchinson", "--micro-batch-size", "2"]],
                          ids=["exact", "hutchinson"])
 def test_train_dp_stdlib_prints_guarantee_and_perplexity(options):
@@ -50,6 +51,7 @@ def test_train_dp_stdlib_prints_guarantee_and_perplexity(options):
             assert as_pattern(line).search(result.stdout), (line, result.stdout[-3000:])
 
 
+@pytest.mark.slow
 def test_finetune_hf_example_prints_guarantee_with_unit_and_exports(tmp_path):
     """Without --output-dir everything goes to a new temporary directory (under TMPDIR), printed at the end; the
     working directory is left as it was. The validation perplexity is printed before and after training."""
