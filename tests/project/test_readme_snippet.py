@@ -31,6 +31,6 @@ def test_use_snippet_trains_and_prints_the_guarantee(tmp_path):
     assert math.isfinite(epsilon) and 0 < epsilon <= 8.0
     assert 0 < delta < 1
     assert steps == 5  # what README.md says the snippet prints
-    claimed = re.search(r"It ends with a line like `Privacy guarantee: \(epsilon=(\S+), delta=\S+\)-DP after (\d+) steps",
-                        README.read_text(encoding="utf-8"))
+    stated = r"It ends with a line like `Privacy guarantee: \(epsilon=(\S+), delta=\S+\)-DP after (\d+) steps"
+    claimed = re.search(stated, README.read_text(encoding="utf-8"))
     assert claimed and (claimed[1], int(claimed[2])) == (guarantee[1], steps), "README.md's stated output drifted"
