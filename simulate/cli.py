@@ -10,8 +10,9 @@
 ``--model`` is a preset or a local Hugging Face Llama checkpoint folder (its ``config.json`` is read; no weights).
 Every command takes ``--json`` and then prints exactly one JSON object.
 
-Exit status: 0 when the command answered (for ``fit``: the run fits), ``EXIT_DOES_NOT_FIT`` (1) when ``fit`` finds
-that the run does not fit in GPU memory, 2 for invalid input (with the command's usage line).
+Exit status: 0 when the command answered (``fit``: the run fits; ``max-seq``: some length fits; ``recommend``: some
+configuration fits), ``EXIT_DOES_NOT_FIT`` (1) when nothing does, 2 for invalid input (with the command's usage
+line).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ BREAKDOWN_ROWS = (
 Handler = Callable[[argparse.Namespace, Console], dict]
 PLUGIN_GROUP = "longshield_plan.commands"  # entry points: subcommand name -> register(add_command)
 MAX_ADVISED_GPUS = 1024  # `max-seq` suggests at most this many GPUs when nothing fits
-EXIT_DOES_NOT_FIT = 1  # `fit`'s exit status when the run does not fit (argparse's usage errors exit with 2)
+EXIT_DOES_NOT_FIT = 1  # when nothing asked about fits (argparse's usage errors exit with 2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -160,6 +161,7 @@ def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:
                   per_layer_kernel=args.per_layer_kernel)
     _check_cp_splits(args.method, args.gpus, args.cp, None)
     best = planner.max_seq_len(**inputs)
+    args.exit_status = 0 if best is not None else EXIT_DOES_NOT_FIT
     probe = planner.probe_config(**inputs)
     out = {k: v for k, v in probe.inputs().items() if k != "seq_len"}
     out.update(max_seq_len=None, fits=False, peak_memory_gib=None, tokens_per_second_per_gpu=None)
@@ -260,6 +262,7 @@ def _compare(args: argparse.Namespace, console: Console) -> dict[str, object]:
 def _recommend(args: argparse.Namespace, console: Console) -> dict[str, object]:
     plans = planner.recommend(args.model, args.gpus, args.seq_len, gpu=args.gpu, precision=args.precision,
                               methods=tuple(args.methods), mbs_options=tuple(args.mbs))
+    args.exit_status = 0 if plans else EXIT_DOES_NOT_FIT
     recommendations = [{**p.to_dict(), "strategy_arguments": p.config.strategy.as_arguments()} for p in plans]
     out = {"model": args.model, "gpus": _gpus_json(args.gpus), "gpu": args.gpu, "precision": args.precision,
            "seq_len": args.seq_len, "fits": bool(plans), "recommendations": recommendations}

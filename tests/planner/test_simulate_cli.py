@@ -49,7 +49,7 @@ def test_max_seq_json(capsys: pytest.CaptureFixture[str]) -> None:
     out = _json(capsys, "max-seq", "--model", "llama3.2-1b", "--gpus", "4", "--method", "v3", "--mbs", "1")
     assert out["fits"] is True and out["max_seq_len"] >= 65536 and out["max_seq_len"] & (out["max_seq_len"] - 1) == 0
     assert out["method"] == "v3" and out["cp"] == 4 and "seq_len" not in out
-    none = _json(capsys, "max-seq", "--model", "llama3.1-8b", "--gpus", "1", "--method", "zero-dp")
+    none = _json(capsys, "max-seq", "--model", "llama3.1-8b", "--gpus", "1", "--method", "zero-dp", status=1)
     assert none["max_seq_len"] is None and none["fits"] is False
 
 
@@ -67,7 +67,7 @@ def test_tables_render(capsys: pytest.CaptureFixture[str]) -> None:
     assert "FITS" in text and "per-sample gradients" in text and "tokens/s/GPU" in text
     assert main(["compare", "--model", "llama3.2-1b", "--gpus", "4", "--methods", "v1", "v2", "--mbs", "1"]) == 0
     assert "v2" in capsys.readouterr().out
-    assert main(["max-seq", "--model", "llama3.1-70b", "--gpus", "1", "--method", "v2"]) == 0
+    assert main(["max-seq", "--model", "llama3.1-70b", "--gpus", "1", "--method", "v2"]) == 1
     assert "Nothing fits" in capsys.readouterr().out
 
 
@@ -118,7 +118,7 @@ def test_seq_len_takes_k_and_m_suffixes(capsys: pytest.CaptureFixture[str]) -> N
 ])
 def test_max_seq_advice_follows_the_inputs(argv: list[str], present: list[str], absent: list[str],
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["max-seq", *argv]) == 0
+    assert main(["max-seq", *argv]) == 1
     text = capsys.readouterr().out
     assert "Nothing fits" in text
     advice = text.split("GiB; ", 1)[1]

@@ -50,6 +50,14 @@ def test_fit_exits_0_when_the_run_fits_and_1_when_it_does_not(capsys: pytest.Cap
     assert "--method v3 (activation checkpointing) this run fits" in out
 
 
+def test_max_seq_and_recommend_exit_1_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(capsys, "max-seq", "--model", "llama3.2-1b", "--gpus", "4", "--method", "v3")[0] == 0
+    assert _run(capsys, "max-seq", "--model", "llama3.1-70b", "--gpus", "1", "--gpu", "a100-40")[0] == 1
+    assert _run(capsys, "recommend", "--model", "llama3.2-1b", "--gpus", "4", "--seq-len", "16k")[0] == 0
+    status, out = _run(capsys, "recommend", "--model", "llama3.1-70b", "--gpus", "1", "--seq-len", "1M", "--json")
+    assert status == 1 and json.loads(out)["fits"] is False
+
+
 def test_the_oom_advice_keeps_the_hardware_and_leaves_out_checkpointing_when_it_is_on(
         capsys: pytest.CaptureFixture[str]) -> None:
     status, out = _run(capsys, "fit", "--model", "llama3.1-8b", "--gpus", "1", "--gpu", "a100-40", "--method", "v3",
