@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from simulate.cli import main
-from simulate.config import method_for
-from simulate.run_file import read_run_file
-from simulate.strategy_config import StrategyConfig
+pytest.importorskip("yaml")  # --config reads YAML (PyYAML comes with Lightning; a torch-free planner may lack it)
+
+from simulate.cli import main  # noqa: E402
+from simulate.config import method_for  # noqa: E402
+from simulate.run_file import read_run_file  # noqa: E402
+from simulate.strategy_config import StrategyConfig  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "configs" / "stdlib_tiny.yaml"
 

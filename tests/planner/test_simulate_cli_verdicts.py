@@ -108,6 +108,7 @@ def test_a_hugging_face_folder_plans_like_the_preset_of_its_shape(tmp_path: Path
 
 
 def test_a_run_files_model_folder_is_planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("yaml")  # --config reads YAML (PyYAML comes with Lightning)
     folder = _folder(tmp_path, LLAMA_3_2_1B)
     run = tmp_path / "run.yaml"
     run.write_text(f"model: {{config: {json.dumps(folder)}}}\n"
