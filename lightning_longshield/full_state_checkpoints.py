@@ -58,4 +58,18 @@ class FullStateCheckpoints:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         options = StateDictOptions(full_state_dict=True)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):  # type: ignore[attr-defined]
+            if not state.get("state"):  # e.g. SGD without momentum: no tensors to place, only hyper-parameters
+                load_hyperparameters(optimizer, state["param_groups"])
+                continue
             set_optimizer_state_dict(self.lightning_module, optimizer, state, options=options)  # type: ignore[attr-defined]
+
+
+def load_hyperparameters(optimizer: Optimizer, saved_groups: list[dict[str, Any]]) -> None:
+    """Set each parameter group's hyper-parameters (learning rate, ...) from a saved optimizer state without
+    per-parameter state, which torch's distributed loader cannot place (it takes the device from that state)."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"The checkpoint's optimizer has {len(saved_groups)} parameter groups, this one"
+                         f" {len(optimizer.param_groups)}: configure_optimizers must build the same groups.")
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({key: value for key, value in saved.items() if key != "params"})

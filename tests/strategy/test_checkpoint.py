@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_longshield import LongShieldStrategy
@@ -16,16 +17,17 @@ def strategy():
                               target_delta=1e-3, noise_seed=5)
 
 
-def module():
-    return make_module(small_config(n_layers=1), optimizer="adamw", learning_rate=1e-2)
+def module(optimizer: str = "adamw"):
+    return make_module(small_config(n_layers=1), optimizer=optimizer, learning_rate=1e-2)
 
 
-def test_resume_continues_the_same_run(tmp_path):
-    uninterrupted = module()
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])  # SGD keeps no optimizer state: only its hyper-parameters
+def test_resume_continues_the_same_run(tmp_path, optimizer):
+    uninterrupted = module(optimizer)
     reference_strategy = strategy()
     make_trainer(reference_strategy, max_steps=4).fit(uninterrupted, loader(DATA, 4))
 
-    first_half = module()
+    first_half = module(optimizer)
     first_strategy = strategy()
     trainer = make_trainer(first_strategy, max_steps=2)
     trainer.fit(first_half, loader(DATA, 4))
@@ -36,7 +38,7 @@ def test_resume_continues_the_same_run(tmp_path):
     assert set(checkpoint["state_dict"]) == {f"model.{k}" for k in first_half.model.state_dict()}
     assert checkpoint["longshield"]["accountant"]["history"] == [(0.8, 4 / 32, 2)]
 
-    resumed = module()
+    resumed = module(optimizer)
     resumed_strategy = strategy()  # the seed is the caller's, never read back from the checkpoint
     make_trainer(resumed_strategy, max_steps=4).fit(resumed, loader(DATA, 4), ckpt_path=path)
 
