@@ -22,7 +22,7 @@ class PrivacyMonitor(Callback):
         strategy = trainer.strategy
         if not hasattr(strategy, "get_epsilon") or getattr(strategy, "privacy_plan", None) is None:
             return
-        last_epoch = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs
+        last_epoch = trainer.max_epochs is not None and 0 < trainer.max_epochs <= trainer.current_epoch + 1
         is_last = (
             trainer.should_stop
             or trainer.global_step >= trainer.max_steps > 0
