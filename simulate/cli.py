@@ -30,7 +30,17 @@ from rich.console import Console
 from rich.table import Table
 
 from simulate import planner
-from simulate.config import CLIPPINGS, METHODS, PER_LAYER_KERNELS, PRECISIONS, RunConfig, method_for, parse_gpus
+from simulate.config import (
+    CLIPPINGS,
+    METHODS,
+    PER_LAYER_KERNELS,
+    PRECISIONS,
+    MethodSpec,
+    RunConfig,
+    as_run_by_strategy,
+    method_for,
+    parse_gpus,
+)
 from simulate.memory import estimate_memory
 from simulate.run_file import read_run_file
 from simulate.specs import GPU_PRESETS, MODEL_PRESETS, get_model_spec
@@ -90,17 +100,24 @@ def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) ->
         seq_len=run.seq_len, method=method, mbs=run.strategy.micro_batch_size, cp=run.strategy.context_parallel_size,
         lora_rank=run.lora_rank, clipping="flat" if per_layer is None else "per_layer",
         per_layer_kernel="torch" if per_layer is not None and per_layer.kernel == "torch" else "auto",
+        as_run=True,  # the strategy's own variant of the method, not the paper's prototype
     )
     known = {action.dest: action for action in command._actions if action.nargs not in ("+", "*")}  # not lists
-    defaults = {name: value for name, value in defaults.items() if value is not None and name in known}
+    defaults = {name: value for name, value in defaults.items()
+                if value is not None and (name in known or name == "as_run")}
     command.set_defaults(**defaults)
     if "seq_len" in defaults:
         known["seq_len"].required = False
 
 
+def _method(args: argparse.Namespace) -> str | MethodSpec:
+    """``--method`` as the planner's name, or, for a ``--config`` run, as `LongShieldStrategy` runs it."""
+    return as_run_by_strategy(args.method, args.mbs) if getattr(args, "as_run", False) else args.method
+
+
 def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
     _check_cp_splits(args.method, args.gpus, args.cp, args.seq_len)
-    p = planner.plan(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, seq_len=args.seq_len,
+    p = planner.plan(model=args.model, gpus=args.gpus, method=_method(args), mbs=args.mbs, seq_len=args.seq_len,
                      cp=args.cp, gpu=args.gpu, precision=args.precision, lora_rank=args.lora_rank,
                      clipping=args.clipping, per_layer_kernel=args.per_layer_kernel)
     args.exit_status = 0 if p.fits else EXIT_DOES_NOT_FIT
@@ -156,7 +173,7 @@ def _check_cp_splits(method: str, gpus: float, cp: int | None, seq_len: int | No
 
 
 def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:
-    inputs = dict(model=args.model, gpus=args.gpus, method=args.method, mbs=args.mbs, cp=args.cp, gpu=args.gpu,
+    inputs = dict(model=args.model, gpus=args.gpus, method=_method(args), mbs=args.mbs, cp=args.cp, gpu=args.gpu,
                   precision=args.precision, lora_rank=args.lora_rank, clipping=args.clipping,
                   per_layer_kernel=args.per_layer_kernel)
     _check_cp_splits(args.method, args.gpus, args.cp, None)

@@ -256,6 +256,14 @@ def as_run_by_longshield(method: str, mbs: int) -> str:
     return "v2" if method == "v1" and mbs == 1 else method
 
 
+def as_run_by_strategy(method: str, mbs: int) -> MethodSpec:
+    """The spec of ``method`` as `LongShieldStrategy` runs it (`as_run_by_longshield`): its V1 keeps only its shard of
+    each clipped gradient (not the whole clipped sum), its ZeRO-DP+ runs one backward with book-keeping (no retained
+    norm pass); the non-DP baselines and V2 / V3 are as they are."""
+    spec = METHODS[as_run_by_longshield(method, mbs)]
+    return replace(spec, whole_clipped_sum=False, retained_norm_pass=False)
+
+
 def longshield_config(
     model: str | ModelSpec,
     method: str,
@@ -277,10 +285,9 @@ def longshield_config(
     model states sharded over all ``data_parallel`` GPUs, one backward with book-keeping (no retained norm pass).
     """
     gpus = data_parallel if method == "zero-dp" else cp
-    config = make_config(model=model, gpus=gpus, method=as_run_by_longshield(method, mbs), mbs=mbs, seq_len=seq_len,
-                         cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank, clipping=clipping,
-                         per_layer_kernel=per_layer_kernel)
-    return replace(config, method=replace(config.method, whole_clipped_sum=False, retained_norm_pass=False))
+    return make_config(model=model, gpus=gpus, method=as_run_by_strategy(method, mbs), mbs=mbs, seq_len=seq_len,
+                       cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank, clipping=clipping,
+                       per_layer_kernel=per_layer_kernel)
 
 
 def method_for(strategy: StrategyConfig) -> tuple[str, tuple[str, ...]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from simulate.config import METHODS, RunConfig, make_config, parse_gpus
+from simulate.config import METHODS, MethodSpec, RunConfig, make_config, parse_gpus
 from simulate.memory import GIB, MemoryBreakdown, estimate_memory
 from simulate.throughput import StepTime, estimate_step_time
 
@@ -152,7 +152,8 @@ def compare(model: str, gpus: int | float | str, gpu: str = "h100", precision: s
 
 def _cp_of(inputs: dict[str, object]) -> int:
     """The CP size make_config will pick, to build a valid probe (2 x CP tokens)."""
-    method = METHODS.get(str(inputs.get("method", "v2")))
+    method = inputs.get("method", "v2")
+    method = method if isinstance(method, MethodSpec) else METHODS.get(str(method))
     if method is None or not method.context_parallel:
         return 1
     cp = inputs.get("cp")

@@ -75,7 +75,7 @@ def _init_args(section: object) -> Mapping[str, Any]:
     """A section's arguments: ``init_args`` of a ``class_path`` section, else the section itself."""
     if not isinstance(section, Mapping):
         return {}
-    return section.get("init_args") or {} if "class_path" in section else section
+    return section.get("init_args") or {} if "class_path" in section or "init_args" in section else section
 
 
 def _positive_int(value: object, key: str, source: str) -> int | None:

@@ -89,3 +89,21 @@ def test_a_bad_run_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(tmp_path / "missing.yaml")])
     assert "missing.yaml" in capsys.readouterr().err
+
+
+def test_a_run_file_is_planned_as_the_strategy_runs_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ZeRO-DP+ from a run file is the strategy's one-backward book-keeping (as its pre-flight plans it), not the
+    paper's prototype that ``--method zero-dp`` plans."""
+    from simulate.config import longshield_config
+    from simulate.planner import evaluate
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {config: llama3.2-1b}\ndata: {class_path: my.Data, init_args: {seq_len: 8192}}\n"
+                    "trainer:\n  devices: 4\n  precision: bf16-mixed\n  strategy:\n    init_args:"
+                    " {context_parallel_size: 1, shard_over: all, norms: mixed, micro_batch_size: 2}\n")
+    planned = _json(capsys, "fit", "--config", str(path))
+    as_run = evaluate(longshield_config("llama3.2-1b", "zero-dp", 1, 2, 8192, data_parallel=4))
+    assert planned["method"] == "zero-dp" and planned["peak_memory_gib"] == round(as_run.peak_memory_gib, 3)
+    prototype = _json(capsys, "fit", "--model", "llama3.2-1b", "--gpus", "4", "--method", "zero-dp", "--mbs", "2",
+                      "--seq-len", "8192")
+    assert prototype["peak_memory_gib"] != planned["peak_memory_gib"]
