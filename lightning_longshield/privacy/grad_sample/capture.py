@@ -79,6 +79,7 @@ class PerSampleGradCapture:
         self.bookkeeper: Optional[BookKeeper] = None
         self._fused: Optional[LinearWeightHandler] = None
         self._fused_layers: set[int] = set()
+        self._calls: Counter[int] = Counter()  # backward deliveries per layer in this micro-batch
         if per_sample != "materialize" or estimate is not None:
             shared = {name for name, count in self.uses.items() if count > 1}
             method = "ghost" if estimate is not None else per_sample
@@ -119,6 +120,9 @@ class PerSampleGradCapture:
         return PerSampleGradTap.apply(self._receive, layer, output, args[0], *originals.values())
 
     def _receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
+        self._calls[id(layer)] += 1
+        if self._calls[id(layer)] > 1:
+            self._check_repeated_call(layer)
         if self._fused is not None and id(layer) in self._fused_layers:
             self._fused(self._layer_names[id(layer)]["weight"], activation, grad_output)
             return
@@ -127,6 +131,23 @@ class PerSampleGradCapture:
             return
         for name, grad_sample in self.bookkeeper.receive(layer, activation, grad_output, self._name_of).items():
             self.exchange.store(name, grad_sample)
+
+    def _check_repeated_call(self, layer: nn.Module) -> None:
+        """A layer that ran more than once in one forward has as per-sample gradient the sum of its calls. Materialised
+        per-sample gradients sum them (as a tied weight's uses); the fused kernel and the book-keeping of a weight
+        that no other layer shares would clip or take the norm of each call apart, which could let a sample's
+        contribution exceed its bound: refused, before anything is released."""
+        names = self._layer_names[id(layer)]
+        fused = self._fused is not None and id(layer) in self._fused_layers
+        bookkept = self.bookkeeper is not None and self.bookkeeper.handles(layer, names) and any(
+            name not in self.bookkeeper.shared for name in names.values())
+        if fused or bookkept:
+            how = "the fused per-layer kernel" if fused else "book-kept norms (norms='ghost', 'mixed' or randomized)"
+            raise RuntimeError(
+                f"{type(layer).__name__} ({', '.join(sorted(names.values()))}) ran more than once in one forward;"
+                f" {how} would clip each call apart. Call each layer once per forward, or use norms='materialize'"
+                " (and PerLayerClipping(kernel='torch') under per-layer clipping), which sum the calls."
+            )
 
     def _name_of(self, layer: nn.Module, param: nn.Parameter) -> str:
         for attr, name in self._layer_names[id(layer)].items():
@@ -137,6 +158,7 @@ class PerSampleGradCapture:
     def start_microbatch(self, batch_size: int) -> None:
         """Capture per-sample gradients in the next backward if the exchange needs them (more than one sample)."""
         self.enabled = self.exchange.start_microbatch(batch_size)
+        self._calls.clear()
 
     def collect(self) -> dict[str, torch.Tensor]:
         """Per-sample gradients of the last backward, then forget them (and any ``.grad``) to free memory."""
