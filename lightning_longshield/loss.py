@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 
@@ -25,6 +27,40 @@ def per_sample_token_loss(
     if token_counts is None:
         token_counts = (labels != IGNORE_INDEX).sum(dim=1)
     return token_losses.sum(dim=1) / token_counts.clamp(min=1)
+
+
+def chunked_per_sample_token_loss(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    labels: torch.Tensor,
+    token_counts: Optional[torch.Tensor] = None,
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
+    """`per_sample_token_loss` of ``head(hidden)`` without the whole ``(B, T, vocab)`` logits: the head and the
+    cross-entropy run over chunks of ``chunk_tokens`` positions, each under non-reentrant checkpointing, so one
+    chunk's logits (and their fp32 copy and gradient) exist at a time, in forward and again in backward.
+
+    ``head`` then runs once per chunk: its per-sample gradient is the sum over the chunks, which materialised
+    per-sample gradients form (the paths that would clip chunks apart refuse a layer called more than once).
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
+    if token_counts is None:
+        token_counts = (labels != IGNORE_INDEX).sum(dim=1)
+    total = hidden.new_zeros(labels.shape[0], dtype=torch.float32)
+    for start in range(0, labels.shape[1], chunk_tokens):
+        end = start + chunk_tokens
+        total = total + checkpoint(_token_loss_sums, head, hidden[:, start:end], labels[:, start:end],
+                                   use_reentrant=False)
+    return total / token_counts.clamp(min=1)
+
+
+def _token_loss_sums(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each sample's sum of fp32 token cross-entropies over one chunk."""
+    logits = head(hidden)
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(labels.shape).sum(dim=1)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

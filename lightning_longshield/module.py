@@ -16,7 +16,7 @@ from torchmetrics.text import Perplexity
 from lightning_longshield import hf
 from lightning_longshield.context_parallel.mesh import CONTEXT_PARALLEL
 from lightning_longshield.lora import LoraOptions, apply_lora, reset_adapters
-from lightning_longshield.loss import IGNORE_INDEX, per_sample_token_loss
+from lightning_longshield.loss import IGNORE_INDEX, chunked_per_sample_token_loss, per_sample_token_loss
 from lightning_longshield.models import Llama, LlamaConfig
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -131,6 +131,10 @@ class CausalLMModule(L.LightningModule):
     ``lora`` (a `LoraOptions`) injects PEFT LoRA adapters and freezes the rest of the model: only the adapters are
     trained, clipped and noised.
 
+    ``loss_chunk_tokens`` (opt-in, context-parallel size 1): the training loss runs the output head and the
+    cross-entropy over chunks of that many positions (`chunked_per_sample_token_loss`), so the whole ``(B, T, vocab)``
+    logits never exist; with flat clipping and materialised per-sample gradients the DP step is the same.
+
     ``log_train_loss=True`` also logs ``train_loss``, the loss of each sampled micro-batch. It is computed without
     noise from the private training data (at one sample per micro-batch it is one record's loss), so it is NOT
     covered by the privacy guarantee: off by default, and a warning says so when on.
@@ -144,8 +148,12 @@ class CausalLMModule(L.LightningModule):
         weight_decay: float = 0.0,
         log_train_loss: bool = False,
         lora: Optional[Union[LoraOptions, Mapping[str, Any]]] = None,
+        loss_chunk_tokens: Optional[int] = None,
     ) -> None:
         super().__init__()
+        if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens must be a positive integer or None, got {loss_chunk_tokens}.")
+        self.loss_chunk_tokens = loss_chunk_tokens
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {OPTIMIZERS}.")
         self.config, self.pretrained_directory = resolve_model_config(config)
@@ -162,7 +170,8 @@ class CausalLMModule(L.LightningModule):
         self.save_hyperparameters({"config": self.pretrained_directory or self.config.to_dict(), "optimizer": optimizer,
                                    "learning_rate": learning_rate, "weight_decay": weight_decay,
                                    "log_train_loss": log_train_loss,
-                                   "lora": None if self.lora is None else asdict(self.lora)})
+                                   "lora": None if self.lora is None else asdict(self.lora),
+                                   "loss_chunk_tokens": loss_chunk_tokens})
         self.model: Optional[Llama] = None
         self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
 
@@ -207,10 +216,24 @@ class CausalLMModule(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         input_ids, labels, position_ids, token_counts = unpack_batch(batch)
-        loss = per_sample_token_loss(self(input_ids, position_ids), labels, token_counts).mean()
+        if self.loss_chunk_tokens is None:
+            loss = per_sample_token_loss(self(input_ids, position_ids), labels, token_counts).mean()
+        else:
+            loss = self._chunked_loss(input_ids, labels, position_ids, token_counts)
         if self.log_train_loss:
             self.log("train_loss", self._whole_sequence(loss), prog_bar=True, batch_size=input_ids.shape[0])
         return loss
+
+    def _chunked_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor],
+                      token_counts: Optional[torch.Tensor]) -> torch.Tensor:
+        mesh = self.device_mesh
+        if mesh is not None and CONTEXT_PARALLEL in (mesh.mesh_dim_names or ()) and mesh[CONTEXT_PARALLEL].size() > 1:
+            raise NotImplementedError("loss_chunk_tokens is verified at context-parallel size 1 only; set"
+                                      " loss_chunk_tokens=None (or context_parallel_size=1).")
+        assert self.model is not None, "call configure_model() first"
+        hidden = self.model.hidden_states(input_ids, position_ids)
+        return chunked_per_sample_token_loss(hidden, self.model.output, labels, token_counts,
+                                             self.loss_chunk_tokens).mean()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         input_ids, labels, position_ids, token_counts = unpack_batch(batch)

@@ -136,6 +136,10 @@ class Llama(nn.Module):
             nn.init.trunc_normal_(self.output.weight, std=bound, a=-3 * bound, b=3 * bound)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.output(self.hidden_states(input_ids, position_ids))
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The normalised last hidden states (B, T, dim): what the output head turns into logits."""
         batch, seq = input_ids.shape
         positions = position_ids
         if positions is None:
@@ -147,4 +151,4 @@ class Llama(nn.Module):
         h = self.tok_embeddings(input_ids)
         for block in self.layers:
             h = block(h, rope, position_ids)
-        return self.output(self.norm(h))
+        return self.norm(h)
