@@ -108,3 +108,14 @@ def test_fused_per_layer_worker_refuses_cpu():
                "--micro-batch-size", "2", "--device", "cpu"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "needs CUDA" in result.stderr
+
+
+@pytest.mark.slow
+def test_chunked_loss_benchmark_runs_and_reports_ratios():
+    command = [sys.executable, str(BENCHMARKS / "chunked_loss.py"), "--seq-len", "64", "--vocab", "512",
+               "--chunk-tokens", "16", "--repeats", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    for kind in ("loss_phase", "dp_step"):
+        assert report[kind]["peak_chunked_over_whole"] > 0 and report[kind]["time_chunked_over_whole"] > 0
