@@ -131,7 +131,7 @@ class CausalLMModule(L.LightningModule):
     ``lora`` (a `LoraOptions`) injects PEFT LoRA adapters and freezes the rest of the model: only the adapters are
     trained, clipped and noised.
 
-    ``loss_chunk_tokens`` (opt-in, context-parallel size 1): the training loss runs the output head and the
+    ``loss_chunk_tokens`` (opt-in): the training loss runs the output head and the
     cross-entropy over chunks of that many positions (`chunked_per_sample_token_loss`), so the whole ``(B, T, vocab)``
     logits never exist; with flat clipping and materialised per-sample gradients the DP step is the same.
 
@@ -226,14 +226,12 @@ class CausalLMModule(L.LightningModule):
 
     def _chunked_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor],
                       token_counts: Optional[torch.Tensor]) -> torch.Tensor:
-        mesh = self.device_mesh
-        if mesh is not None and CONTEXT_PARALLEL in (mesh.mesh_dim_names or ()) and mesh[CONTEXT_PARALLEL].size() > 1:
-            raise NotImplementedError("loss_chunk_tokens is verified at context-parallel size 1 only; set"
-                                      " loss_chunk_tokens=None (or context_parallel_size=1).")
         assert self.model is not None, "call configure_model() first"
-        hidden = self.model.hidden_states(input_ids, position_ids)
-        return chunked_per_sample_token_loss(hidden, self.model.output, labels, token_counts,
-                                             self.loss_chunk_tokens).mean()
+
+        def loss(hidden: torch.Tensor, output: torch.nn.Module) -> torch.Tensor:
+            return chunked_per_sample_token_loss(hidden, output, labels, token_counts, self.loss_chunk_tokens)
+
+        return self.model(input_ids, position_ids, head=loss).mean()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         input_ids, labels, position_ids, token_counts = unpack_batch(batch)

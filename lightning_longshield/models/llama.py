@@ -135,11 +135,19 @@ class Llama(nn.Module):
             bound = self.config.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, std=bound, a=-3 * bound, b=3 * bound)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.output(self.hidden_states(input_ids, position_ids))
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        head: Optional[Callable[[torch.Tensor, nn.Module], torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab_size), or ``head(hidden states, output layer)`` when given (e.g. a loss that applies
+        the output layer chunk by chunk), inside this forward so that sharded parameters are gathered for it."""
+        hidden = self.hidden_states(input_ids, position_ids)
+        return self.output(hidden) if head is None else head(hidden, self.output)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The normalised last hidden states (B, T, dim): what the output head turns into logits."""
+        """The normalised last hidden states (B, T, dim): what the output layer turns into logits."""
         batch, seq = input_ids.shape
         positions = position_ids
         if positions is None:

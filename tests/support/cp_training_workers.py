@@ -30,13 +30,13 @@ class FullStateAfterEachStep(Callback):
 
 
 def fit(world_size: int, strategy_kwargs: dict[str, Any], tie_embeddings: bool, max_grad_norm: float,
-        logical_batch: int = LOGICAL_BATCH, lora: bool = False):
+        logical_batch: int = LOGICAL_BATCH, lora: bool = False, module_kwargs: dict[str, Any] | None = None):
     strategy = LongShieldStrategy(
         noise_multiplier=0.0, max_grad_norm=max_grad_norm, poisson_sampling=False, seed=0, **strategy_kwargs
     )
     recorder = FullStateAfterEachStep()
     config = small_config(tie_embeddings=tie_embeddings)
-    module = make_lora_module(config) if lora else make_module(config)
+    module = make_lora_module(config) if lora else make_module(config, **(module_kwargs or {}))
     data_parallel = world_size // strategy_kwargs["context_parallel_size"]
     trainer = make_trainer(strategy, max_steps=STEPS, devices=world_size, callbacks=[recorder])
     trainer.fit(module, loader(RandomTokens(**DATASET), logical_batch // data_parallel))
