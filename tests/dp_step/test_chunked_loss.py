@@ -1,7 +1,6 @@
 """The chunked loss (`loss_chunk_tokens`): the output head and the cross-entropy over chunks of positions give the
-same per-sample losses and gradients as the whole logits, and the same DP step (flat clipping, materialised
-per-sample gradients: the head's per-sample gradient is the sum over its chunks); the paths that would clip chunks
-apart refuse it."""
+same per-sample losses and gradients as the whole logits, and the same DP step: the head's per-sample gradient is
+the sum over its chunks, whether materialised, book-kept or clipped per layer."""
 
 from __future__ import annotations
 
@@ -50,13 +49,14 @@ def test_the_dp_step_equals_the_unchunked_one(micro_batch_size, activation_check
     assert_models_close(_fit(5, tie_embeddings, **settings), _fit(None, tie_embeddings, **settings))
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(norms="ghost"), "ran more than once in one forward"),
-    (dict(clipping="per_layer"), "received another per-sample gradient after its per-layer clipping"),
-])
-def test_paths_that_would_clip_chunks_apart_refuse_it(settings, message):
-    with pytest.raises(RuntimeError, match=message):
-        _fit(5, False, micro_batch_size=2, **settings)
+@pytest.mark.parametrize("settings", [dict(norms="ghost"), dict(norms="mixed"), dict(clipping="per_layer")],
+                         ids=["ghost", "mixed", "per-layer"])
+@pytest.mark.parametrize("tie_embeddings", [False, True], ids=["untied", "tied"])
+def test_book_kept_norms_and_per_layer_clipping_sum_the_chunks(settings, tie_embeddings):
+    """The head runs once per chunk: book-keeping takes the norm of the sum of its uses (as for a tied weight) and
+    per-layer clipping clips the head once all its chunks have arrived."""
+    settings = dict(micro_batch_size=2, **settings)
+    assert_models_close(_fit(5, tie_embeddings, **settings), _fit(None, tie_embeddings, **settings))
 
 
 def test_a_bad_chunk_size_is_refused():

@@ -1,9 +1,11 @@
-"""A layer called more than once in one forward: its per-sample gradient is the sum of its calls. Materialised
-per-sample gradients are clipped as that sum (equal to a per-sample loop); the paths that would clip or take the norm
-of each call apart (book-kept norms of an unshared weight, the fused per-layer kernel) refuse it during backward,
-before anything is released."""
+"""A layer called more than once in one forward (a layer reused, an output layer applied per chunk of the loss): its
+per-sample gradient is the sum of its calls, on every path. Each call counts as a use, so materialised gradients
+are summed, book-keeping takes the norm of the sum (as for a tied weight), per-layer clipping clips the sum once
+all uses arrived, and the fused kernel hands such a layer to the summing path; each equals a per-sample loop."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -34,19 +36,32 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return per_sample_token_loss(model(ids), ids).sum()
 
 
-def test_materialised_per_sample_gradients_are_the_sum_of_the_calls():
-    torch.manual_seed(0)
-    model, ids = Twice(), torch.randint(0, 16, (BATCH, 6))
-    expected = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
-    for sample in ids:  # the reference: each sample's whole gradient, clipped to CLIP, summed
+def _reference(model: nn.Module, ids: torch.Tensor, per_layer: bool) -> dict[str, torch.Tensor]:
+    """Each sample's whole gradient (autograd sums the calls), clipped flat to CLIP or each tensor to CLIP / sqrt(L),
+    summed over the samples."""
+    params = dict(model.named_parameters())
+    bound = CLIP / math.sqrt(len(params))
+    expected = {name: torch.zeros_like(p) for name, p in params.items()}
+    for sample in ids:
         model.zero_grad()
         _loss(model, sample[None]).backward()
-        norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
-        factor = min(1.0, CLIP / float(norm))
-        for name, p in model.named_parameters():
+        norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params.values()))
+        for name, p in params.items():
+            own = float(p.grad.double().norm())
+            factor = min(1.0, bound / own) if per_layer else min(1.0, CLIP / norm)
             expected[name] += factor * p.grad
     model.zero_grad()
-    engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"))
+    return expected
+
+
+@pytest.mark.parametrize("config", [StrategyConfig(), StrategyConfig(norms="ghost"), StrategyConfig(norms="mixed"),
+                                    StrategyConfig(clipping="per_layer")],
+                         ids=["materialized", "ghost", "mixed", "per-layer"])
+def test_a_repeated_layer_is_clipped_as_the_sum_of_its_calls(config):
+    torch.manual_seed(0)
+    model, ids = Twice(), torch.randint(0, 16, (BATCH, 6))
+    expected = _reference(model, ids, per_layer=config.per_layer is not None)
+    engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"), config=config)
     engine.begin_logical_batch()
     engine.prepare_microbatch(BATCH)
     _loss(model, ids).backward()
@@ -56,25 +71,26 @@ def test_materialised_per_sample_gradients_are_the_sum_of_the_calls():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("norms", ["ghost", "mixed", "hutchinson"])
-def test_book_kept_norms_refuse_a_repeated_call(norms):
+def test_randomized_norms_take_a_repeated_layer_as_one_weight():
     from lightning_longshield.privacy.randomness import SecretKey
 
     model = Twice()
     engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
-                         config=StrategyConfig(norms=norms), projection_key=SecretKey(b"k" * 32))
+                         config=StrategyConfig(norms="hutchinson"), projection_key=SecretKey(b"k" * 32))
     engine.begin_logical_batch()
     engine.prepare_microbatch(BATCH)
-    ids = torch.randint(0, 16, (BATCH, 6))
-    with pytest.raises(RuntimeError, match=r"Linear \(mix.weight\) ran more than once in one forward"):
-        _loss(model, ids).backward()
+    _loss(model, torch.randint(0, 16, (BATCH, 6))).backward()
+    engine.accumulate_microbatch(BATCH)
+    assert engine.capture.bookkeeper.shared >= {"mix.weight"}
+    assert engine.last_per_sample_norms is not None and torch.isfinite(engine.last_per_sample_norms).all()
 
 
-def test_the_fused_kernel_path_refuses_a_repeated_call():
+def test_the_fused_kernel_leaves_a_repeated_layer_to_the_summing_path():
     model = Twice()
     capture = PerSampleGradCapture(model)
-    fused = capture.fuse_linear_weights(lambda name, activation, grad_output: None)
-    assert "mix.weight" in fused
+    handed = []
+    assert "mix.weight" in capture.fuse_linear_weights(lambda name, activation, grad_output: handed.append(name))
     capture.start_microbatch(BATCH)
-    with pytest.raises(RuntimeError, match="the fused per-layer kernel would clip each call apart"):
-        _loss(model, torch.randint(0, 16, (BATCH, 6))).backward()
+    _loss(model, torch.randint(0, 16, (BATCH, 6))).backward()
+    assert "mix.weight" not in handed and capture.uses["mix.weight"] == 2
+    assert capture.collect()["mix.weight"].shape == (BATCH, 8, 8)

@@ -74,16 +74,21 @@ class PerSampleGradCapture:
             }
             self._handles.append(layer.register_forward_pre_hook(self._detach_parameters))
             self._handles.append(layer.register_forward_hook(self._attach_tap, always_call=True))
-        #: How many layers own each trainable parameter (2 for tied embeddings): its uses in one backward.
-        self.uses = Counter(name for names in self._layer_names.values() for name in names.values())
+        #: How many layers own each trainable parameter (2 for tied embeddings).
+        self.owners = Counter(name for names in self._layer_names.values() for name in names.values())
+        #: Each trainable parameter's uses in this micro-batch: its owning layers' calls in the forward (a tied
+        #: weight 2, an output layer applied per chunk of a loss once per chunk). Filled in the forward, read in
+        #: backward (per-layer clipping delivers a parameter once all its uses arrived); the same object throughout.
+        self.uses: Counter[str] = Counter()
         self.bookkeeper: Optional[BookKeeper] = None
         self._fused: Optional[LinearWeightHandler] = None
         self._fused_layers: set[int] = set()
+        self._forward_calls: Counter[int] = Counter()  # per layer, in this micro-batch's forward
         self._calls: Counter[int] = Counter()  # backward deliveries per layer in this micro-batch
+        self._tied = {name for name, count in self.owners.items() if count > 1}
         if per_sample != "materialize" or estimate is not None:
-            shared = {name for name, count in self.uses.items() if count > 1}
             method = "ghost" if estimate is not None else per_sample
-            self.bookkeeper = BookKeeper(method, shared, self.exchange.group, self.exchange.shards, estimate)
+            self.bookkeeper = BookKeeper(method, set(self._tied), self.exchange.group, self.exchange.shards, estimate)
 
     def fuse_linear_weights(self, handler: LinearWeightHandler) -> list[str]:
         """In backward, hand ``handler(weight name, activation, output gradient)`` every ``nn.Linear`` whose only
@@ -92,7 +97,7 @@ class PerSampleGradCapture:
         self._fused_layers = {
             id(layer) for layer in self._layers
             if type(layer) is nn.Linear and set(self._layer_names[id(layer)]) == {"weight"}
-            and self.uses[self._layer_names[id(layer)]["weight"]] == 1
+            and self.owners[self._layer_names[id(layer)]["weight"]] == 1
         }
         return [self._layer_names[layer_id]["weight"] for layer_id in self._fused_layers]
 
@@ -115,15 +120,26 @@ class PerSampleGradCapture:
         if originals is None:
             return None
         layer._parameters.update(originals)
+        if torch._C._current_graph_task_id() == -1:  # a forward call, not a checkpoint's recomputation in backward
+            self._count_call(layer)
         if not isinstance(output, torch.Tensor):
             return None  # the forward raised; parameters are restored and the error propagates
         return PerSampleGradTap.apply(self._receive, layer, output, args[0], *originals.values())
 
+    def _count_call(self, layer: nn.Module) -> None:
+        """One more use of each of ``layer``'s parameters in this micro-batch. A weight used more than once is summed
+        over its uses before its norm is taken: the book-keeper treats it as shared (as a tied weight)."""
+        self._forward_calls[id(layer)] += 1
+        names = self._layer_names[id(layer)].values()
+        self.uses.update(names)
+        if self.bookkeeper is not None and self._forward_calls[id(layer)] == 2:
+            self.bookkeeper.shared = self.bookkeeper.shared | set(names)
+
     def _receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
         self._calls[id(layer)] += 1
-        if self._calls[id(layer)] > 1:
+        if self._calls[id(layer)] > max(1, self._forward_calls[id(layer)]):
             self._check_repeated_call(layer)
-        if self._fused is not None and id(layer) in self._fused_layers:
+        if self._fused is not None and id(layer) in self._fused_layers and self._forward_calls[id(layer)] <= 1:
             self._fused(self._layer_names[id(layer)]["weight"], activation, grad_output)
             return
         if self.bookkeeper is None or not self.bookkeeper.handles(layer, self._layer_names[id(layer)]):
@@ -133,10 +149,10 @@ class PerSampleGradCapture:
             self.exchange.store(name, grad_sample)
 
     def _check_repeated_call(self, layer: nn.Module) -> None:
-        """A layer that ran more than once in one forward has as per-sample gradient the sum of its calls. Materialised
-        per-sample gradients sum them (as a tied weight's uses); the fused kernel and the book-keeping of a weight
-        that no other layer shares would clip or take the norm of each call apart, which could let a sample's
-        contribution exceed its bound: refused, before anything is released."""
+        """More backward deliveries than forward calls were counted (a call the capture did not see as one): the
+        fused kernel and book-keeping would clip or take the norm of the extra one apart, which could let a sample's
+        contribution exceed its bound: refused, before anything is released. Materialised per-sample gradients sum
+        every delivery."""
         names = self._layer_names[id(layer)]
         fused = self._fused is not None and id(layer) in self._fused_layers
         bookkept = self.bookkeeper is not None and self.bookkeeper.handles(layer, names) and any(
@@ -144,9 +160,9 @@ class PerSampleGradCapture:
         if fused or bookkept:
             how = "the fused per-layer kernel" if fused else "book-kept norms (norms='ghost', 'mixed' or randomized)"
             raise RuntimeError(
-                f"{type(layer).__name__} ({', '.join(sorted(names.values()))}) ran more than once in one forward;"
-                f" {how} would clip each call apart. Call each layer once per forward, or use norms='materialize'"
-                " (and PerLayerClipping(kernel='torch') under per-layer clipping), which sum the calls."
+                f"{type(layer).__name__} ({', '.join(sorted(names.values()))}) received more per-sample gradients"
+                f" than its calls in the forward; {how} would clip them apart. Call each layer within the forward"
+                " (not from a hook in backward), or use norms='materialize'."
             )
 
     def _name_of(self, layer: nn.Module, param: nn.Parameter) -> str:
@@ -159,6 +175,10 @@ class PerSampleGradCapture:
         """Capture per-sample gradients in the next backward if the exchange needs them (more than one sample)."""
         self.enabled = self.exchange.start_microbatch(batch_size)
         self._calls.clear()
+        self._forward_calls.clear()
+        self.uses.clear()
+        if self.bookkeeper is not None:
+            self.bookkeeper.shared = set(self._tied)
 
     def collect(self) -> dict[str, torch.Tensor]:
         """Per-sample gradients of the last backward, then forget them (and any ``.grad``) to free memory."""
