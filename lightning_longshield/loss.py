@@ -21,12 +21,21 @@ def per_sample_token_loss(
     over the whole sequence so that shard losses sum to the sample's loss. A sample with no labelled token has
     loss 0 (and gradient 0).
     """
-    token_losses = F.cross_entropy(
+    return token_loss_sums(logits, labels) / _counts(labels, token_counts)
+
+
+def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each sample's sum of fp32 token cross-entropies over its non-ignored labels (B,)."""
+    return F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view(labels.shape)
+    ).view(labels.shape).sum(dim=1)
+
+
+def _counts(labels: torch.Tensor, token_counts: Optional[torch.Tensor]) -> torch.Tensor:
+    """The divisor of each sample's loss: ``token_counts``, else its non-ignored labels, at least 1."""
     if token_counts is None:
         token_counts = (labels != IGNORE_INDEX).sum(dim=1)
-    return token_losses.sum(dim=1) / token_counts.clamp(min=1)
+    return token_counts.clamp(min=1)
 
 
 def chunked_per_sample_token_loss(
@@ -45,22 +54,17 @@ def chunked_per_sample_token_loss(
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
-    if token_counts is None:
-        token_counts = (labels != IGNORE_INDEX).sum(dim=1)
     total = hidden.new_zeros(labels.shape[0], dtype=torch.float32)
     for start in range(0, labels.shape[1], chunk_tokens):
         end = start + chunk_tokens
-        total = total + checkpoint(_token_loss_sums, head, hidden[:, start:end], labels[:, start:end],
+        total = total + checkpoint(_head_token_loss_sums, head, hidden[:, start:end], labels[:, start:end],
                                    use_reentrant=False)
-    return total / token_counts.clamp(min=1)
+    return total / _counts(labels, token_counts)
 
 
-def _token_loss_sums(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each sample's sum of fp32 token cross-entropies over one chunk."""
-    logits = head(hidden)
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view(labels.shape).sum(dim=1)
+def _head_token_loss_sums(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`token_loss_sums` of one chunk's logits (formed here, so a checkpoint frees them)."""
+    return token_loss_sums(head(hidden), labels)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

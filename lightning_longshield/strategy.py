@@ -131,9 +131,9 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         self.cluster_environment = cluster_environment
         self.checkpoint_io, self.precision_plugin = checkpoint_io, precision_plugin  # type: ignore[assignment]
         self.config = StrategyConfig(
-            context_parallel_size, micro_batch_size, exchange, overlap_communication, communication_bucket_mb,
-            activation_checkpointing, norms, clipping, shard_over,
-        )
+            context_parallel_size=context_parallel_size, micro_batch_size=micro_batch_size, exchange=exchange,
+            overlap_communication=overlap_communication, communication_bucket_mb=communication_bucket_mb,
+            activation_checkpointing=activation_checkpointing, norms=norms, clipping=clipping, shard_over=shard_over)
         arguments = PrivacyArguments(noise_multiplier, target_epsilon, target_delta, max_grad_norm, accountant)
         self.privacy = PrivacySession(arguments, secure_mode, noise_seed, poisson_sampling, self.config.projected_norms)
         self.seed = seed
