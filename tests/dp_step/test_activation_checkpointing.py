@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import gc
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from lightning_longshield.loss import per_sample_token_loss
 from lightning_longshield.models import Llama
 from lightning_longshield.privacy import PerSampleGradCapture
 from tests.support.helpers import (
+    CountLiveTensors,
     RandomTokens,
     assert_models_close,
     loader,
@@ -100,30 +100,17 @@ def test_checkpointing_saves_only_block_inputs_and_what_lies_outside_blocks():
     assert with_checkpointing < without / 2
 
 
-def live_tensor_count() -> int:
-    gc.collect()
-    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
-
-
 @pytest.mark.slow
 def test_no_leak_across_steps():
-    counts = {}
-
-    from lightning.pytorch.callbacks import Callback
-
-    class Counter(Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step in (5, 50):
-                counts[trainer.global_step] = live_tensor_count()
-
+    counter = CountLiveTensors((5, 50))
     # Fixed logical batches: with secret Poisson sampling the two counted steps would hold batches of different sizes
     # (a one-sample micro-batch and a longer one keep different tensors), which is no leak.
     strategy = LongShieldStrategy(noise_multiplier=1.0, micro_batch_size=2, activation_checkpointing=True, seed=0,
                                   poisson_sampling=False)
-    make_trainer(strategy, max_steps=50, callbacks=[Counter()]).fit(
+    make_trainer(strategy, max_steps=50, callbacks=[counter]).fit(
         make_module(small_config(n_layers=2), optimizer="adamw", learning_rate=1e-3), loader(RandomTokens(size=64), 4)
     )
-    assert counts[50] <= counts[5] + 5
+    assert counter.counts[50] <= counter.counts[5] + 5, counter.counts
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])

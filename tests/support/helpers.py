@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Mapping
 from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -167,3 +169,20 @@ def assert_models_close(
         torch.testing.assert_close(
             value, expected_state[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+def live_tensor_count() -> int:
+    """Tensors reachable by the garbage collector, after a collection."""
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+
+
+class CountLiveTensors(Callback):
+    """Record :func:`live_tensor_count` at the end of the given optimizer steps, in ``counts``."""
+
+    def __init__(self, steps: tuple[int, ...]) -> None:
+        self.steps, self.counts = steps, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step in self.steps:
+            self.counts[trainer.global_step] = live_tensor_count()
