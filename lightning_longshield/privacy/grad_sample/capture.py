@@ -80,6 +80,7 @@ class PerSampleGradCapture:
         #: weight 2, an output layer applied per chunk of a loss once per chunk). Filled in the forward, read in
         #: backward (per-layer clipping delivers a parameter once all its uses arrived); the same object throughout.
         self.uses: Counter[str] = Counter()
+        self.exchange.count_uses(self.uses)
         self.bookkeeper: Optional[BookKeeper] = None
         self._fused: Optional[LinearWeightHandler] = None
         self._fused_layers: set[int] = set()

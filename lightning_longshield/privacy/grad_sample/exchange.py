@@ -12,7 +12,9 @@ can compute locally is a partial sum. The exchanges below complete it (names fol
   tensor whose feature dimension is sharded, all-gather the other) and compute the complete shard locally; other
   layer types fall back to the reduce-scatter.
 
-Every exchange keys its results by parameter name, sums the uses of a shared (tied) parameter, reports the bytes of
+Every exchange keys its results by parameter name, sums the uses of a parameter (a tied weight, an output layer
+applied per chunk of the loss: uses that arrive back to back are summed before any collective, so a layer called
+once per chunk costs one collective, not one per chunk), reports the bytes of
 per-sample gradients it holds, and decides for its own layout whether squared norms need a sum over the group and
 which slice the clipped sum keeps (`build_exchange` picks one from the strategy's settings). For per-layer clipping
 (`deliver_each_parameter`) it hands over each parameter's per-sample gradient as soon as it is complete.
@@ -76,6 +78,7 @@ class LocalExchange:
         self.capturing = False
         self._sink: Optional[GradSampleSink] = None
         self._uses: Mapping[str, int] = {}
+        self._summing: Optional[_Summing] = None
         self._arrived: dict[str, int] = {}
         self._complete: list[str] = []
         self._delivered: set[str] = set()
@@ -85,13 +88,20 @@ class LocalExchange:
         that own it) have arrived, during backward, and forget them; the parameters completed by one step of the
         exchange (a reduce-scatter bucket) go together. Parameters some of whose owners did not run go at `finish`.
         """
-        self._sink, self._uses = sink, uses
+        self._sink = sink
+        self.count_uses(uses)
+
+    def count_uses(self, uses: Mapping[str, int]) -> None:
+        """Read each parameter's uses in the current micro-batch from ``uses`` (filled in the forward, read in
+        backward): the partials of a parameter's uses that arrive back to back are summed before they go on."""
+        self._uses = uses
 
     def start_microbatch(self, batch_size: int) -> bool:
         """Whether the next backward needs per-sample capture: with one sample ``.grad`` already is its gradient
         (unless ``always_capture``)."""
         self.capturing = batch_size > 1 or self.always_capture
         self.held_bytes = self.peak_held_bytes = 0
+        self._summing = None
         self._arrived.clear()
         self._complete.clear()
         self._delivered.clear()
@@ -104,11 +114,25 @@ class LocalExchange:
     def store(self, name: str, grad_sample: torch.Tensor) -> None:
         """Take one parameter's (partial) per-sample gradient ``(B, *shape)``, computed from this rank's tokens."""
         self.observer.per_sample_gradient(grad_sample)
-        self._store(name, grad_sample)
+        summing = self._summing
+        if summing is not None and summing.name == name:
+            summing.total.add_(grad_sample)  # the first use's tensor is the exchange's own
+            summing.uses += 1
+        else:
+            self._flush_summing()
+            self._summing = summing = _Summing(name, grad_sample)
+        if summing.uses >= self._uses.get(name, 1):
+            self._flush_summing()
         self._deliver()
 
-    def _store(self, name: str, grad_sample: torch.Tensor) -> None:
-        """Add one use's complete per-sample gradient (this rank's part of it) to what the exchange holds."""
+    def _flush_summing(self) -> None:
+        """Pass on the partial summed over the uses that arrived back to back."""
+        if self._summing is not None:
+            summing, self._summing = self._summing, None
+            self._store(summing.name, summing.total, summing.uses)
+
+    def _store(self, name: str, grad_sample: torch.Tensor, uses: int = 1) -> None:
+        """Add ``uses`` uses' complete per-sample gradient (this rank's part of it) to what the exchange holds."""
         if name in self._delivered:
             raise RuntimeError(
                 f"{name} received another per-sample gradient after its per-layer clipping: a module that owns it ran"
@@ -116,12 +140,14 @@ class LocalExchange:
                 " forward; use clipping='flat'."
             )
         previous = self.grad_samples.get(name)
-        self.grad_samples[name] = grad_sample if previous is None else previous + grad_sample
         if previous is None:
+            self.grad_samples[name] = grad_sample
             self.held_bytes += _nbytes(grad_sample)
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        else:  # in place: the first use's tensor is the exchange's own, and a third (B, *shape) buffer would not fit
+            previous.add_(grad_sample)
         if self._sink is not None:
-            self._arrived[name] = self._arrived.get(name, 0) + 1
+            self._arrived[name] = self._arrived.get(name, 0) + uses
             if self._arrived[name] == self._uses.get(name, 1):
                 self._complete.append(name)
 
@@ -139,6 +165,7 @@ class LocalExchange:
     def finish(self) -> dict[str, torch.Tensor]:
         """The captured per-sample gradients of the last backward (the exchange forgets them); those not yet
         delivered go to the sink instead, if there is one."""
+        self._flush_summing()
         if self._sink is not None:
             self._complete.extend(name for name in self.grad_samples if name not in self._complete)
             self._deliver()
@@ -178,9 +205,9 @@ class AllReduceExchange(LocalExchange):
     def __init__(self, group: dist.ProcessGroup, shards: dict[str, ParamShard], always_capture: bool = False) -> None:
         super().__init__(group, shards, always_capture)
 
-    def _store(self, name: str, grad_sample: torch.Tensor) -> None:
+    def _store(self, name: str, grad_sample: torch.Tensor, uses: int = 1) -> None:
         dist.all_reduce(grad_sample, group=self.group)
-        super()._store(name, grad_sample)
+        super()._store(name, grad_sample, uses)
 
     def complete_squared_norms(self, squared_norms: torch.Tensor) -> torch.Tensor:
         if not self.capturing:
@@ -212,15 +239,15 @@ class ReduceScatterExchange(LocalExchange):
         super().__init__(group, shards, always_capture)
         self.overlap = overlap
         self.bucket_bytes = bucket_bytes
-        self._bucket: list[tuple[str, torch.Tensor]] = []
+        self._bucket: list[tuple[str, torch.Tensor, int]] = []
         self._bucket_size = 0
-        self._pending: list[tuple[dist.Work, list[tuple[str, torch.Tensor]], torch.Tensor]] = []
+        self._pending: list[tuple[dist.Work, list[tuple[str, torch.Tensor, int]], torch.Tensor]] = []
 
-    def _store(self, name: str, grad_sample: torch.Tensor) -> None:
+    def _store(self, name: str, grad_sample: torch.Tensor, uses: int = 1) -> None:
         chunks = self.shards[name].padded_chunks_first(grad_sample, offset=1)
         if self._bucket and self._bucket[0][1].dtype != chunks.dtype:
             self._launch_bucket()
-        self._bucket.append((name, chunks))
+        self._bucket.append((name, chunks, uses))
         self._bucket_size += chunks.numel() * chunks.element_size()
         if self._bucket_size >= self.bucket_bytes:
             self._launch_bucket()
@@ -234,7 +261,7 @@ class ReduceScatterExchange(LocalExchange):
         if len(bucket) == 1:
             flat = bucket[0][1]
         else:
-            flat = torch.cat([chunks.flatten(1) for _, chunks in bucket], dim=1)
+            flat = torch.cat([chunks.flatten(1) for _, chunks, _ in bucket], dim=1)
         output = torch.empty_like(flat[:1])
         work = dist.reduce_scatter_tensor(output, flat, group=self.group, async_op=True)
         self._pending.append((work, bucket, output))
@@ -243,11 +270,13 @@ class ReduceScatterExchange(LocalExchange):
         while len(self._pending) > keep:
             work, bucket, output = self._pending.pop(0)
             work.wait()
-            pieces = output[0].split([chunks[0].numel() for _, chunks in bucket]) if len(bucket) > 1 else [output[0]]
-            for (name, chunks), piece in zip(bucket, pieces):
-                super()._store(name, self.shards[name].from_chunk(piece.view(chunks.shape[1:]), offset=1))
+            pieces = (output[0].split([chunks[0].numel() for _, chunks, _ in bucket]) if len(bucket) > 1
+                      else [output[0]])
+            for (name, chunks, uses), piece in zip(bucket, pieces):
+                super()._store(name, self.shards[name].from_chunk(piece.view(chunks.shape[1:]), offset=1), uses)
 
     def finish(self) -> dict[str, torch.Tensor]:
+        self._flush_summing()
         self._launch_bucket()
         self._wait(keep=0)
         return super().finish()
@@ -275,6 +304,13 @@ class OutputStationaryExchange(ReduceScatterExchange):
         weight = torch.einsum("b...o,b...i->boi", grad_output, activation)
         LocalExchange._store(self, name, shard.from_chunk(weight.movedim(shard.dim + 1, -1), offset=1))
         self._deliver()
+
+
+class _Summing:
+    """One parameter's partial per-sample gradient, summed over the uses that arrived back to back."""
+
+    def __init__(self, name: str, total: torch.Tensor) -> None:
+        self.name, self.total, self.uses = name, total, 1
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
