@@ -11,13 +11,14 @@ from typing import Any, Literal, Optional, Union
 import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torchmetrics.text import Perplexity
 
 from lightning_longshield import hf
 from lightning_longshield.context_parallel.mesh import CONTEXT_PARALLEL
 from lightning_longshield.lora import LoraOptions, apply_lora, reset_adapters
-from lightning_longshield.loss import IGNORE_INDEX, chunked_per_sample_token_loss, per_sample_token_loss
+from lightning_longshield.loss import IGNORE_INDEX, chunked_token_loss_sums, loss_divisors, token_loss_sums
 from lightning_longshield.models import Llama, LlamaConfig
+from lightning_longshield.token_perplexity import TokenPerplexity
+from simulate.loss_chunks import LossChunking, check_loss_chunking, resolve_loss_chunk_tokens
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -131,9 +132,11 @@ class CausalLMModule(L.LightningModule):
     ``lora`` (a `LoraOptions`) injects PEFT LoRA adapters and freezes the rest of the model: only the adapters are
     trained, clipped and noised.
 
-    ``loss_chunk_tokens`` (opt-in): the training loss runs the output head and the
-    cross-entropy over chunks of that many positions (`chunked_per_sample_token_loss`), so the whole ``(B, T, vocab)``
-    logits never exist; with flat clipping and materialised per-sample gradients the DP step is the same.
+    ``loss_chunk_tokens``: the loss (training and validation) runs the output head and the fp32 cross-entropy over
+    chunks of that many positions (`chunked_token_loss_sums`), so the whole ``(B, T, vocab)`` logits never exist; the
+    loss, its gradients and every clipping path's per-sample gradients are those of the whole logits. ``"auto"`` (the
+    default) chunks where the whole logits would take more than 1 GiB, with chunks sized by
+    `simulate.loss_chunks.auto_loss_chunk_tokens`; ``None`` never chunks.
 
     ``log_train_loss=True`` also logs ``train_loss``, the loss of each sampled micro-batch. It is computed without
     noise from the private training data (at one sample per micro-batch it is one record's loss), so it is NOT
@@ -148,11 +151,10 @@ class CausalLMModule(L.LightningModule):
         weight_decay: float = 0.0,
         log_train_loss: bool = False,
         lora: Optional[Union[LoraOptions, Mapping[str, Any]]] = None,
-        loss_chunk_tokens: Optional[int] = None,
+        loss_chunk_tokens: LossChunking = "auto",
     ) -> None:
         super().__init__()
-        if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
-            raise ValueError(f"loss_chunk_tokens must be a positive integer or None, got {loss_chunk_tokens}.")
+        check_loss_chunking(loss_chunk_tokens)
         self.loss_chunk_tokens = loss_chunk_tokens
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {OPTIMIZERS}.")
@@ -173,7 +175,7 @@ class CausalLMModule(L.LightningModule):
                                    "lora": None if self.lora is None else asdict(self.lora),
                                    "loss_chunk_tokens": loss_chunk_tokens})
         self.model: Optional[Llama] = None
-        self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
+        self.val_perplexity = TokenPerplexity()
 
     def setup(self, stage: str) -> None:
         """Refuse data whose tokenizer has more tokens than the model's embedding (the data module's `check_vocab`)."""
@@ -216,30 +218,36 @@ class CausalLMModule(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         input_ids, labels, position_ids, token_counts = unpack_batch(batch)
-        if self.loss_chunk_tokens is None:
-            loss = per_sample_token_loss(self(input_ids, position_ids), labels, token_counts).mean()
-        else:
-            loss = self._chunked_loss(input_ids, labels, position_ids, token_counts)
+        loss = (self._token_loss_sums(input_ids, labels, position_ids) / loss_divisors(labels, token_counts)).mean()
         if self.log_train_loss:
             self.log("train_loss", self._whole_sequence(loss), prog_bar=True, batch_size=input_ids.shape[0])
         return loss
 
-    def _chunked_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor],
-                      token_counts: Optional[torch.Tensor]) -> torch.Tensor:
+    def _token_loss_sums(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                         position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Each sample's summed token cross-entropy (B,), whole or by chunks (``loss_chunk_tokens``)."""
         assert self.model is not None, "call configure_model() first"
+        batch, positions = input_ids.shape
+        head = getattr(self.model, "output", None)
+        chunk = None
+        if isinstance(head, torch.nn.Linear):  # a model of another kind computes its whole logits
+            chunk = resolve_loss_chunk_tokens(self.loss_chunk_tokens, batch, positions, head.in_features,
+                                              head.out_features)
+        if chunk is None:
+            return token_loss_sums(self(input_ids, position_ids), labels)
 
         def loss(hidden: torch.Tensor, output: torch.nn.Module) -> torch.Tensor:
-            return chunked_per_sample_token_loss(hidden, output, labels, token_counts, self.loss_chunk_tokens)
+            return chunked_token_loss_sums(hidden, output, labels, chunk)
 
-        return self.model(input_ids, position_ids, head=loss).mean()
+        return self.model(input_ids, position_ids, head=loss)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         input_ids, labels, position_ids, token_counts = unpack_batch(batch)
-        logits = self(input_ids, position_ids)
-        loss = per_sample_token_loss(logits, labels, token_counts).mean()
+        sums = self._token_loss_sums(input_ids, labels, position_ids)
+        loss = (sums / loss_divisors(labels, token_counts)).mean()
         # sync_dist: the mean over data-parallel groups (the CP ranks of a group already agree on the whole loss).
         self.log("val_loss", self._whole_sequence(loss), batch_size=input_ids.shape[0], sync_dist=True)
-        self.val_perplexity.update(logits.float(), labels)
+        self.val_perplexity.update(sums.sum(), (labels != IGNORE_INDEX).sum())
         self.log("val_perplexity", self.val_perplexity, prog_bar=True)
 
     def _whole_sequence(self, loss: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torchmetrics.text import Perplexity
 
-from lightning_longshield import LongShieldStrategy
+from lightning_longshield import LongShieldStrategy, ProjectedNorms
 from lightning_longshield.loss import IGNORE_INDEX, chunked_per_sample_token_loss, per_sample_token_loss
-from tests.support.helpers import RandomTokens, assert_models_close, loader, make_module, make_trainer, small_config
+from tests.support.helpers import (
+    RandomTokens,
+    assert_models_close,
+    loader,
+    make_lora_module,
+    make_module,
+    make_trainer,
+    small_config,
+)
 
 BATCH, STEPS, CLIP = 4, 2, 0.05
 
@@ -33,8 +42,10 @@ def test_losses_and_gradients_equal_the_whole_logits(chunk):
             torch.testing.assert_close(actual, reference)
 
 
-def _fit(loss_chunk_tokens, tie_embeddings: bool, **strategy_kwargs) -> nn.Module:
-    module = make_module(small_config(tie_embeddings=tie_embeddings), loss_chunk_tokens=loss_chunk_tokens)
+def _fit(loss_chunk_tokens, tie_embeddings: bool, lora: bool = False, **strategy_kwargs) -> nn.Module:
+    config = small_config(tie_embeddings=tie_embeddings)
+    module = (make_lora_module(config, module_kwargs=dict(loss_chunk_tokens=loss_chunk_tokens)) if lora
+              else make_module(config, loss_chunk_tokens=loss_chunk_tokens))
     strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=CLIP, poisson_sampling=False, seed=0,
                                   **strategy_kwargs)
     make_trainer(strategy, max_steps=STEPS).fit(module, loader(RandomTokens(size=BATCH * STEPS, seq_len=16), BATCH))
@@ -49,16 +60,45 @@ def test_the_dp_step_equals_the_unchunked_one(micro_batch_size, activation_check
     assert_models_close(_fit(5, tie_embeddings, **settings), _fit(None, tie_embeddings, **settings))
 
 
-@pytest.mark.parametrize("settings", [dict(norms="ghost"), dict(norms="mixed"), dict(clipping="per_layer")],
-                         ids=["ghost", "mixed", "per-layer"])
+@pytest.mark.filterwarnings("ignore:noise_seed")  # the projections of both runs drawn alike
+@pytest.mark.parametrize("settings", [dict(norms="ghost"), dict(norms="mixed"), dict(clipping="per_layer"),
+                                      dict(norms=ProjectedNorms("hutchinson", projection_dim=4), noise_seed=5)],
+                         ids=["ghost", "mixed", "per-layer", "randomized"])
 @pytest.mark.parametrize("tie_embeddings", [False, True], ids=["untied", "tied"])
 def test_book_kept_norms_and_per_layer_clipping_sum_the_chunks(settings, tie_embeddings):
-    """The head runs once per chunk: book-keeping takes the norm of the sum of its uses (as for a tied weight) and
-    per-layer clipping clips the head once all its chunks have arrived."""
+    """The head runs once per chunk: book-keeping takes the norm of the sum of its uses (as for a tied weight),
+    per-layer clipping clips the head once all its chunks have arrived, and randomized norms project that sum."""
     settings = dict(micro_batch_size=2, **settings)
     assert_models_close(_fit(5, tie_embeddings, **settings), _fit(None, tie_embeddings, **settings))
 
 
-def test_a_bad_chunk_size_is_refused():
-    with pytest.raises(ValueError, match="loss_chunk_tokens must be a positive integer"):
-        make_module(small_config(), loss_chunk_tokens=0)
+def test_lora_adapters_take_the_same_step_chunked():
+    """LoRA: the frozen head still runs per chunk; the adapters' per-sample gradients flow through every chunk."""
+    settings = dict(micro_batch_size=2)
+    assert_models_close(_fit(5, False, lora=True, **settings), _fit(None, False, lora=True, **settings))
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_validation_loss_and_perplexity_equal_the_whole_logits(chunk):
+    """Validation runs chunked too: ``val_loss`` and ``val_perplexity`` (from token-loss sums) equal the whole logits'
+    loss and torchmetrics' `Perplexity` of them."""
+    module = make_module(small_config(), loss_chunk_tokens=chunk)
+    dataset = RandomTokens(size=6, seq_len=16)
+    trainer = make_trainer(LongShieldStrategy(noise_multiplier=0.0, poisson_sampling=False, seed=0), max_steps=1)
+    logged = trainer.validate(module, loader(dataset, 3), verbose=False)[0]
+    batches = list(loader(dataset, 3))
+    reference = Perplexity(ignore_index=IGNORE_INDEX)
+    losses = []
+    with torch.no_grad():
+        for batch in batches:
+            logits = module.model(batch["input_ids"])
+            losses.append(per_sample_token_loss(logits, batch["labels"]).mean())
+            reference.update(logits, batch["labels"])
+    assert logged["val_loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-6)
+    assert logged["val_perplexity"] == pytest.approx(reference.compute().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, "whole", True])
+def test_a_bad_chunk_size_is_refused(value):
+    with pytest.raises(ValueError, match="loss_chunk_tokens must be 'auto', None .* or a positive integer"):
+        make_module(small_config(), loss_chunk_tokens=value)

@@ -60,12 +60,13 @@ def make_module(config: LlamaConfig, seed: int = 0, **kwargs: Any) -> CausalLMMo
     return module
 
 
-def make_lora_module(config: LlamaConfig, seed: int = 0, **lora: Any) -> CausalLMModule:
-    """`make_module` with LoRA adapters whose B is drawn at random (PEFT starts B at zero, which would make every
-    A gradient zero and the exactness tests vacuous for A)."""
+def make_lora_module(config: LlamaConfig, seed: int = 0, module_kwargs: Optional[dict[str, Any]] = None,
+                     **lora: Any) -> CausalLMModule:
+    """`make_module` (with ``module_kwargs``) with LoRA adapters whose B is drawn at random (PEFT starts B at zero,
+    which would make every A gradient zero and the exactness tests vacuous for A)."""
     from lightning_longshield.lora import LoraOptions
 
-    module = make_module(config, seed, lora=LoraOptions(**{"rank": 4, **lora}))
+    module = make_module(config, seed, lora=LoraOptions(**{"rank": 4, **lora}), **(module_kwargs or {}))
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in module.model.named_parameters():
