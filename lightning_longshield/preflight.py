@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_longshield.privacy.per_layer import use_fused_kernel
 from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory
 from simulate.config import METHODS, longshield_config, method_for, precision_of
+from simulate.loss_chunks import LossChunking
 from simulate.strategy_config import StrategyConfig, describe_arguments
 from simulate.throughput import estimate_step_time
 
@@ -188,10 +189,12 @@ def predict(
     clipping: str = "flat",
     per_layer_kernel: str = "auto",
     private_length: bool = False,
+    loss_chunk_tokens: LossChunking = "auto",
 ) -> PreflightResult:
     """The planner's peak memory per GPU for a run of ``gpus`` processes in context-parallel groups of ``cp``
     (``clipping``: ``"flat"`` or ``"per_layer"``; ``per_layer_kernel``: ``"auto"`` (fused) or ``"torch"``;
-    ``private_length``: ``seq_len`` was read from the data and is not to be shown, see `PreflightResult`).
+    ``private_length``: ``seq_len`` was read from the data and is not to be shown, see `PreflightResult`;
+    ``loss_chunk_tokens``: the module's chunked loss, `CausalLMModule`'s setting).
 
     ``seq_len`` is rounded up to a multiple of ``2 x cp`` (the planner's load-balanced sharding needs it). ZeRO-DP+
     (``"zero-dp"``) is planned as the strategy runs it (`longshield_config`): data parallelism over all ``gpus``,
@@ -201,11 +204,12 @@ def predict(
         raise ValueError(f"cp={cp} must be a positive divisor of gpus={gpus}.")
     gpu = gpu_spec_for(gpu_name, capacity_bytes)
     if method == "zero-dp":
-        config = longshield_config(model, method, 1, mbs, seq_len, precision, gpu, data_parallel=gpus)
+        config = longshield_config(model, method, 1, mbs, seq_len, precision, gpu, data_parallel=gpus,
+                                   loss_chunk_tokens=loss_chunk_tokens)
         return PreflightResult(config, estimate_memory(config), gpus, notes, private_length)
     padded = -(-seq_len // (2 * cp)) * (2 * cp)
     config = longshield_config(model, method, cp, mbs, padded, precision, gpu, clipping=clipping,
-                               per_layer_kernel=per_layer_kernel)
+                               per_layer_kernel=per_layer_kernel, loss_chunk_tokens=loss_chunk_tokens)
     return PreflightResult(config, estimate_memory(config), gpus, notes, private_length)
 
 
@@ -317,7 +321,9 @@ def run_preflight(
     clipping = "flat" if config.per_layer is None else "per_layer"
     options = dict(notes=notes, clipping=clipping,
                    per_layer_kernel=planned_per_layer_kernel(config, device, cp, world_size),
-                   private_length=public_length is None)
+                   private_length=public_length is None,
+                   # A module of its own computes its loss as it likes: planned over the whole logits.
+                   loss_chunk_tokens=getattr(module, "loss_chunk_tokens", None))
     if not is_cuda(device):
         result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, **options)
         prediction = "planned" if result.private_length else f"on CUDA, {result.peak()}"

@@ -41,6 +41,7 @@ from simulate.config import (
     method_for,
     parse_gpus,
 )
+from simulate.loss_chunks import LossChunking
 from simulate.memory import estimate_memory
 from simulate.run_file import read_run_file
 from simulate.specs import GPU_PRESETS, MODEL_PRESETS, get_model_spec
@@ -99,12 +100,13 @@ def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) ->
         model=run.model, gpus=None if run.gpus is None else float(run.gpus), precision=run.precision,
         seq_len=run.seq_len, method=method, mbs=run.strategy.micro_batch_size, cp=run.strategy.context_parallel_size,
         lora_rank=run.lora_rank, clipping="flat" if per_layer is None else "per_layer",
+        loss_chunk_tokens=run.loss_chunk_tokens,
         per_layer_kernel="torch" if per_layer is not None and per_layer.kernel == "torch" else "auto",
         as_run=True,  # the strategy's own variant of the method, not the paper's prototype
     )
     known = {action.dest: action for action in command._actions if action.nargs not in ("+", "*")}  # not lists
     defaults = {name: value for name, value in defaults.items()
-                if value is not None and (name in known or name == "as_run")}
+                if (value is not None or name == "loss_chunk_tokens") and (name in known or name == "as_run")}
     command.set_defaults(**defaults)
     if "seq_len" in defaults:
         known["seq_len"].required = False
@@ -119,7 +121,8 @@ def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
     _check_cp_splits(args.method, args.gpus, args.cp, args.seq_len)
     p = planner.plan(model=args.model, gpus=args.gpus, method=_method(args), mbs=args.mbs, seq_len=args.seq_len,
                      cp=args.cp, gpu=args.gpu, precision=args.precision, lora_rank=args.lora_rank,
-                     clipping=args.clipping, per_layer_kernel=args.per_layer_kernel)
+                     clipping=args.clipping, per_layer_kernel=args.per_layer_kernel,
+                     loss_chunk_tokens=args.loss_chunk_tokens)
     args.exit_status = 0 if p.fits else EXIT_DOES_NOT_FIT
     if not args.json:
         _print_plan(console, p)
@@ -175,7 +178,7 @@ def _check_cp_splits(method: str, gpus: float, cp: int | None, seq_len: int | No
 def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:
     inputs = dict(model=args.model, gpus=args.gpus, method=_method(args), mbs=args.mbs, cp=args.cp, gpu=args.gpu,
                   precision=args.precision, lora_rank=args.lora_rank, clipping=args.clipping,
-                  per_layer_kernel=args.per_layer_kernel)
+                  per_layer_kernel=args.per_layer_kernel, loss_chunk_tokens=args.loss_chunk_tokens)
     _check_cp_splits(args.method, args.gpus, args.cp, None)
     best = planner.max_seq_len(**inputs)
     args.exit_status = 0 if best is not None else EXIT_DOES_NOT_FIT
@@ -411,9 +414,22 @@ def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
                    help="per-layer clipping of linear weights: auto (the fused kernels, no per-sample gradient, where"
                         " the model is whole on one GPU: CP 1, --gpus 1) or torch (per-sample gradients, one layer"
                         " at a time)")
+    p.add_argument("--loss-chunk-tokens", type=loss_chunking, default="auto",
+                   help="CausalLMModule's chunked loss: auto (its default: chunks once the whole logits would take"
+                        " over 1 GiB), none (the whole logits at once) or positions per chunk")
     if seq_len:
         p.add_argument("--seq-len", type=power_of_two, required=True,
                        help="sequence length, a power of two (16k and 1M ok)")
+
+
+def loss_chunking(text: str) -> LossChunking:
+    """``--loss-chunk-tokens``: ``auto``, ``none`` or a positive integer."""
+    lowered = text.strip().lower()
+    if lowered in ("auto", "none"):
+        return None if lowered == "none" else "auto"
+    if not lowered.isdigit() or int(lowered) < 1:
+        raise argparse.ArgumentTypeError(f"expected auto, none or a positive number of positions, got {text!r}")
+    return int(lowered)
 
 
 def _model(text: str) -> str:

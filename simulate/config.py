@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from simulate.loss_chunks import LossChunking, check_loss_chunking, resolve_loss_chunk_tokens
 from simulate.specs import (
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -108,6 +109,20 @@ class RunConfig:
     lora_rank: int = 0  # > 0: only LoRA adapters of this rank on every block projection train
     clipping: str = "flat"  # "per_layer": each layer's per-sample gradients clipped and freed as they complete
     per_layer_kernel: str = "auto"  # the strategy's PerLayerClipping.kernel: "auto"/"triton" fused where it runs
+    loss_chunk_tokens: LossChunking = "auto"  # CausalLMModule's: "auto", None (the whole logits) or positions
+
+    @property
+    def loss_chunk(self) -> int | None:
+        """Positions per chunk of the loss on one rank (`resolve_loss_chunk_tokens`), ``None`` for the whole logits."""
+        positions = self.seq_len // self.cp_size
+        return resolve_loss_chunk_tokens(self.loss_chunk_tokens, self.micro_batch_size, positions, self.model.dim,
+                                         self.model.vocab_size)
+
+    @property
+    def loss_tokens_per_rank(self) -> float:
+        """Tokens whose logits exist at once on one rank: one chunk's, or all ``tokens_per_rank``."""
+        chunk = self.loss_chunk
+        return self.tokens_per_rank if chunk is None else self.micro_batch_size * chunk
 
     @property
     def strategy(self) -> StrategyConfig:
@@ -163,6 +178,7 @@ class RunConfig:
             "lora_rank": self.lora_rank,
             "clipping": self.clipping,
             "per_layer_kernel": self.per_layer_kernel,
+            "loss_chunk_tokens": self.loss_chunk_tokens,
         }
 
 
@@ -203,12 +219,14 @@ def make_config(
     lora_rank: int = 0,
     clipping: str = "flat",
     per_layer_kernel: str = "auto",
+    loss_chunk_tokens: LossChunking = "auto",
 ) -> RunConfig:
     """Validate raw inputs into a :class:`RunConfig`; every error says how to fix the input.
 
     ``model``, ``gpu`` and ``method`` are preset names or specs (a custom model, a GPU with its measured capacity,
     LongShield's variant of a method from `longshield_config`).
     ``cp=None`` means: all GPUs form one CP group for CP methods, and 1 for FSDP methods.
+    ``loss_chunk_tokens`` is `CausalLMModule`'s (``"auto"``: its default rule; ``None``: the whole logits at once).
     """
     spec = model if isinstance(model, ModelSpec) else get_model_spec(model)
     gpu_spec = gpu if isinstance(gpu, GPUSpec) else get_gpu_spec(gpu)
@@ -239,6 +257,7 @@ def make_config(
                          f" not {method_spec.name}; drop --clipping per_layer or pick one of them.")
     if per_layer_kernel not in PER_LAYER_KERNELS:
         raise ValueError(f"Unknown per-layer kernel {per_layer_kernel!r}; choose one of {list(PER_LAYER_KERNELS)}.")
+    check_loss_chunking(loss_chunk_tokens)
     cp_size = _resolve_cp(method_spec, num_gpus, cp)
     if method_spec.context_parallel and seq_len % (2 * cp_size):
         raise ValueError(
@@ -246,7 +265,7 @@ def make_config(
             "(load-balanced sharding cuts it into 2N chunks); pick a multiple of it."
         )
     return RunConfig(model_name, spec, gpu_name, gpu_spec, num_gpus, method_spec, int(mbs), int(seq_len), cp_size,
-                     PRECISIONS[precision], int(lora_rank), clipping, per_layer_kernel)
+                     PRECISIONS[precision], int(lora_rank), clipping, per_layer_kernel, loss_chunk_tokens)
 
 
 def as_run_by_longshield(method: str, mbs: int) -> str:
@@ -276,6 +295,7 @@ def longshield_config(
     data_parallel: int = 1,
     clipping: str = "flat",
     per_layer_kernel: str = "auto",
+    loss_chunk_tokens: LossChunking = "auto",
 ) -> RunConfig:
     """One context-parallel group of `LongShieldStrategy` as the planner sees it: ``cp`` GPUs (the strategy shards
     model states over the CP group only; data-parallel groups are replicas) and the method the strategy really runs
@@ -283,11 +303,12 @@ def longshield_config(
 
     ``"zero-dp"`` is the strategy's ZeRO-DP+ (``context_parallel_size=1, shard_over="all", per_sample="mixed"``):
     model states sharded over all ``data_parallel`` GPUs, one backward with book-keeping (no retained norm pass).
+    ``loss_chunk_tokens`` is `CausalLMModule`'s setting.
     """
     gpus = data_parallel if method == "zero-dp" else cp
     return make_config(model=model, gpus=gpus, method=as_run_by_strategy(method, mbs), mbs=mbs, seq_len=seq_len,
                        cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank, clipping=clipping,
-                       per_layer_kernel=per_layer_kernel)
+                       per_layer_kernel=per_layer_kernel, loss_chunk_tokens=loss_chunk_tokens)
 
 
 def method_for(strategy: StrategyConfig) -> tuple[str, tuple[str, ...]]:

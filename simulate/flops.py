@@ -62,6 +62,8 @@ def microbatch_flops(cfg: RunConfig) -> Flops:
     if cfg.method.activation_checkpointing:
         matmul += lin_forward - 2 * cfg.model.embedding_numel * t  # the head is not checkpointed
         attention += attn_forward
+    if cfg.loss_chunk is not None:  # the chunked loss runs the head's forward again in backward
+        matmul += 2 * cfg.model.embedding_numel * t
     ghost = 0.0
     if cfg.method.per_sample_grads == "ghost":
         prototype = cfg.method.retained_norm_pass

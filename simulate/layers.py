@@ -68,6 +68,13 @@ def block_saved_tensors(m: ModelSpec, act: int, context_parallel: bool) -> list[
         SavedTensor("sdpa.out", m.dim, act),
         SavedTensor("sdpa.logsumexp", m.n_heads, FP32),
         SavedTensor("wo.input", m.dim, act),
+        *feed_forward_saved_tensors(m, act),
+    ]
+
+
+def feed_forward_saved_tensors(m: ModelSpec, act: int) -> list[SavedTensor]:
+    """What a block's RMSNorm + SwiGLU half saves (freed in backward before the attention half runs)."""
+    return [
         *rms_norm_saved("ffn_norm", m, act),
         SavedTensor("w13.input", m.dim, act),
         SavedTensor("w1.out", m.ffn_dim, act),

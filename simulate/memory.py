@@ -167,7 +167,7 @@ def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
         *_loss_phases(cfg, acts_all, phase),
         ("backward: output", phase(
             activations=acts_all + t * m.dim * a,
-            logits_loss=t * layers.logits_grad_bytes_per_token(m, a),
+            logits_loss=cfg.loss_tokens_per_rank * layers.logits_grad_bytes_per_token(m, a),
             fsdp_buffers=head_grad,
             per_sample_grads=psg.head_kept() + psg.head_in_flight(),
             ghost_norm=ghost.head_transient(),
@@ -215,7 +215,7 @@ def _phase_with(states: float, fsdp_params: float) -> Phase:
 
 def _loss_phases(cfg: RunConfig, activations: float, phase: Phase) -> list[tuple[str, dict[str, float]]]:
     """The loss's forward and backward, over all saved activations."""
-    m, a, t = cfg.model, cfg.precision.activation_bytes, cfg.tokens_per_rank
+    m, a, t = cfg.model, cfg.precision.activation_bytes, cfg.loss_tokens_per_rank
     return [
         ("forward: loss", phase(activations=activations, logits_loss=t * layers.loss_forward_bytes_per_token(m, a))),
         ("backward: loss", phase(activations=activations, logits_loss=t * layers.loss_backward_bytes_per_token(m, a))),
@@ -235,7 +235,7 @@ def _book_keeping_phases(cfg: RunConfig, states: float, fsdp_params: float, full
         *_loss_phases(cfg, acts_all, phase),
         ("backward: output", phase(
             activations=acts_all + t * m.dim * a,
-            logits_loss=t * layers.logits_grad_bytes_per_token(m, a),
+            logits_loss=cfg.loss_tokens_per_rank * layers.logits_grad_bytes_per_token(m, a),
             per_sample_grads=kept.head_grad,
             ghost_norm=kept.norm_transient(m.dim, m.vocab_size) if kept.head_ghost else 0.0,
         )),
@@ -319,17 +319,21 @@ def _sum_saved(saved: list[layers.SavedTensor], local_tokens: float, cp_size: in
 
 
 def _block_backward_working_set(cfg: RunConfig) -> tuple[float, float]:
-    """(activation-gradient bytes, CP communication bytes) of the largest op in one block's backward.
+    """(activation bytes, CP communication bytes) that one block's backward holds at its largest moment beyond the
+    block's saved tensors (which the phases count whole).
 
-    SwiGLU: grads of w2's input, of silu's output and w3's output, of w1's output, plus the block input grad.
-    Attention: dq and flash's fp32 dq accumulator, plus dK/dV of the K/V SDPA saw: under CP these span the
-    gathered sequence and are the reduce-scatter's input, next to its local output.
+    SwiGLU, at the product's backward: the grads of w2's input, of silu's output and of w3's output, plus the block
+    input grad, less w2's saved input (freed once w2's backward ran).
+    Attention, after the SwiGLU's backward freed its saved tensors: dq and flash's fp32 dq accumulator, plus dK/dV
+    of the K/V SDPA saw: under CP these span the gathered sequence and are the reduce-scatter's input, next to its
+    local output.
     """
     m, a, n, t = cfg.model, cfg.precision.activation_bytes, cfg.cp_size, cfg.tokens_per_rank
-    mlp = (3 * m.ffn_dim + m.dim) * a * t
+    mlp = (2 * m.ffn_dim + m.dim) * a * t
+    freed_by_then = _sum_saved(layers.feed_forward_saved_tensors(m, a), t, n)
     dq = m.dim * (a + FP32) * t
     dkv_local = 2 * m.dim * a * t
-    attn_act, attn_comm = dq + dkv_local, (dkv_local * n if cfg.method.context_parallel else 0.0)
+    attn_act, attn_comm = dq + dkv_local - freed_by_then, (dkv_local * n if cfg.method.context_parallel else 0.0)
     return (mlp, 0.0) if mlp >= attn_act + attn_comm else (attn_act, attn_comm)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from simulate.config import precision_of
+from simulate.loss_chunks import LossChunking, check_loss_chunking
 from simulate.specs import DEFAULT_LORA_RANK
 from simulate.strategy_config import StrategyConfig
 
@@ -30,6 +31,7 @@ class PlannedRun:
     gpus: int | None
     precision: str | None
     strategy: StrategyConfig
+    loss_chunk_tokens: LossChunking = "auto"
 
 
 def read_run_file(path: str | os.PathLike) -> PlannedRun:
@@ -68,7 +70,16 @@ def planned_run(document: Mapping[str, Any], source: str = "the run file") -> Pl
         gpus=_gpus(trainer, source),
         precision=precision_of(trainer.get("precision", LIGHTNING_DEFAULT_PRECISION)),
         strategy=StrategyConfig.from_arguments(strategy_args),
+        loss_chunk_tokens=_loss_chunking(model.get("loss_chunk_tokens", "auto"), source),
     )
+
+
+def _loss_chunking(value: object, source: str) -> LossChunking:
+    try:
+        check_loss_chunking(value)
+    except ValueError as err:
+        raise ValueError(f"{source}: model.init_args.{err}") from None
+    return value  # type: ignore[return-value]
 
 
 def _init_args(section: object) -> Mapping[str, Any]:

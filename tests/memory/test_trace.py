@@ -63,6 +63,14 @@ def test_checkpointing_keeps_block_inputs_instead_of_activations():
     assert checkpointed.activations < 0.5 * full.activations
 
 
+def test_nothing_grows_faster_than_the_sequence():
+    """V3 under CP 4: what one step holds beyond the model states grows at most linearly with T (no ``(T, T)`` mask
+    or scores, no ``O(T)`` tensor kept per layer beyond the block inputs; the loss chunked at the longer length)."""
+    short, long = traced("tiny", "v3", 4, 1, 8192, "fp32"), traced("tiny", "v3", 4, 1, 32768, "fp32")
+    growth = (long.total - long.at_start) / (short.total - short.at_start)
+    assert 2.0 < growth <= 4.0 * 1.05, growth
+
+
 @pytest.mark.slow
 def test_activations_shrink_about_linearly_with_cp_size():
     one, four = traced("llama3.2-1b", "v2", 1, 1, 16384), traced("llama3.2-1b", "v2", 4, 1, 16384)

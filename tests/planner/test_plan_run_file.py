@@ -38,8 +38,8 @@ trainer:
 """
 
 
-def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
-    assert main([*argv, "--json"]) == 0
+def _json(capsys: pytest.CaptureFixture[str], *argv: str, status: int = 0) -> dict:
+    assert main([*argv, "--json"]) == status
     return json.loads(capsys.readouterr().out)
 
 
@@ -107,3 +107,21 @@ def test_a_run_file_is_planned_as_the_strategy_runs_it(tmp_path: Path, capsys: p
     prototype = _json(capsys, "fit", "--model", "llama3.2-1b", "--gpus", "4", "--method", "zero-dp", "--mbs", "2",
                       "--seq-len", "8192")
     assert prototype["peak_memory_gib"] != planned["peak_memory_gib"]
+
+
+def test_the_module_loss_chunking_is_planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``model.init_args.loss_chunk_tokens`` and ``--loss-chunk-tokens``: ``auto`` (the default) plans one chunk's
+    logits, ``none`` the whole logits (94 GiB of them per rank for 1B at 256k, CP 4)."""
+    flags = ("fit", "--model", "llama3.2-1b", "--gpus", "4", "--method", "v3", "--seq-len", "256k")
+    chunked, whole = _json(capsys, *flags), _json(capsys, *flags, "--loss-chunk-tokens", "none", status=1)
+    assert chunked["loss_chunk_tokens"] == "auto" and whole["loss_chunk_tokens"] is None
+    assert chunked["fits"] and not whole["fits"]
+    assert whole["breakdown_gib"]["logits_loss"] > 90 > chunked["peak_memory_gib"]
+    path = tmp_path / "run.yaml"
+    path.write_text(RUN.replace("  lora: {rank: 16}", "  loss_chunk_tokens: null").replace("65536", "262144"))
+    assert read_run_file(path).loss_chunk_tokens is None
+    assert _json(capsys, "fit", "--config", str(path), status=1)["breakdown_gib"]["logits_loss"] > 90
+    path.write_text(RUN.replace("  lora: {rank: 16}", "  loss_chunk_tokens: 0"))
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(path)])
+    assert "model.init_args.loss_chunk_tokens must be 'auto', None" in capsys.readouterr().err

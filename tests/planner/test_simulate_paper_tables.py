@@ -24,6 +24,8 @@ from tests.planner.paper_tables import (
     MaxSeqRow,
 )
 
+PROTOTYPE = dict(loss_chunk_tokens=None)  # the paper's prototype computes the loss over the whole logits
+
 _ZERO_DP_8B_SHORT_T = (
     "ZeRO-DP+ 8B at T <= 2k: the paper measures 1.8-2.6x slowdowns that it attributes to unoptimised DP "
     "communication and ineffective batching in its Opacus-based prototype; counted ghost-norm Gram FLOPs, "
@@ -54,7 +56,7 @@ def _within(predicted: float, reported: float, tolerance: float) -> None:
 
 @pytest.mark.parametrize("row", [pytest.param(r, id=f"{r.model}-{r.gpus}gpu-mbs{r.mbs}") for r in TABLE2])
 def test_table2_zero_dp_max_seq_len(row: MaxSeqRow) -> None:
-    best = max_seq_len(model=row.model, gpus=row.gpus, method="zero-dp", mbs=row.mbs)
+    best = max_seq_len(**PROTOTYPE, model=row.model, gpus=row.gpus, method="zero-dp", mbs=row.mbs)
     assert (best.config.seq_len if best else None) == row.max_seq_len
 
 
@@ -67,14 +69,14 @@ def _table3(method: str) -> list:
 
 @pytest.mark.parametrize("row", _table3("nondp-fsdp"))
 def test_table3_nondp_fsdp_throughput(row: FsdpThroughputRow) -> None:
-    p = plan(model=row.model, gpus=4, method="nondp-fsdp", mbs=row.mbs, seq_len=row.seq_len)
+    p = plan(**PROTOTYPE, model=row.model, gpus=4, method="nondp-fsdp", mbs=row.mbs, seq_len=row.seq_len)
     assert p.fits
     _within(p.tokens_per_second_per_gpu, row.nondp_tps, THROUGHPUT_TOLERANCE)
 
 
 @pytest.mark.parametrize("row", _table3("zero-dp"))
 def test_table3_zero_dp_throughput(row: FsdpThroughputRow) -> None:
-    p = plan(model=row.model, gpus=4, method="zero-dp", mbs=row.mbs, seq_len=row.seq_len)
+    p = plan(**PROTOTYPE, model=row.model, gpus=4, method="zero-dp", mbs=row.mbs, seq_len=row.seq_len)
     assert p.fits
     _within(p.tokens_per_second_per_gpu, row.zero_dp_tps, THROUGHPUT_TOLERANCE)
 
@@ -98,13 +100,13 @@ _MEASURED = [(r, m) for r in TABLE4 for m in ("nondp-cp", "v1", "v2") if _report
 
 @pytest.mark.parametrize(("row", "method"), _VERDICTS)
 def test_table4_fit_verdict(row: CpRow, method: str) -> None:
-    p = plan(model=row.model, gpus=4, method=method, mbs=row.mbs, seq_len=row.seq_len)
+    p = plan(**PROTOTYPE, model=row.model, gpus=4, method=method, mbs=row.mbs, seq_len=row.seq_len)
     assert p.fits == (_reported(row, method)[1] is not None)
 
 
 @pytest.mark.parametrize(("row", "method"), [pytest.param(r, m, id=f"{m}-{_cp_id(r)}") for r, m in _MEASURED])
 def test_table4_peak_memory(row: CpRow, method: str) -> None:
-    p = plan(model=row.model, gpus=4, method=method, mbs=row.mbs, seq_len=row.seq_len)
+    p = plan(**PROTOTYPE, model=row.model, gpus=4, method=method, mbs=row.mbs, seq_len=row.seq_len)
     _within(p.peak_memory_gib, _reported(row, method)[1], MEMORY_TOLERANCE)
 
 
@@ -112,14 +114,14 @@ def test_table4_peak_memory(row: CpRow, method: str) -> None:
                                                           marks=_known_miss(m, r.model, r.mbs))
                                              for r, m in _MEASURED])
 def test_table4_throughput(row: CpRow, method: str) -> None:
-    p = plan(model=row.model, gpus=4, method=method, mbs=row.mbs, seq_len=row.seq_len)
+    p = plan(**PROTOTYPE, model=row.model, gpus=4, method=method, mbs=row.mbs, seq_len=row.seq_len)
     _within(p.tokens_per_second_per_gpu, _reported(row, method)[0], THROUGHPUT_TOLERANCE)
 
 
 @pytest.mark.parametrize(("row", "method"), [pytest.param(r, m, id=f"{m}-{_cp_id(r)}") for r, m in _MEASURED])
 def test_table4_rows_are_the_maximum_seq_len(row: CpRow, method: str) -> None:
     """Table 4 reports each run 'at the maximum sequence length reached': doubling T must not fit."""
-    best = max_seq_len(model=row.model, gpus=4, method=method, mbs=row.mbs)
+    best = max_seq_len(**PROTOTYPE, model=row.model, gpus=4, method=method, mbs=row.mbs)
     assert best is not None and best.config.seq_len == row.seq_len
 
 
@@ -132,20 +134,20 @@ def test_mixed_ghost_norm_picks_ghost_for_the_8b_head_below_16k() -> None:
 
 @pytest.mark.parametrize("model", [ONE_B, EIGHT_B])
 def test_longshield_scales_context_4x_over_zero_dp_on_4_gpus(model: str) -> None:
-    zero_dp = max_seq_len(model=model, gpus=4, method="zero-dp", mbs=1).config.seq_len
-    assert max_seq_len(model=model, gpus=4, method="v2", mbs=1).config.seq_len == 4 * zero_dp
+    zero_dp = max_seq_len(**PROTOTYPE, model=model, gpus=4, method="zero-dp", mbs=1).config.seq_len
+    assert max_seq_len(**PROTOTYPE, model=model, gpus=4, method="v2", mbs=1).config.seq_len == 4 * zero_dp
 
 
 @pytest.mark.parametrize("model", [ONE_B, EIGHT_B])
 def test_v3_extends_v2_by_the_factor_ac_gives_non_dp(model: str) -> None:
     def longest(method: str) -> int:
-        return max_seq_len(model=model, gpus=4, method=method, mbs=1).config.seq_len
+        return max_seq_len(**PROTOTYPE, model=model, gpus=4, method=method, mbs=1).config.seq_len
 
     assert longest("v3") / longest("v2") == longest("nondp-cp-ac") / longest("nondp-cp") > 1
 
 
 def test_activation_checkpointing_costs_about_a_third_of_throughput() -> None:
     def tps(method: str) -> float:
-        return plan(model=EIGHT_B, gpus=4, method=method, mbs=1, seq_len=16384).tokens_per_second_per_gpu
+        return plan(**PROTOTYPE, model=EIGHT_B, gpus=4, method=method, mbs=1, seq_len=16384).tokens_per_second_per_gpu
 
     assert 0.6 <= tps("nondp-cp-ac") / tps("nondp-cp") <= 0.8

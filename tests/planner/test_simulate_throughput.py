@@ -33,7 +33,7 @@ def test_groups_beyond_one_node_use_the_network() -> None:
 
 
 def test_non_dp_flops_are_six_per_parameter_and_token_plus_attention() -> None:
-    cfg = make_config(model="llama3.1-8b", gpus=4, method="nondp-fsdp", mbs=2, seq_len=4096)
+    cfg = make_config(model="llama3.1-8b", gpus=4, method="nondp-fsdp", mbs=2, seq_len=4096, loss_chunk_tokens=None)
     f = microbatch_flops(cfg)
     assert f.matmul == pytest.approx(6 * linear_params(cfg) * 2 * 4096)
     assert f.attention == pytest.approx(3.5 * 2 * 2 * 4096**2 * 4096 * 32)
@@ -47,13 +47,21 @@ def test_attention_is_quadratic_and_split_over_cp() -> None:
 
 
 def test_grad_sample_adds_no_matmul_flops_and_ac_adds_a_block_forward() -> None:
-    cfg = make_config(model="llama3.2-1b", gpus=4, method="nondp-cp", mbs=1, seq_len=16384)
+    cfg = make_config(model="llama3.2-1b", gpus=4, method="nondp-cp", mbs=1, seq_len=16384, loss_chunk_tokens=None)
     base = microbatch_flops(cfg)
     assert microbatch_flops(cfg.replace(method="v2")) == base
     ac = microbatch_flops(cfg.replace(method="v3"))
     head = 2 * cfg.model.vocab_size * cfg.model.dim * cfg.tokens_per_rank
     assert ac.matmul - base.matmul == pytest.approx(base.matmul / 3 - head)
     assert ac.attention == pytest.approx(base.attention * 4.5 / 3.5)
+
+
+def test_the_chunked_loss_adds_one_head_forward() -> None:
+    whole = make_config(model="llama3.2-1b", gpus=4, method="v3", mbs=1, seq_len=16384, loss_chunk_tokens=None)
+    chunked = whole.replace(loss_chunk_tokens="auto")
+    assert (whole.loss_chunk, chunked.loss_chunk) == (None, 256)  # 4,096 positions per rank
+    head = 2 * whole.model.vocab_size * whole.model.dim * whole.tokens_per_rank
+    assert microbatch_flops(chunked).matmul - microbatch_flops(whole).matmul == pytest.approx(head)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
