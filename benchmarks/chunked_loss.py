@@ -2,7 +2,7 @@
 forward and backward, over ``(B, T)`` hidden states (``--chunk-tokens 0``: the whole logits), and of one whole DP
 step of the ``tiny`` preset with a realistic vocabulary. Prints one JSON object with chunked / whole ratios.
 
-    python benchmarks/chunked_loss.py --seq-len 4096 --vocab 32000 --chunk-tokens 512
+    python benchmarks/chunked_loss.py --seq-len 4096 --vocab 32000 --chunk-tokens auto
 
 Every measurement runs in a fresh process with ``MALLOC_MMAP_THRESHOLD_`` lowered so freed large blocks go back to
 the OS and peak RSS tracks live memory; memory is the peak-RSS growth over the measured work.
@@ -111,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (the tiny preset's width)")
-    parser.add_argument("--chunk-tokens", type=int, default=512, help="positions per chunk of the chunked loss")
+    parser.add_argument("--chunk-tokens", default="auto",
+                        help="positions per chunk of the chunked loss, or 'auto' (CausalLMModule's default rule)")
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip-dp-step", action="store_true", help="measure the loss phase only")
@@ -120,8 +121,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.chunk_tokens < 1:
-        raise SystemExit("--chunk-tokens must be >= 1")
+    from lightning_longshield.models import LlamaConfig
+    from simulate.loss_chunks import resolve_loss_chunk_tokens
+
+    setting = args.chunk_tokens if args.chunk_tokens == "auto" else int(args.chunk_tokens)
+    chunk = resolve_loss_chunk_tokens(setting, args.micro_batch_size, args.seq_len, LlamaConfig.from_name("tiny").dim,
+                                      args.vocab)
+    if chunk is None:
+        raise SystemExit(f"--chunk-tokens {args.chunk_tokens} does not chunk T {args.seq_len} at this vocabulary: pass"
+                         " a number of positions below --seq-len.")
+    args.chunk_tokens = chunk
     report: dict[str, Any] = {"config": {key: value for key, value in vars(args).items()}}
     kinds = ("loss_phase",) if args.skip_dp_step else ("loss_phase", "dp_step")
     for kind in kinds:
