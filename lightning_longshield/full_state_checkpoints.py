@@ -1,8 +1,9 @@
 """Checkpoints as one full, unsharded file whose optimizer state is keyed by parameter name (loads at any CP size),
-with the strategy's privacy state (plan and accountant history) under `CHECKPOINT_KEY`."""
+with the strategy's privacy state (plan, accountant history, the run's privacy ledger) under `CHECKPOINT_KEY`."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -15,6 +16,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lightning_longshield.privacy.ledger import LEDGER_FILE
+
 CHECKPOINT_KEY = "longshield"
 
 
@@ -24,10 +27,13 @@ class FullStateCheckpoints:
     The model's state comes from `ModelParallelStrategy` with ``save_distributed_checkpoint=False``; this class
     makes the optimizer state portable (by parameter name, not position) and loads both through Lightning's own
     restore path instead of `ModelParallelStrategy`'s sharded-folder loader. The strategy's ``privacy``
-    (`PrivacySession`) travels with them.
+    (`PrivacySession`) travels with them, and a restored run adds the steps its privacy ledger recorded after the
+    checkpoint.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self.privacy.ledger_path is None and self.privacy.plan is not None:  # type: ignore[attr-defined]
+            self.open_privacy_ledger()  # type: ignore[attr-defined]  # a run that can be resumed keeps a ledger
         state = self.privacy.state_dict()  # type: ignore[attr-defined]
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state
@@ -39,7 +45,28 @@ class FullStateCheckpoints:
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None and self.privacy.noise is not None:  # type: ignore[attr-defined]
             self.privacy.load_state_dict(state)  # type: ignore[attr-defined]
+            self.privacy.resume_from_ledger(self.privacy_ledger, self.broadcast)  # type: ignore[attr-defined]
         return checkpoint
+
+    def on_train_start(self) -> None:
+        """Keep the privacy ledger wherever the run can be resumed: it checkpoints, resumed, or names a ledger."""
+        super().on_train_start()  # type: ignore[misc]
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        resumable = self.privacy.run_id is not None or trainer.checkpoint_callbacks  # type: ignore[attr-defined]
+        if self.privacy_ledger is not None or resumable:  # type: ignore[attr-defined]
+            self.open_privacy_ledger()
+
+    def open_privacy_ledger(self) -> None:
+        """Record every DP step from now on in the privacy ledger (written by global rank 0)."""
+        self.privacy.open_ledger(self.privacy_ledger_path(), writer=self.is_global_zero)  # type: ignore[attr-defined]
+
+    def privacy_ledger_path(self) -> str:
+        """``privacy_ledger``, else the ledger a restored checkpoint names, else one in ``default_root_dir``."""
+        if self.privacy_ledger is not None:  # type: ignore[attr-defined]
+            return os.fspath(self.privacy_ledger)  # type: ignore[attr-defined]
+        if self.privacy.ledger_path is not None:  # type: ignore[attr-defined]
+            return self.privacy.ledger_path  # type: ignore[attr-defined]
+        return os.path.join(self.lightning_module.trainer.default_root_dir, LEDGER_FILE)  # type: ignore[attr-defined]
 
     @property
     def lightning_restore_optimizer(self) -> bool:

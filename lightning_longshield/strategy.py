@@ -3,6 +3,7 @@ strategy."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -78,6 +79,8 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         seed: seeds the global RNGs of every process (initialisation, dropout, order of non-private data), never
             the noise or the Poisson sampling: those come from OS entropy drawn at each ``fit``, never stored.
         noise_seed: for tests only: reproducible noise and sampling from this seed (a warning says why not to).
+        privacy_ledger: the file that records each DP step (fsynced) before it releases, so a resumed run also
+            accounts the steps run after its checkpoint (default: ``<default_root_dir>/privacy_ledger.jsonl``).
 
     Args (layout and clipping, one `simulate.strategy_config.StrategyConfig` that validates them together, documents
     each and is what the planner plans): ``context_parallel_size`` (``None``: all processes), ``micro_batch_size``
@@ -124,6 +127,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         preflight: bool = True,
+        privacy_ledger: Optional[Union[str, os.PathLike]] = None,
     ) -> None:
         super().__init__(save_distributed_checkpoint=False, process_group_backend=process_group_backend,
                          timeout=timeout)
@@ -138,6 +142,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         self.privacy = PrivacySession(arguments, secure_mode, noise_seed, poisson_sampling, self.config.projected_norms)
         self.seed = seed
         self.preflight = preflight
+        self.privacy_ledger = privacy_ledger
         self._start_method = start_method
         self._engine: Optional[DPSGDEngine] = None
         self._padding = ZeroWeightPadding()  # its mesh: FSDP2's with shard_over="all" and data parallelism
@@ -212,8 +217,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         dp_group = self.device_mesh[DATA_PARALLEL].get_group() if self.data_parallel_size > 1 else None
         assert self.privacy.noise is not None
         return DPSGDEngine(module, self.max_grad_norm, self.privacy.noise, self.accountant, exchange, dp_group,
-                           self.config,
-                           projection_key=self.privacy.projection_key)
+                           self.config, projection_key=self.privacy.projection_key)
 
     @override
     def model_to_device(self) -> None:
@@ -377,6 +381,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             result = closure()
             plan = self.privacy.plan
             assert plan is not None
+            self.privacy.record_release()
             self.dp_engine.release(plan.noise_multiplier, plan.sample_rate, plan.expected_batch_size)
             trainer = self.lightning_module.trainer
             if self.privacy.released(trainer.global_step):
@@ -389,6 +394,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
     def teardown(self) -> None:
         if self._engine is not None:
             self._engine.remove()
+        self.privacy.close_ledger()
         super().teardown()
 
     @classmethod

@@ -8,13 +8,16 @@ a secret). The strategy calls it at fixed points of a fit; nothing here touches 
 
 from __future__ import annotations
 
+import os
 import secrets
+import uuid
 from collections.abc import Callable
 from typing import Any, Optional, TypeVar
 
 import torch
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
+from lightning_longshield.privacy.ledger import PrivacyLedger, read_ledger, steps_after
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.plan import PlanMessage, PrivacyArguments, PrivacyPlan, resolve_plan
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
@@ -32,7 +35,8 @@ class PrivacySession:
     Lifecycle: `open_fit` draws fresh secret randomness for a fit; `record_training_data` notes the dataset size and
     the DataLoader's batch size; `start_training` resolves the plan and the budget (returns whether the budget is
     already spent); `check_release_allowed` guards each release and `released` counts it down (returns whether
-    training must stop); `state_dict` / `load_state_dict` carry the plan and history through checkpoints.
+    training must stop); `state_dict` / `load_state_dict` carry the plan and history through checkpoints, and
+    `open_ledger` / `resume_from_ledger` keep every step that ran in a `PrivacyLedger` that outlives the process.
     """
 
     def __init__(
@@ -79,6 +83,10 @@ class PrivacySession:
         self.steps_left_in_budget: Optional[int] = None
         self._restored_plan: Optional[dict[str, Any]] = None
         self._planned_end = 0
+        self.run_id: Optional[str] = None  # names this run's lines in the ledger; not a secret
+        self.ledger: Optional[PrivacyLedger] = None
+        self.ledger_path: Optional[str] = None  # where this run's ledger is (from a checkpoint, or once opened)
+        self.rolled_back_steps = 0  # steps that ran after the checkpoint a run resumed from
 
     @property
     def max_grad_norm(self) -> float:
@@ -183,6 +191,58 @@ class PrivacySession:
             plan.target_epsilon, plan.noise_multiplier, plan.sample_rate, plan.delta, limit
         )
 
+    # ------------------------------------------------------------------ the ledger
+
+    def open_ledger(self, path: str | os.PathLike, writer: bool) -> None:
+        """Record this run's steps in the ledger at ``path`` from now on (``writer``: this process writes it; one
+        process does)."""
+        self.run_id = self.run_id or uuid.uuid4().hex
+        self.ledger_path = os.fspath(os.path.abspath(path))
+        if writer and self.ledger is None:
+            self.ledger = PrivacyLedger(self.ledger_path, self.run_id)
+
+    def record_release(self) -> None:
+        """Write the next step to the ledger (fsynced) before it releases anything."""
+        plan = self.plan
+        assert plan is not None
+        if self.ledger is not None:
+            self.ledger.record(self.accountant.steps, plan.noise_multiplier, plan.sample_rate)
+
+    def resume_from_ledger(self, path: Optional[str | os.PathLike], broadcast: Callable[[T], T]) -> None:
+        """After `load_state_dict`: add to the accountant every step the ledger at ``path`` (default: the one the
+        checkpoint names) records for this run beyond the checkpoint's, read on rank 0 (``broadcast``)."""
+        if self.run_id is None:
+            return  # a checkpoint from before the ledger
+        path = os.fspath(path) if path is not None else self.ledger_path
+        checkpoint_steps = self.accountant.steps
+        missing: Optional[str] = None
+        entries = []
+        if path is not None:
+            try:
+                entries = steps_after(read_ledger(path, self.run_id), checkpoint_steps)
+            except FileNotFoundError:
+                missing = path
+        entries, missing = broadcast((entries, missing))
+        if missing is not None:
+            rank_zero_warn(
+                f"The privacy ledger {missing} is missing: epsilon counts the checkpoint's {checkpoint_steps} steps,"
+                " and any step that ran after the checkpoint before the run stopped is not counted. Resume with the"
+                " ledger in place (LongShieldStrategy(privacy_ledger=...) names where it is)."
+            )
+        for entry in entries:
+            self.accountant.step(entry.noise_multiplier, entry.sample_rate)
+        self.rolled_back_steps += len(entries)
+        if entries:
+            rank_zero_info(
+                f"Privacy ledger {path}: {len(entries)} steps ran after the checkpoint of step {checkpoint_steps} and"
+                f" were rolled back by this resume; they are accounted: {self.accountant.steps} steps so far."
+            )
+
+    def close_ledger(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
+
     def check_release_allowed(self) -> None:
         """Refuse a release the budget does not cover (the strategy stops before it; this is the last guard)."""
         if self.steps_left_in_budget == 0:
@@ -221,11 +281,13 @@ class PrivacySession:
         plan = self.plan
         if plan is None:
             raise ValueError("No guarantee yet: training has not started.")
+        rolled_back = (f", of which {self.rolled_back_steps} were rolled back by a resume"
+                       if self.rolled_back_steps else "")
         return (
             f"Privacy guarantee: (epsilon={self.get_epsilon():.3f}, delta={plan.delta:.3g})-DP after"
-            f" {self.accountant.steps} steps (noise_multiplier={plan.noise_multiplier:.3f}, sampling rate"
-            f" q={plan.sample_rate:.3g} = {plan.expected_batch_size}/{plan.dataset_size} samples); privacy unit:"
-            f" {privacy_unit}. {self.describe_randomness()}"
+            f" {self.accountant.steps} steps run{rolled_back} (noise_multiplier={plan.noise_multiplier:.3f},"
+            f" sampling rate q={plan.sample_rate:.3g} = {plan.expected_batch_size}/{plan.dataset_size} samples);"
+            f" privacy unit: {privacy_unit}. {self.describe_randomness()}"
         )
 
     def describe_randomness(self) -> str:
@@ -250,9 +312,13 @@ class PrivacySession:
         secrets: a resumed run draws fresh ones. ``None`` before a fit has started training."""
         if self.noise is None or self.plan is None:
             return None
-        return {"plan": self.plan.state_dict(), "accountant": self.accountant.state_dict()}
+        return {"plan": self.plan.state_dict(), "accountant": self.accountant.state_dict(), "run_id": self.run_id,
+                "ledger": self.ledger_path, "rolled_back_steps": self.rolled_back_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the checkpoint's accounting; its plan fixes the mechanism when training starts."""
         self.accountant.load_state_dict(state["accountant"])
         self._restored_plan = state["plan"]
+        self.run_id = state.get("run_id")
+        self.ledger_path = state.get("ledger")
+        self.rolled_back_steps = state.get("rolled_back_steps", 0)

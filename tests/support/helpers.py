@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import tempfile
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -48,6 +49,7 @@ def make_trainer(strategy: LongShieldStrategy, max_steps: int, **kwargs: Any) ->
     defaults = dict(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=tempfile.mkdtemp(prefix="longshield-test-"),  # a saved checkpoint's privacy ledger goes here
     )
     return L.Trainer(strategy=strategy, **{**defaults, **kwargs})
 

@@ -1,0 +1,118 @@
+"""The privacy ledger: every DP step is on disk before it releases, and a run resumed from a checkpoint accounts the
+steps that ran after that checkpoint too (a crash can no longer make the reported epsilon smaller than what was
+spent)."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+from opacus.accountants import RDPAccountant
+
+from lightning_longshield import LongShieldStrategy
+from lightning_longshield.privacy.ledger import LEDGER_FILE, PrivacyLedger, read_ledger, steps_after
+from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
+
+DATA = RandomTokens(size=32, seq_len=8)  # batch 4: q = 1/8
+DELTA = 1e-3
+
+
+def test_lines_are_whole_and_per_run(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    ledger = PrivacyLedger(path, "run-a")
+    assert path.exists() and path.read_text() == ""  # created at once: a missing ledger means a lost one
+    ledger.record(0, 1.0, 0.125)
+    ledger.record(1, 1.0, 0.125)
+    ledger.close()
+    PrivacyLedger(path, "run-b").record(0, 2.0, 0.5)
+    with open(path, "a") as file:
+        file.write('{"run": "run-a", "index": 2, "noise_mul')  # a write torn by a crash: that step never released
+    ledger = PrivacyLedger(path, "run-a")
+    ledger.record(2, 1.0, 0.125)  # the step ran again after the resume
+    ledger.close()
+    entries = read_ledger(path, "run-a")
+    assert [(e.index, e.noise_multiplier, e.sample_rate) for e in entries] == [(0, 1.0, 0.125), (1, 1.0, 0.125),
+                                                                              (2, 1.0, 0.125)]
+    assert [e.index for e in read_ledger(path, "run-b")] == [0]
+    assert [e.index for e in steps_after(entries, 1)] == [1, 2]
+    whole = [line for line in path.read_text().splitlines() if line.endswith("}")]
+    assert len(whole) == 4  # the torn line stayed alone on its line
+    for line in whole:
+        assert set(json.loads(line)) == {"run", "index", "noise_multiplier", "sample_rate"}  # nothing secret
+
+
+def _strategy(**kwargs) -> LongShieldStrategy:
+    return LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=DELTA, **kwargs)
+
+
+def _fit(strategy: LongShieldStrategy, root, max_steps: int, ckpt_path=None) -> None:
+    checkpoints = ModelCheckpoint(dirpath=root / "checkpoints", filename="{step}", every_n_train_steps=2,
+                                  save_top_k=-1)
+    trainer = make_trainer(strategy, max_steps=max_steps, default_root_dir=root, enable_checkpointing=True,
+                           callbacks=[checkpoints])
+    trainer.fit(make_module(small_config(n_layers=1), optimizer="adamw", learning_rate=1e-2), loader(DATA, 4),
+                ckpt_path=ckpt_path)
+
+
+def _rdp_epsilon(steps: int) -> float:
+    accountant = RDPAccountant()
+    accountant.history = [(1.0, 0.125, steps)]
+    return accountant.get_epsilon(DELTA)
+
+
+def test_a_resume_accounts_the_steps_that_ran_after_its_checkpoint(tmp_path):
+    """Checkpoints at steps 2 and 4, the step-4 file lost, resume from step 2 to step 4: six steps ran."""
+    _fit(_strategy(), tmp_path, max_steps=4)
+    assert len(read_ledger(tmp_path / LEDGER_FILE, _run_id(tmp_path))) == 4
+    (tmp_path / "checkpoints" / "step=4.ckpt").unlink()
+    resumed = _strategy()
+    _fit(resumed, tmp_path, max_steps=4, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
+    assert resumed.accountant.steps == 6 and resumed.privacy.rolled_back_steps == 2
+    assert resumed.get_epsilon() == pytest.approx(_rdp_epsilon(6), rel=1e-9)
+    assert resumed.get_epsilon() > _rdp_epsilon(4)  # what the checkpoint alone would report
+    assert "after 6 steps run, of which 2 were rolled back by a resume" in resumed.privacy.describe_guarantee()
+    assert len(read_ledger(tmp_path / LEDGER_FILE, _run_id(tmp_path))) == 6  # the resumed steps are recorded too
+
+
+def test_a_missing_ledger_is_warned_about(tmp_path):
+    _fit(_strategy(), tmp_path, max_steps=2)
+    (tmp_path / LEDGER_FILE).unlink()
+    resumed = _strategy()
+    with pytest.warns(UserWarning, match="privacy ledger .* is missing: epsilon counts the checkpoint's 2 steps"):
+        _fit(resumed, tmp_path, max_steps=3, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
+    assert resumed.accountant.steps == 3
+
+
+def _run_id(root) -> str:
+    return json.loads((root / LEDGER_FILE).read_text().splitlines()[0])["run"]
+
+
+@pytest.mark.slow
+def test_epsilon_after_sigkills_covers_every_step_that_ran(tmp_path):
+    """Seeded SIGKILLs before a step, between its ledger line and its release, after it (before its checkpoint)
+    and during a checkpoint save; each attempt resumes from the newest checkpoint that loads. The finished run's
+    epsilon is at least that of every step the ledger holds, counted independently here."""
+    rng = random.Random(0)
+    # The first kill comes after the first checkpoint (step 2): before it, a restart is a new run.
+    points = [(rng.randint(2, 3), "release")] + [(rng.randint(0, 1), p) for p in ("batch_end", "save", "batch_start")]
+    for kill_after, point in points:
+        result = _attempt(tmp_path, kill_after, point)
+        assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    final = _attempt(tmp_path, -1, "none")
+    assert final.returncode == 0, final.stderr[-2000:]
+    report = json.loads(final.stdout.strip().splitlines()[-1])
+    ran = len(read_ledger(tmp_path / LEDGER_FILE, report["run"]))
+    assert ran > 6  # killed attempts were rolled back and ran again
+    assert report["steps"] == ran
+    assert report["epsilon"] >= _rdp_epsilon(ran) * (1 - 1e-9)
+
+
+def _attempt(root, kill_after: int, point: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "tests.support.ledger_crash_worker", str(root), "6", str(kill_after), point]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
