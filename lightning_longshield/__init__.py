@@ -7,6 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_longshield.callbacks import PrivacyMonitor
 from lightning_longshield.module import CausalLMModule
+from lightning_longshield.preemption import PreemptionCheckpoint
 from lightning_longshield.preflight import PreflightMemoryError
 from lightning_longshield.strategy import LongShieldStrategy
 from simulate.strategy_config import PerLayerClipping, ProjectedNorms, StrategyConfig
@@ -18,6 +19,7 @@ __all__ = [
     "CausalLMModule",
     "LongShieldStrategy",
     "PerLayerClipping",
+    "PreemptionCheckpoint",
     "PreflightMemoryError",
     "PrivacyMonitor",
     "ProjectedNorms",

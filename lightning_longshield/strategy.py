@@ -41,6 +41,7 @@ from lightning_longshield.full_state_checkpoints import FullStateCheckpoints
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
 from lightning_longshield.padding import ZeroWeightPadding, logging_discarded
 from lightning_longshield.parallelize import parallelize
+from lightning_longshield.preemption import PreemptionCheckpoint
 from lightning_longshield.privacy import DPSGDEngine, PrivacyAccountant
 from lightning_longshield.privacy.metric_guard import SampledBatchMetricGuard
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
@@ -203,8 +204,9 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
             stream = (self.data_parallel_rank, self.context_parallel_mesh.get_local_rank())
             self.privacy.open_fit(self.root_device, stream, self.broadcast)
             self._engine = self._build_engine()
-            if not any(isinstance(cb, PrivacyMonitor) for cb in trainer.callbacks):
-                trainer.callbacks.append(PrivacyMonitor())
+            for callback in (PrivacyMonitor, *((PreemptionCheckpoint,) if trainer.checkpoint_callbacks else ())):
+                if not any(isinstance(cb, callback) for cb in trainer.callbacks):
+                    trainer.callbacks.append(callback())
             self.setup_optimizers(trainer)
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from opacus.accountants import RDPAccountant
 
@@ -116,3 +117,17 @@ def test_epsilon_after_sigkills_covers_every_step_that_ran(tmp_path):
 def _attempt(root, kill_after: int, point: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "tests.support.ledger_crash_worker", str(root), "6", str(kill_after), point]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_the_step_boundary_exits_cleanly_and_resumes(tmp_path):
+    """SIGTERM as the fourth step starts: that step finishes, ``last.ckpt`` holds the 4 steps, the process exits with
+    status 0, and the requeued run resumes from it to the end with every step accounted once."""
+    first = _attempt(tmp_path, 3, "sigterm")
+    assert first.returncode == 0, first.stderr[-2000:]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 4
+    final = _attempt(tmp_path, -1, "none")
+    assert final.returncode == 0, final.stderr[-2000:]
+    report = json.loads(final.stdout.strip().splitlines()[-1])
+    assert report["steps"] == 6 == len(read_ledger(tmp_path / LEDGER_FILE, report["run"]))  # nothing rolled back

@@ -5,7 +5,8 @@ loads, trains to ``max_steps`` and prints ``{"epsilon", "steps", "run"}`` as its
 
 The attempt is killed ``KILL_AFTER`` steps after the step it resumed at, at ``KILL_POINT``: ``batch_start`` (before
 the step), ``release`` (the step is in the ledger, its gradient not yet released), ``batch_end`` (released, not yet
-checkpointed), ``save`` (the first checkpoint save from then on, before its file is written) or ``none``.
+checkpointed), ``save`` (the first checkpoint save from then on, before its file is written), ``sigterm`` (SIGTERM
+before the step: the run saves ``last.ckpt`` at the step's end and exits with status 0) or ``none``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class KillAt(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.point == "batch_start" and trainer.global_step == self.step:
             _die()
+        if self.point == "sigterm" and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.point == "batch_end" and trainer.global_step == self.step + 1:
@@ -51,14 +54,13 @@ class KillAt(Callback):
 
 def newest_checkpoint(directory: Path) -> Path | None:
     """The checkpoint of the highest step that loads (a save cut short by the kill does not)."""
-    candidates = sorted(directory.glob("step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1]), reverse=True)
-    for path in candidates:
+    steps = {}
+    for path in directory.glob("*.ckpt"):
         try:
-            torch.load(path, map_location="cpu", weights_only=False)
-            return path
+            steps[path] = torch.load(path, map_location="cpu", weights_only=False)["global_step"]
         except Exception:  # a torn file
             continue
-    return None
+    return max(steps, key=steps.get) if steps else None
 
 
 def main(root: Path, max_steps: int, kill_after: int, kill_point: str) -> None:
