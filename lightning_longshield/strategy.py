@@ -37,6 +37,7 @@ from lightning_longshield.context_parallel import (
     shard_batch,
 )
 from lightning_longshield.dp_dataloaders import data_parallel_dataloader, training_dataloader
+from lightning_longshield.durable_checkpoints import DurableCheckpointIO
 from lightning_longshield.full_state_checkpoints import FullStateCheckpoints
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
 from lightning_longshield.padding import ZeroWeightPadding, logging_discarded
@@ -134,7 +135,8 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
                          timeout=timeout)
         self.accelerator, self.parallel_devices = accelerator, parallel_devices
         self.cluster_environment = cluster_environment
-        self.checkpoint_io, self.precision_plugin = checkpoint_io, precision_plugin  # type: ignore[assignment]
+        self.checkpoint_io = checkpoint_io or DurableCheckpointIO()  # type: ignore[assignment]
+        self.precision_plugin = precision_plugin  # type: ignore[assignment]
         self.config = StrategyConfig(
             context_parallel_size=context_parallel_size, micro_batch_size=micro_batch_size, exchange=exchange,
             overlap_communication=overlap_communication, communication_bucket_mb=communication_bucket_mb,

@@ -62,7 +62,7 @@ class PrivacyLedger:
             if not created and _ends_torn(self.path):
                 self._file.write("\n")  # end the torn line of a crashed write, so the next line stays whole
             if created:
-                _fsync_directory(self.path.parent)
+                fsync_directory(self.path.parent)
         return self._file
 
 
@@ -97,7 +97,7 @@ def _ends_torn(path: Path) -> bool:
         return file.read(1) != b"\n"
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     """Make a new file's name durable (POSIX; a no-op where directories cannot be opened)."""
     try:
         fd = os.open(directory, os.O_RDONLY)

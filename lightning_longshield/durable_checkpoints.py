@@ -1,0 +1,76 @@
+"""`DurableCheckpointIO`: a checkpoint file appears complete or not at all, and a damaged one is refused by name."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.types import _PATH
+
+from lightning_longshield.privacy.ledger import fsync_directory
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint file that cannot be read whole (truncated or damaged)."""
+
+
+class DurableCheckpointIO(TorchCheckpointIO):
+    """Local checkpoints are written to a temporary name in their folder, fsynced, then renamed over the target (and
+    the folder fsynced), so ``last.ckpt`` or any other name never refers to a partly written file, whatever kills the
+    process. Remote paths (``s3://``...) go through Lightning's own writer.
+
+    Loading a file that is not a whole checkpoint (cut short by a crash, damaged on disk) raises
+    `CorruptCheckpointError` naming it and the newest whole checkpoint beside it; nothing is loaded in part.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        if not _is_local(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options; pass a CheckpointIO of your own.")
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        try:
+            with open(temporary, "wb") as file:
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, target)
+        finally:
+            temporary.unlink(missing_ok=True)
+        fsync_directory(target.parent)
+
+    def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if _is_local(path) and Path(path).is_file() and not is_whole_checkpoint(path):
+            good = newest_whole_checkpoint(Path(path).parent, exclude=Path(path))
+            fix = (f"the newest whole checkpoint beside it is {good}: resume from it (fit(ckpt_path=...))" if good
+                   else "no whole checkpoint is beside it")
+            raise CorruptCheckpointError(f"Checkpoint {path} is truncated or damaged and was not loaded; {fix}.")
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
+def is_whole_checkpoint(path: _PATH) -> bool:
+    """Whether ``path`` is a complete ``torch.save`` archive whose every record matches its checksum."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is None
+    except (zipfile.BadZipFile, OSError, EOFError):
+        return False
+
+
+def newest_whole_checkpoint(directory: Path, exclude: Optional[Path] = None) -> Optional[Path]:
+    """The most recently written whole ``*.ckpt`` in ``directory`` (other than ``exclude``)."""
+    candidates = sorted((p for p in directory.glob("*.ckpt") if p != exclude), key=lambda p: p.stat().st_mtime,
+                        reverse=True)
+    return next((p for p in candidates if is_whole_checkpoint(p)), None)
+
+
+def _is_local(path: _PATH) -> bool:
+    return "://" not in os.fspath(path)

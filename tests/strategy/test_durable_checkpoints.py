@@ -1,0 +1,61 @@
+"""Checkpoint files appear whole or not at all (temporary name, fsync, rename), and a damaged one is refused with
+its name and the newest whole checkpoint beside it, never loaded in part."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_longshield import LongShieldStrategy
+from lightning_longshield.durable_checkpoints import CorruptCheckpointError, DurableCheckpointIO, is_whole_checkpoint
+from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
+
+DATA = RandomTokens(size=16, seq_len=8)
+
+
+def _fit(tmp_path, max_steps: int, ckpt_path=None):
+    strategy = LongShieldStrategy(noise_multiplier=1.0, target_delta=1e-3)
+    trainer = make_trainer(strategy, max_steps=max_steps, default_root_dir=tmp_path)
+    trainer.fit(make_module(small_config(n_layers=1)), loader(DATA, 4), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_checkpoint_is_renamed_into_place_whole(tmp_path):
+    trainer = _fit(tmp_path, 1)
+    assert isinstance(trainer.strategy.checkpoint_io, DurableCheckpointIO)
+    trainer.save_checkpoint(tmp_path / "ckpt" / "step1.ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step1.ckpt"]  # no temporary left behind
+    assert is_whole_checkpoint(tmp_path / "ckpt" / "step1.ckpt")
+
+
+def test_a_write_cut_short_leaves_the_previous_file(tmp_path, monkeypatch):
+    io = DurableCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1, "payload": torch.ones(1000)}, path)
+
+    def torn_save(obj, file, *args, **kwargs):
+        file.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(OSError, match="No space left"):
+        io.save_checkpoint({"global_step": 2}, path)
+    monkeypatch.undo()
+    assert io.load_checkpoint(path)["global_step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_damaged_checkpoint_is_refused_with_the_last_good_one(tmp_path, damage):
+    trainer = _fit(tmp_path, 1)
+    good, bad = tmp_path / "ckpt" / "step1.ckpt", tmp_path / "ckpt" / "step2.ckpt"
+    trainer.save_checkpoint(good)
+    trainer.save_checkpoint(bad)
+    data = bytearray(bad.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:  # one byte inside a stored tensor: the archive's CRC no longer matches
+        data[len(data) // 3] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=rf"{bad} is truncated or damaged .* beside it is {good}"):
+        _fit(tmp_path, 2, ckpt_path=bad)
