@@ -26,15 +26,6 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = [
-    "AuditResult",
-    "audit_p_value",
-    "best_epsilon_lower_bound",
-    "binomial_upper_tail",
-    "count_correct_guesses",
-    "epsilon_lower_bound",
-]
-
 # A sum stops once its terms are decreasing and each is below exp(-_NEGLIGIBLE) times the running total. A binomial
 # pmf is unimodal, so everything left is at most n * exp(-50) < 2e-17 (n <= 10^5) of the total: below double precision.
 _NEGLIGIBLE = 50.0
