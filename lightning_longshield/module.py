@@ -149,6 +149,7 @@ class CausalLMModule(L.LightningModule):
         optimizer: Literal["adamw", "sgd"] = "adamw",
         learning_rate: float = 3e-4,
         weight_decay: float = 0.0,
+        momentum: float = 0.0,
         log_train_loss: bool = False,
         lora: Optional[Union[LoraOptions, Mapping[str, Any]]] = None,
         loss_chunk_tokens: LossChunking = "auto",
@@ -162,6 +163,10 @@ class CausalLMModule(L.LightningModule):
         self.optimizer_name = optimizer
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
+        if momentum and optimizer != "sgd":
+            raise ValueError(f"momentum={momentum} is SGD's; AdamW keeps its own moments. Use optimizer='sgd' or drop"
+                             " momentum.")
+        self.momentum = momentum
         self.log_train_loss = log_train_loss
         self.lora = lora_options(lora)
         if log_train_loss:
@@ -170,7 +175,7 @@ class CausalLMModule(L.LightningModule):
                 " not covered by the differential-privacy guarantee. Monitor val_loss on held-out data instead."
             )
         self.save_hyperparameters({"config": self.pretrained_directory or self.config.to_dict(), "optimizer": optimizer,
-                                   "learning_rate": learning_rate, "weight_decay": weight_decay,
+                                   "learning_rate": learning_rate, "weight_decay": weight_decay, "momentum": momentum,
                                    "log_train_loss": log_train_loss,
                                    "lora": None if self.lora is None else asdict(self.lora),
                                    "loss_chunk_tokens": loss_chunk_tokens})
@@ -265,5 +270,6 @@ class CausalLMModule(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.parameters() if p.requires_grad]
         if self.optimizer_name == "sgd":
-            return torch.optim.SGD(params, lr=self.learning_rate, weight_decay=self.weight_decay)
+            return torch.optim.SGD(params, lr=self.learning_rate, weight_decay=self.weight_decay,
+                                   momentum=self.momentum)
         return torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=self.weight_decay)

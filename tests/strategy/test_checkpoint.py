@@ -17,17 +17,19 @@ def strategy():
                               target_delta=1e-3, noise_seed=5)
 
 
-def module(optimizer: str = "adamw"):
-    return make_module(small_config(n_layers=1), optimizer=optimizer, learning_rate=1e-2)
+def module(optimizer: str = "adamw", momentum: float = 0.0):
+    return make_module(small_config(n_layers=1), optimizer=optimizer, learning_rate=1e-2, momentum=momentum)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])  # SGD keeps no optimizer state: only its hyper-parameters
-def test_resume_continues_the_same_run(tmp_path, optimizer):
-    uninterrupted = module(optimizer)
+# SGD without momentum keeps no optimizer state (only its hyper-parameters); with momentum, one buffer per parameter.
+@pytest.mark.parametrize("optimizer, momentum", [("adamw", 0.0), ("sgd", 0.0), ("sgd", 0.9)],
+                         ids=["adamw", "sgd", "sgd-momentum"])
+def test_resume_continues_the_same_run(tmp_path, optimizer, momentum):
+    uninterrupted = module(optimizer, momentum)
     reference_strategy = strategy()
     make_trainer(reference_strategy, max_steps=4).fit(uninterrupted, loader(DATA, 4))
 
-    first_half = module(optimizer)
+    first_half = module(optimizer, momentum)
     first_strategy = strategy()
     trainer = make_trainer(first_strategy, max_steps=2)
     trainer.fit(first_half, loader(DATA, 4))
@@ -38,7 +40,7 @@ def test_resume_continues_the_same_run(tmp_path, optimizer):
     assert set(checkpoint["state_dict"]) == {f"model.{k}" for k in first_half.model.state_dict()}
     assert checkpoint["longshield"]["accountant"]["history"] == [(0.8, 4 / 32, 2)]
 
-    resumed = module(optimizer)
+    resumed = module(optimizer, momentum)
     resumed_strategy = strategy()  # the seed is the caller's, never read back from the checkpoint
     make_trainer(resumed_strategy, max_steps=4).fit(resumed, loader(DATA, 4), ckpt_path=path)
 
@@ -46,6 +48,13 @@ def test_resume_continues_the_same_run(tmp_path, optimizer):
     assert resumed_strategy.get_epsilon() == reference_strategy.get_epsilon()
     for (name, value), expected in zip(resumed.state_dict().items(), uninterrupted.state_dict().values()):
         torch.testing.assert_close(value, expected, msg=lambda m, name=name: f"{name}: {m}")
+    if momentum:
+        assert all("momentum_buffer" in state for state in checkpoint["optimizer_states"][0]["state"].values())
+
+
+def test_momentum_is_sgds_only():
+    with pytest.raises(ValueError, match="momentum=0.9 is SGD's"):
+        module("adamw", 0.9)
 
 
 def test_resume_respects_spent_budget(tmp_path):
