@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from opacus.accountants import RDPAccountant
 
 from lightning_longshield import LongShieldStrategy
+from lightning_longshield.durable_checkpoints import is_whole_checkpoint
 from lightning_longshield.privacy.ledger import LEDGER_FILE, PrivacyLedger, read_ledger, steps_after
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
@@ -96,12 +97,14 @@ def _run_id(root) -> str:
 
 @pytest.mark.slow
 def test_epsilon_after_sigkills_covers_every_step_that_ran(tmp_path):
-    """Seeded SIGKILLs before a step, between its ledger line and its release, after it (before its checkpoint)
-    and during a checkpoint save; each attempt resumes from the newest checkpoint that loads. The finished run's
-    epsilon is at least that of every step the ledger holds, counted independently here."""
+    """Seeded SIGKILLs before a step, between its ledger line and its release, after it (before its checkpoint),
+    before a checkpoint save and halfway through one; each attempt resumes from the newest checkpoint that loads. No
+    checkpoint name ever holds a partial file, and the finished run's epsilon is at least that of every step the
+    ledger holds, counted independently here."""
     rng = random.Random(0)
     # The first kill comes after the first checkpoint (step 2): before it, a restart is a new run.
-    points = [(rng.randint(2, 3), "release")] + [(rng.randint(0, 1), p) for p in ("batch_end", "save", "batch_start")]
+    points = [(rng.randint(2, 3), "release")] + [(rng.randint(0, 1), p)
+                                                 for p in ("batch_end", "save", "mid_save", "batch_start")]
     for kill_after, point in points:
         result = _attempt(tmp_path, kill_after, point)
         assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
@@ -112,6 +115,7 @@ def test_epsilon_after_sigkills_covers_every_step_that_ran(tmp_path):
     assert ran > 6  # killed attempts were rolled back and ran again
     assert report["steps"] == ran
     assert report["epsilon"] >= _rdp_epsilon(ran) * (1 - 1e-9)
+    assert all(is_whole_checkpoint(path) for path in (tmp_path / "checkpoints").glob("*.ckpt"))
 
 
 def _attempt(root, kill_after: int, point: str) -> subprocess.CompletedProcess:

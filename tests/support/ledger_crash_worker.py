@@ -5,7 +5,8 @@ loads, trains to ``max_steps`` and prints ``{"epsilon", "steps", "run"}`` as its
 
 The attempt is killed ``KILL_AFTER`` steps after the step it resumed at, at ``KILL_POINT``: ``batch_start`` (before
 the step), ``release`` (the step is in the ledger, its gradient not yet released), ``batch_end`` (released, not yet
-checkpointed), ``save`` (the first checkpoint save from then on, before its file is written), ``sigterm`` (SIGTERM
+checkpointed), ``save`` (the first checkpoint save from then on, before its file is written), ``mid_save`` (the
+same save, half written), ``sigterm`` (SIGTERM
 before the step: the run saves ``last.ckpt`` at the step's end and exits with status 0) or ``none``.
 """
 
@@ -50,6 +51,14 @@ class KillAt(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if self.point == "save" and trainer.global_step >= self.step:
             _die()
+        if self.point == "mid_save" and trainer.global_step >= self.step:
+            torch.save = _half_then_die  # the file is being written when the process dies
+
+
+def _half_then_die(obj, file, *args, **kwargs) -> None:
+    file.write(b"PK\x03\x04 half a checkpoint")
+    file.flush()
+    _die()
 
 
 def newest_checkpoint(directory: Path) -> Path | None:
