@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
@@ -113,6 +114,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="fp32, or bf16 autocast over fp32 parameters (default: %(default)s)")
     parser.add_argument("--methods", nargs="+", choices=METHODS,
                         default=["nondp_lightning", "longshield", "nondp_torch", "opacus"])
+    parser.add_argument("--profile-dir", help="Lightning loops: profile one more optimizer step after the timed ones "
+                        "(torch.profiler) and write its table of kernels by self time to this folder")
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--micro-batch-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -148,6 +151,34 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class _ProfileLastStep(Callback):
+    """Profiles the optimizer step after the ``timed_steps`` timed ones and writes its table of operators by self time
+    (the device's where there is one) to ``--profile-dir``; the profiled step is not timed."""
+
+    def __init__(self, args: argparse.Namespace, timed_steps: int) -> None:
+        self.args, self.timed_steps = args, timed_steps
+        self.profiler: Optional[torch.profiler.profile] = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.timed_steps and self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.args.device == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def on_train_end(self, trainer: L.Trainer, *_: Any) -> None:
+        if self.profiler is None:
+            return
+        _synchronize(self.args.device)
+        self.profiler.__exit__(None, None, None)
+        sort_by = "self_cuda_time_total" if self.args.device == "cuda" else "self_cpu_time_total"
+        table = self.profiler.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=60)
+        name = f"{self.args.worker}_T{self.args.seq_len}_mbs{self.args.micro_batch_size}.txt"
+        Path(self.args.profile_dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.args.profile_dir) / name).write_text(table)
+
+
 def _lightning_step_ends(
     args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int, held: dict[str, float]
 ) -> list[float]:
@@ -159,6 +190,10 @@ def _lightning_step_ends(
                 _synchronize(args.device)
                 ends.append(time.perf_counter())
 
+    callbacks: list[Callback] = [StepEnds()]
+    if args.profile_dir:
+        callbacks.append(_ProfileLastStep(args, total_steps))
+        total_steps += 1
     micro, logical = args.micro_batch_size, args.micro_batch_size * args.accumulation
     if dp:
         strategy: Any = LongShieldStrategy(
@@ -176,7 +211,7 @@ def _lightning_step_ends(
         max_steps=total_steps,
         precision=args.precision,
         accumulate_grad_batches=accumulation,
-        callbacks=[StepEnds()],
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -269,7 +304,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, float]:
     dp = args.worker in (*LIGHTNING_DP, "opacus", "opacus_ghost")
     run = _torch_step_ends if args.worker in ("nondp_torch", "opacus", "opacus_ghost") else _lightning_step_ends
     held: dict[str, float] = {}
-    ends = run(args, dataset, dp, total_steps, held)
+    ends = run(args, dataset, dp, total_steps, held)[:total_steps]  # a profiled step after these is not timed
     durations = [b - a for a, b in zip(ends, ends[1:])][args.warmup :]
     result = {"step_s": statistics.median(durations), "peak_mem_bytes": _peak_memory_bytes(args.device) - baseline,
               **held}
@@ -372,6 +407,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "--steps": args.steps,
         "--device": args.device,
         "--precision": args.precision,
+        **({"--profile-dir": args.profile_dir} if args.profile_dir else {}),
     }
     shared = [f"{flag}={value}" for flag, value in forwarded.items()]
     runs: dict[tuple[int, str], list[dict[str, float]]] = {}

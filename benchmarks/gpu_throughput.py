@@ -54,6 +54,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--profile-dir", help="also profile one step of every Lightning run (after the timed ones) "
+                        "and write each table of kernels by device self time to this folder")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("CUDA is not available; this benchmark measures a GPU (use --device cpu for a toy run).")
@@ -63,12 +65,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def _run(method: str, seq_len: int, mbs: int, args: argparse.Namespace) -> dict[str, Any]:
     flags = {"--preset": args.preset, "--seq-len": seq_len, "--accumulation": args.accumulation,
              "--warmup": args.warmup, "--steps": args.steps, "--device": args.device, "--precision": args.precision}
+    if args.profile_dir and method != "opacus":
+        flags["--profile-dir"] = args.profile_dir
     try:
         measured = measure(method, mbs, [f"{flag}={value}" for flag, value in flags.items()])
-    except WorkerFailed as failure:
-        if not failure.out_of_memory:
-            raise
-        return {"out_of_memory": True}
+    except WorkerFailed as failure:  # reported in the results, so that one failure does not lose the other runs
+        return {"out_of_memory": True} if failure.out_of_memory else {"failed": str(failure)[-2000:]}
     tokens = args.accumulation * mbs * seq_len
     out = {"tokens_per_s": round(tokens / measured["step_s"], 1), "step_s": round(measured["step_s"], 4),
            "peak_allocated_gib": round(measured["peak_mem_bytes"] / 2**30, 3)}
@@ -86,7 +88,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     memory_key = "peak_reserved_gib" if args.device == "cuda" else "peak_allocated_gib"
     results = []
     for seq_len, mbs in args.points:
-        runs = {method: _run(method, seq_len, mbs, args) for method in args.methods}
+        runs = {}
+        for method in args.methods:
+            runs[method] = _run(method, seq_len, mbs, args)
+            print(json.dumps({"seq_len": seq_len, "micro_batch_size": mbs, method: runs[method]}), file=sys.stderr,
+                  flush=True)
         results.append({
             "seq_len": seq_len, "micro_batch_size": mbs, **runs,
             "longshield_over_nondp": _ratio(runs, "longshield", "nondp_lightning", "tokens_per_s"),
