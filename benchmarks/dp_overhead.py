@@ -115,7 +115,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", choices=METHODS,
                         default=["nondp_lightning", "longshield", "nondp_torch", "opacus"])
     parser.add_argument("--profile-dir", help="Lightning loops: profile one more optimizer step after the timed ones "
-                        "(torch.profiler) and write its table of kernels by self time to this folder")
+                        "(torch.profiler); write its table of kernels by self time and its Chrome trace here")
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--micro-batch-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -153,7 +153,7 @@ def _synchronize(device: str) -> None:
 
 class _ProfileLastStep(Callback):
     """Profiles the optimizer step after the ``timed_steps`` timed ones and writes its table of operators by self time
-    (the device's where there is one) to ``--profile-dir``; the profiled step is not timed."""
+    (the device's where there is one) and its Chrome trace to ``--profile-dir``; the profiled step is not timed."""
 
     def __init__(self, args: argparse.Namespace, timed_steps: int) -> None:
         self.args, self.timed_steps = args, timed_steps
@@ -177,6 +177,7 @@ class _ProfileLastStep(Callback):
         name = f"{self.args.worker}_T{self.args.seq_len}_mbs{self.args.micro_batch_size}.txt"
         Path(self.args.profile_dir).mkdir(parents=True, exist_ok=True)
         (Path(self.args.profile_dir) / name).write_text(table)
+        self.profiler.export_chrome_trace(str(Path(self.args.profile_dir) / name.replace(".txt", ".trace.json")))
 
 
 def _lightning_step_ends(

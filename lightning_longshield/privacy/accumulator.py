@@ -138,20 +138,28 @@ class ClippedGradientSum:
         replicas = 1 if self.data_parallel_group is None else dist.get_world_size(self.data_parallel_group)
         for name, param in self.parameters.items():
             local = local_tensor(param)
-            total = self.sums.get(name)
+            total = self.sums.pop(name, None)  # freed once its mean is formed: no second copy of every sum
             if name in self.replica_shards:
                 param.grad = _like_parameter(param, self._release_chunk(name, total, local, noise, noise_std)
                                              .div_(expected_batch_size).to(param.dtype))
                 continue
-            if total is None:
-                total = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
-            if noise_std > 0:  # in place: the sums are this object's, and are forgotten below
-                total = total.add_(noise.sample(total.shape, noise_std / replicas**0.5, total.device))
+            mean = self._noisy_mean(total, local, noise, noise_std / replicas**0.5, expected_batch_size)
             if self.data_parallel_group is not None:
-                total = total.contiguous()
-                dist.all_reduce(total, group=self.data_parallel_group)
-            param.grad = _like_parameter(param, total.div_(expected_batch_size).to(param.dtype))
+                dist.all_reduce(mean, group=self.data_parallel_group)
+            param.grad = _like_parameter(param, mean.to(param.dtype))
         self.sums.clear()
+
+    @staticmethod
+    def _noisy_mean(
+        total: Optional[torch.Tensor], local: torch.Tensor, noise: GaussianNoise, noise_std: float, batch_size: float
+    ) -> torch.Tensor:
+        """``(total + N(0, noise_std^2)) / batch_size``, formed as noise of std ``noise_std / batch_size`` plus
+        ``total / batch_size`` in one pass (the same distribution, two passes over the parameter fewer)."""
+        if noise_std == 0:
+            mean = torch.zeros(local.shape, dtype=torch.float32, device=local.device) if total is None else total
+            return mean.div_(batch_size).contiguous()
+        mean = noise.sample(local.shape if total is None else total.shape, noise_std / batch_size, local.device)
+        return mean if total is None else mean.add_(total, alpha=1.0 / batch_size)
 
     def _release_chunk(
         self, name: str, total: Optional[torch.Tensor], local: torch.Tensor, noise: GaussianNoise, noise_std: float

@@ -15,59 +15,81 @@ import torch
 CLIP_MARGIN = 2.0**-18
 
 
-def per_sample_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: int) -> torch.Tensor:
-    """Squared L2 norm (fp64, shape (B,)) of each sample's gradient over all given per-sample tensors.
-
-    Returning squared norms lets shards of one gradient (other context-parallel ranks) be summed before the root.
-    """
-    return per_parameter_squared_norms(grad_samples, batch_size).sum(0)
-
-
-# Per-sample squared norms are sums of squares over blocks of NORM_BLOCK consecutive elements in fp32, then over the
-# blocks in fp64. A sum of n non-negative rounded terms is off by at most about (n + 1) 2^-24 relative in *any*
-# summation order, so a block's squared norm is within 65 * 2^-24 and the norm within 2^-19, whatever order the
-# device's reduction kernel uses. One fp32 reduction over a whole tensor has no such bound: on CPU it is off by 3e-5
-# relative at 10^6 elements and 2e-3 at 1.6 * 10^7, which would let a clipped contribution exceed C.
+# Per-sample squared norms are sums of squares over blocks of NORM_BLOCK elements in fp32 (consecutive or strided:
+# `strided_blocks`), then over the blocks in fp64. A sum of n non-negative rounded terms is off by at most about
+# (n + 1) 2^-24 relative in *any* summation order, so a block's squared norm is within 65 * 2^-24 and the norm within
+# 2^-19, whatever order the device's reduction kernel uses. One fp32 reduction over a whole tensor has no such bound:
+# on CPU it is off by 3e-5 relative at 10^6 elements and 2e-3 at 1.6 * 10^7, which would let a clipped contribution
+# exceed C.
 NORM_BLOCK = 64
 
 
-def per_parameter_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: int) -> torch.Tensor:
-    """Squared L2 norm (fp64, shape (P, B)) of each sample's gradient in each of the P given per-sample tensors.
+def per_sample_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: int) -> torch.Tensor:
+    """Squared L2 norm (fp64, shape (B,)) of each sample's gradient over all given per-sample tensors.
 
-    Blocked (see ``NORM_BLOCK``): a few row-wise reductions per tensor, whatever the micro-batch size, and fp32
-    products even for bf16 / fp16 gradients (exact for them), without an fp32 copy of more than one sample's
-    gradient at a time. Returning squared norms lets shards of one gradient (other context-parallel ranks) be summed
-    before the root.
+    Blocked (see ``NORM_BLOCK``): one reduction per tensor into fp32 block norms, then one fp64 sum of squares over
+    the blocks of all tensors together (not a few small reductions per tensor). Returning squared norms lets shards
+    of one gradient (other context-parallel ranks) be summed before the root.
     """
+    return _sum_of_squares(torch.cat(_block_norms_of(grad_samples, batch_size), dim=1))
+
+
+def per_parameter_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: int) -> torch.Tensor:
+    """Squared L2 norm (fp64, shape (P, B)) of each sample's gradient in each of the P given per-sample tensors,
+    blocked as `per_sample_squared_norms`."""
+    return torch.stack([_sum_of_squares(blocks) for blocks in _block_norms_of(grad_samples, batch_size)])
+
+
+def _block_norms_of(grad_samples: Iterable[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
+    """fp32 block norms ``(B, K_p)`` of each per-sample tensor: fp32 products even for bf16 / fp16 gradients (exact
+    for them), without an fp32 copy of more than one sample's gradient at a time."""
     tensors = list(grad_samples)
     if not tensors:
         raise ValueError("No per-sample gradients were captured: does the model have trainable parameters?")
     sizes = {t.shape[0] for t in tensors}
     if sizes != {batch_size}:
         raise RuntimeError(f"Per-sample gradients have batch sizes {sorted(sizes)}, expected {batch_size}.")
-    return torch.stack([_squared_norms(t.reshape(batch_size, -1)) for t in tensors])
+    return [_block_norms(t.reshape(batch_size, -1)) for t in tensors]
 
 
-def _squared_norms(rows: torch.Tensor) -> torch.Tensor:
-    """Blocked fp64 squared norms ``(B,)`` of the rows ``(B, N)``; lower-precision rows one at a time."""
-    if rows.dtype != torch.float32:  # the kernel upcasts its input: an fp32 copy of one sample, not of all
-        return torch.cat([_squared_norms_fp32(row.unsqueeze(0)) for row in rows])
-    return _squared_norms_fp32(rows)
+def _sum_of_squares(block_norms: torch.Tensor) -> torch.Tensor:
+    """``(B, K)`` fp32 block norms -> ``(B,)`` fp64 sums of their squares."""
+    return block_norms.double().square_().sum(1)
 
 
-def _squared_norms_fp32(rows: torch.Tensor) -> torch.Tensor:
+def _block_norms(rows: torch.Tensor) -> torch.Tensor:
+    """fp32 norms ``(B, K)`` of the rows' blocks; lower-precision rows one at a time (the kernel upcasts its input:
+    an fp32 copy of one sample, not of all)."""
+    if rows.dtype != torch.float32:
+        return torch.cat([_block_norms_fp32(row.unsqueeze(0)) for row in rows])
+    return _block_norms_fp32(rows)
+
+
+def strided_blocks(device: torch.device) -> bool:
+    """Whether a norm block is NORM_BLOCK elements ``numel / NORM_BLOCK`` apart (one thread per block, coalesced
+    across blocks: a GPU's reduction over rows of 64 spends a warp's shuffles per block) rather than NORM_BLOCK
+    consecutive elements (what CPU reductions run fastest, 25x faster than strided). Any NORM_BLOCK elements make a
+    block: the bound is the same."""
+    return device.type != "cpu"
+
+
+def _block_norms_fp32(rows: torch.Tensor) -> torch.Tensor:
+    """fp32 norms ``(B, K)`` of blocks of NORM_BLOCK elements of each row, the last of fewer where the row's length
+    is not a multiple (``K = 0`` for an empty row)."""
     batch, numel = rows.shape
     whole = numel - numel % NORM_BLOCK
     parts = []
     if whole:
-        blocks = rows[:, :whole].reshape(batch, whole // NORM_BLOCK, NORM_BLOCK)
-        block_norms = torch.linalg.vector_norm(blocks, dim=2, dtype=torch.float32)
-        parts.append(block_norms.double().square_().sum(1))
+        if strided_blocks(rows.device):
+            blocks, within = rows[:, :whole].reshape(batch, NORM_BLOCK, whole // NORM_BLOCK), 1
+        else:
+            blocks, within = rows[:, :whole].reshape(batch, whole // NORM_BLOCK, NORM_BLOCK), 2
+        parts.append(torch.linalg.vector_norm(blocks, dim=within, dtype=torch.float32))
     if whole < numel:
-        parts.append(torch.linalg.vector_norm(rows[:, whole:], dim=1, dtype=torch.float32).double().square_())
+        parts.append(torch.linalg.vector_norm(rows[:, whole:], dim=1, keepdim=True, dtype=torch.float32))
     if not parts:  # an empty tensor
-        return torch.zeros(batch, dtype=torch.float64, device=rows.device)
-    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        return torch.zeros(batch, 0, dtype=torch.float32, device=rows.device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def clip_factors(
