@@ -60,8 +60,7 @@ def parallelize(
     return build_exchange(
         group,
         shards,
-        shard_per_sample_grads=config.shards_per_sample_grads,
-        output_stationary=config.output_stationary,
+        exchange=config.exchange,
         overlap=config.overlap_communication,
         bucket_bytes=int(config.communication_bucket_mb * 2**20),
     )

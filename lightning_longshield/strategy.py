@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -19,14 +19,11 @@ from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_longshield import preflight as _preflight
-from lightning_longshield.batching import batch_size_of, split_into_microbatches
 from lightning_longshield.callbacks import PrivacyMonitor
 from lightning_longshield.context_parallel import (
     CONTEXT_PARALLEL,
@@ -37,10 +34,11 @@ from lightning_longshield.context_parallel import (
     shard_batch,
 )
 from lightning_longshield.dp_dataloaders import data_parallel_dataloader, training_dataloader
+from lightning_longshield.dp_step_loop import DPStepLoop
 from lightning_longshield.durable_checkpoints import DurableCheckpointIO
 from lightning_longshield.full_state_checkpoints import FullStateCheckpoints
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
-from lightning_longshield.padding import ZeroWeightPadding, logging_discarded
+from lightning_longshield.padding import ZeroWeightPadding
 from lightning_longshield.parallelize import parallelize
 from lightning_longshield.preemption import PreemptionCheckpoint
 from lightning_longshield.privacy import DPSGDEngine, PrivacyAccountant
@@ -57,7 +55,7 @@ from simulate.strategy_config import (
 )
 
 
-class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
+class LongShieldStrategy(FullStateCheckpoints, DPStepLoop, ModelParallelStrategy):
     """Differentially private training (DP-SGD) of a LightningModule on a (data_parallel, context_parallel) mesh.
 
     Each context-parallel group shares every batch: sequences are sharded head-tail over it, parameters and optimizer
@@ -300,59 +298,7 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
         """Epsilon spent so far at ``delta`` (default: the run's target delta)."""
         return self.privacy.get_epsilon(delta)
 
-    # ------------------------------------------------------------------ one DP step
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """One DP step's forward and backward: every micro-batch of the logical batch is run and back-propagated here
-        (the one path into backward), its clipped per-sample gradients folded into the clipped sum. Returns the last
-        micro-batch's output with its loss detached: Lightning's closure finds nothing left to back-propagate. With
-        FSDP2 over every rank, padding micro-batches follow (`ZeroWeightPadding`)."""
-        batch, rest = args[0], args[1:]
-        self.dp_engine.begin_logical_batch()
-        microbatches = split_into_microbatches(batch, self.config.micro_batch_size)
-        padding = self._padding.count(len(microbatches), self.root_device)
-        for microbatch in microbatches:
-            output = self._microbatch_step(microbatch, rest, kwargs)
-        for _ in range(padding):
-            self._padding_step(self._padding.microbatch(batch, self.batch_to_device), rest, kwargs)
-        if not microbatches:
-            return torch.zeros((), device=self.root_device)
-        self._metric_guard.check(self.lightning_module.trainer._results or {})
-        return output
-
-    def _microbatch_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        size = batch_size_of(microbatch)
-        self.dp_engine.prepare_microbatch(size)
-        output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
-        loss = output["loss"] if isinstance(output, Mapping) else output
-        self._backward_microbatch(loss, size)
-        return {**output, "loss": loss.detach()} if isinstance(output, Mapping) else loss.detach()
-
-    def _padding_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """One zero-weight micro-batch (`ZeroWeightPadding`): the collectives of a real one, a contribution of exactly
-        zero (the engine's ``padding`` and a loss weighted by 0), nothing logged, no backward hook."""
-        self.dp_engine.prepare_microbatch(1, padding=True)
-        with logging_discarded(self.lightning_module):
-            output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
-        loss = output["loss"] if isinstance(output, Mapping) else output
-        self.precision_plugin.backward(loss * 0.0, self.lightning_module, None)
-        self.dp_engine.accumulate_microbatch(1)
-
-    def _backward_microbatch(self, loss: Tensor, size: int) -> None:
-        """Back-propagate one micro-batch and fold its clipped per-sample gradients into the logical batch.
-
-        The gradients are folded (and ``.grad`` cleared) before ``on_after_backward`` runs, so no hook ever sees a
-        sample's unclipped gradient; ``on_before_optimizer_step`` sees the private one.
-        """
-        module = self.lightning_module
-        self.pre_backward(loss)
-        loss = self.precision_plugin.pre_backward(loss, module)
-        # The loss is a mean over samples; scaling by the size makes each sample's gradient its own loss's gradient.
-        self.precision_plugin.backward(loss * size, module, None)
-        self.dp_engine.accumulate_microbatch(size)
-        loss = self.precision_plugin.post_backward(loss, module)
-        self.post_backward(loss)
+    # ------------------------------------------------------------------ context parallelism
 
     def _shard_sequence(self, batch: Any) -> Any:
         """This rank's head-tail shard of every sequence (with global positions and whole-sequence token counts)."""
@@ -364,35 +310,6 @@ class LongShieldStrategy(FullStateCheckpoints, ModelParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return super().validation_step(self._shard_sequence(args[0]), *args[1:], **kwargs)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        """Lightning's closure calls this after `training_step`, which has already back-propagated every micro-batch
-        of the logical batch: nothing is left to do."""
-        return closure_loss
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union[pl.LightningModule, torch.nn.Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
-        self.privacy.check_release_allowed()
-
-        def closure_then_release() -> Any:
-            result = closure()
-            plan = self.privacy.plan
-            assert plan is not None
-            self.privacy.record_release()
-            self.dp_engine.release(plan.noise_multiplier, plan.sample_rate, plan.expected_batch_size)
-            trainer = self.lightning_module.trainer
-            if self.privacy.released(trainer.global_step):
-                trainer.should_stop = True
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_release, model, **kwargs)
 
     @override
     def teardown(self) -> None:

@@ -48,7 +48,8 @@ from simulate.config import RunConfig
 GIB = 2**30
 FP32 = 4
 FP64 = 8
-# Elements of one fp64 block of the book-keeper's norms and clipped sums (`bookkeeping.BLOCK_ELEMENTS`).
+# Elements of one fp64 block of the book-keeper's norms and clipped sums: the library's blocks are this size
+# (`lightning_longshield.privacy.grad_sample.bookkeeping.BLOCK_ELEMENTS`).
 BOOKKEEPING_BLOCK = 2**22
 
 CATEGORIES = ("model_states", "fsdp_buffers", "activations", "logits_loss", "per_sample_grads", "ghost_norm",

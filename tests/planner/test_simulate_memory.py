@@ -181,12 +181,3 @@ def test_per_layer_clipping_is_refused_where_it_is_not_modelled() -> None:
             make_config(model="tiny", gpus=4, method=method, clipping="per_layer")
     with pytest.raises(ValueError, match="Unknown clipping"):
         make_config(model="tiny", gpus=4, method="v2", clipping="layerwise")
-
-
-def test_bookkeeping_block_matches_the_library():
-    """The planner's fp64 working set of ghost norms and book-kept sums is sized by the library's block."""
-    pytest.importorskip("torch")
-    from lightning_longshield.privacy.grad_sample.bookkeeping import BLOCK_ELEMENTS
-    from simulate.memory import BOOKKEEPING_BLOCK
-
-    assert BOOKKEEPING_BLOCK == BLOCK_ELEMENTS

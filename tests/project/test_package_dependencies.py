@@ -67,8 +67,9 @@ def test_the_planner_cli_runs_without_importing_torch():
 
 def test_parallelisation_knows_nothing_of_lora_and_the_strategy_stays_small():
     """Adapters are initialised through the LightningModule's hook, not by `parallelize`; the strategy delegates
-    (configuration to `StrategyConfig`, padding, checkpoints and the privacy ledger) and stays under 410 lines."""
+    (configuration to `StrategyConfig`, the DP step loop, padding, checkpoints, the privacy ledger) and stays under
+    400 lines."""
     package = MODELS.parent
     imported = _imported_names(package / "parallelize.py", "lightning_longshield")
     assert not any(name.startswith("lightning_longshield.lora") for name in imported), imported
-    assert len((package / "strategy.py").read_text().splitlines()) < 410
+    assert len((package / "strategy.py").read_text().splitlines()) < 400

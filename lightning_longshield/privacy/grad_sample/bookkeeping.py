@@ -44,6 +44,7 @@ from torch import nn
 from lightning_longshield.privacy.clipping import zero_non_finite_
 from lightning_longshield.privacy.grad_sample.layers import without_padding
 from lightning_longshield.privacy.shards import ParamShard, reduce_scatter_to_shard
+from simulate.memory import BOOKKEEPING_BLOCK
 
 PerSampleMethod = Literal["materialize", "ghost", "mixed"]
 PER_SAMPLE_METHODS: tuple[str, ...] = ("materialize", "ghost", "mixed")
@@ -52,8 +53,9 @@ NormMethod = Literal["ghost", "materialize"]
 NormEstimate = Callable[[str, list["Use"], Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
 
 #: Elements of one fp64 block (a Gram block, an operand's token chunk, a clipped sum's row block): the fp64 working
-#: set stays a few such blocks whatever the sequence length and layer width.
-BLOCK_ELEMENTS = 2**22
+#: set stays a few such blocks whatever the sequence length and layer width. Defined with the planner, which sizes
+#: that working set by it.
+BLOCK_ELEMENTS = BOOKKEEPING_BLOCK
 FP32_EPSILON = 2.0**-24
 FP64_EPSILON = 2.0**-53
 

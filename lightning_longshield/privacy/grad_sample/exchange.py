@@ -329,24 +329,21 @@ def _all_to_all_features(x: torch.Tensor, shard: ParamShard, group: dist.Process
 def build_exchange(
     group: dist.ProcessGroup,
     shards: dict[str, ParamShard],
-    shard_per_sample_grads: bool = True,
-    output_stationary: bool = False,
+    exchange: str = "reduce_scatter",
     overlap: bool = True,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> LocalExchange:
-    """The exchange for a layout: local on a one-rank group (CP 1: every shard is the whole parameter), else V1
-    (all-reduce) or V2 (input- or output-stationary) over the context-parallel ``group``.
+    """The exchange for a layout: local on a one-rank group (CP 1: every shard is the whole parameter), else the
+    configured one over the context-parallel ``group``: ``"all_reduce"`` (V1), ``"reduce_scatter"`` (V2, input
+    stationary) or ``"output_stationary"`` (`StrategyConfig.exchange`, which has validated it with the layout).
 
     ``shards`` over data-parallel replicas (``ParamShard.replicas > 1``, FSDP2 over the whole mesh) make every
     micro-batch take the per-sample path: FSDP2's ``.grad`` of one sample would be summed over the replicas."""
     replicated = any(shard.replicas > 1 for shard in shards.values())
     if dist.get_world_size(group) == 1:
         return LocalExchange(None, shards if replicated else None, always_capture=replicated)
-    if not shard_per_sample_grads:
+    if exchange == "all_reduce":
         return AllReduceExchange(group, shards, replicated)
-    if output_stationary:
-        if replicated:
-            raise ValueError("exchange='output_stationary' shards over the context-parallel group only;"
-                             " use exchange='reduce_scatter' with shard_over='all'.")
+    if exchange == "output_stationary":
         return OutputStationaryExchange(group, shards, overlap, bucket_bytes)
     return ReduceScatterExchange(group, shards, overlap, bucket_bytes, replicated)

@@ -1,0 +1,99 @@
+"""`DPStepLoop`: the strategy's DP step in Lightning's loop: every micro-batch's forward and backward inside
+`training_step`, the noisy release inside the optimizer step's closure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_longshield.batching import batch_size_of, split_into_microbatches
+from lightning_longshield.padding import logging_discarded
+
+
+class DPStepLoop:
+    """Strategy mix-in (before Lightning's strategy in the bases): one optimizer step is one DP step over one logical
+    batch. Uses the strategy's ``dp_engine``, ``privacy`` (`PrivacySession`), ``config``, ``_padding``
+    (`ZeroWeightPadding`), ``_metric_guard`` and ``_shard_sequence``."""
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """One DP step's forward and backward: every micro-batch of the logical batch is run and back-propagated here
+        (the one path into backward), its clipped per-sample gradients folded into the clipped sum. Returns the last
+        micro-batch's output with its loss detached: Lightning's closure finds nothing left to back-propagate. With
+        FSDP2 over every rank, padding micro-batches follow (`ZeroWeightPadding`)."""
+        batch, rest = args[0], args[1:]
+        self.dp_engine.begin_logical_batch()
+        microbatches = split_into_microbatches(batch, self.config.micro_batch_size)
+        padding = self._padding.count(len(microbatches), self.root_device)
+        for microbatch in microbatches:
+            output = self._microbatch_step(microbatch, rest, kwargs)
+        for _ in range(padding):
+            self._padding_step(self._padding.microbatch(batch, self.batch_to_device), rest, kwargs)
+        if not microbatches:
+            return torch.zeros((), device=self.root_device)
+        self._metric_guard.check(self.lightning_module.trainer._results or {})
+        return output
+
+    def _microbatch_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        size = batch_size_of(microbatch)
+        self.dp_engine.prepare_microbatch(size)
+        output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        self._backward_microbatch(loss, size)
+        return {**output, "loss": loss.detach()} if isinstance(output, Mapping) else loss.detach()
+
+    def _padding_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """One zero-weight micro-batch (`ZeroWeightPadding`): the collectives of a real one, a contribution of exactly
+        zero (the engine's ``padding`` and a loss weighted by 0), nothing logged, no backward hook."""
+        self.dp_engine.prepare_microbatch(1, padding=True)
+        with logging_discarded(self.lightning_module):
+            output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        self.precision_plugin.backward(loss * 0.0, self.lightning_module, None)
+        self.dp_engine.accumulate_microbatch(1)
+
+    def _backward_microbatch(self, loss: Tensor, size: int) -> None:
+        """Back-propagate one micro-batch and fold its clipped per-sample gradients into the logical batch.
+
+        The gradients are folded (and ``.grad`` cleared) before ``on_after_backward`` runs, so no hook ever sees a
+        sample's unclipped gradient; ``on_before_optimizer_step`` sees the private one.
+        """
+        module = self.lightning_module
+        self.pre_backward(loss)
+        loss = self.precision_plugin.pre_backward(loss, module)
+        # The loss is a mean over samples; scaling by the size makes each sample's gradient its own loss's gradient.
+        self.precision_plugin.backward(loss * size, module, None)
+        self.dp_engine.accumulate_microbatch(size)
+        loss = self.precision_plugin.post_backward(loss, module)
+        self.post_backward(loss)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's closure calls this after `training_step`, which has already back-propagated every micro-batch
+        of the logical batch: nothing is left to do."""
+        return closure_loss
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[pl.LightningModule, torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        self.privacy.check_release_allowed()
+
+        def closure_then_release() -> Any:
+            result = closure()
+            plan = self.privacy.plan
+            assert plan is not None
+            self.privacy.record_release()
+            self.dp_engine.release(plan.noise_multiplier, plan.sample_rate, plan.expected_batch_size)
+            trainer = self.lightning_module.trainer
+            if self.privacy.released(trainer.global_step):
+                trainer.should_stop = True
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_release, model, **kwargs)
