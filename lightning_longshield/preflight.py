@@ -19,8 +19,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_longshield.privacy.per_layer import use_fused_kernel
-from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory
-from simulate.config import METHODS, longshield_config, method_for, precision_of
+from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory, plan_strategy
+from simulate.config import precision_of
 from simulate.loss_chunks import LossChunking
 from simulate.strategy_config import StrategyConfig, describe_arguments
 from simulate.throughput import estimate_step_time
@@ -61,6 +61,8 @@ class PreflightResult:
     config: RunConfig
     memory: MemoryBreakdown
     world_size: int
+    #: The strategy's arguments that were planned (the context-parallel size resolved).
+    strategy: StrategyConfig
     notes: tuple[str, ...] = ()
     #: The sequence length was read from a training sample (no public ``seq_len``): neither it nor the memory
     #: figures computed from it are shown.
@@ -74,10 +76,10 @@ class PreflightResult:
         """The run as the planner saw it (the sequence length only where it is public)."""
         cfg = self.config
         length = "the first training sample's length" if self.private_length else f"sequence length {cfg.seq_len}"
+        arguments = describe_arguments({"context_parallel_size": cfg.cp_size, **self.strategy.as_arguments()})
         return (
-            f"model {cfg.model_name}, method {cfg.method.name}, {self.world_size} GPU{'s' * (self.world_size != 1)},"
-            f" context_parallel_size={cfg.cp_size}, micro_batch_size={cfg.micro_batch_size},"
-            f" {length}, {cfg.precision.name}"
+            f"model {cfg.model_name}, {self.world_size} GPU{'s' * (self.world_size != 1)},"
+            f" LongShieldStrategy({arguments}), {length}, {cfg.precision.name}"
         )
 
     def peak(self) -> str:
@@ -96,7 +98,8 @@ class PreflightResult:
     def check(self) -> PreflightResult:
         """This result, or :class:`PreflightMemoryError` (with the best fitting alternative) if it does not fit."""
         if not self.fits:
-            raise PreflightMemoryError(self.failure_message(find_alternative(self.config, self.world_size)))
+            raise PreflightMemoryError(self.failure_message(find_alternative(self.strategy, self.config,
+                                                                              self.world_size)))
         return self
 
     def failure_message(self, alternative: Optional[Alternative]) -> str:
@@ -177,78 +180,71 @@ def gpu_spec_for(name: str, capacity_bytes: float) -> GPUSpec:
 
 def predict(
     model: ModelSpec,
-    method: str,
+    strategy: StrategyConfig,
     gpus: int,
-    cp: int,
-    mbs: int,
     seq_len: int,
     precision: str,
     capacity_bytes: float,
     gpu_name: str = "",
-    notes: tuple[str, ...] = (),
-    clipping: str = "flat",
     per_layer_kernel: str = "auto",
     private_length: bool = False,
     loss_chunk_tokens: LossChunking = "auto",
 ) -> PreflightResult:
-    """The planner's peak memory per GPU for a run of ``gpus`` processes in context-parallel groups of ``cp``
-    (``clipping``: ``"flat"`` or ``"per_layer"``; ``per_layer_kernel``: ``"auto"`` (fused) or ``"torch"``;
+    """The planner's peak memory per GPU for `LongShieldStrategy` with ``strategy`` on ``gpus`` processes
+    (`plan_strategy`; ``per_layer_kernel``: ``"auto"`` (fused) or ``"torch"``, see `planned_per_layer_kernel`;
     ``private_length``: ``seq_len`` was read from the data and is not to be shown, see `PreflightResult`;
-    ``loss_chunk_tokens``: the module's chunked loss, `CausalLMModule`'s setting).
-
-    ``seq_len`` is rounded up to a multiple of ``2 x cp`` (the planner's load-balanced sharding needs it). ZeRO-DP+
-    (``"zero-dp"``) is planned as the strategy runs it (`longshield_config`): data parallelism over all ``gpus``,
-    model states sharded over them, one backward with book-keeping.
-    """
+    ``loss_chunk_tokens``: the module's chunked loss, `CausalLMModule`'s setting)."""
+    cp = strategy.context_parallel_size or gpus
     if cp < 1 or gpus % cp:
-        raise ValueError(f"cp={cp} must be a positive divisor of gpus={gpus}.")
-    gpu = gpu_spec_for(gpu_name, capacity_bytes)
-    if method == "zero-dp":
-        config = longshield_config(model, method, 1, mbs, seq_len, precision, gpu, data_parallel=gpus,
-                                   loss_chunk_tokens=loss_chunk_tokens)
-        return PreflightResult(config, estimate_memory(config), gpus, notes, private_length)
-    padded = -(-seq_len // (2 * cp)) * (2 * cp)
-    config = longshield_config(model, method, cp, mbs, padded, precision, gpu, clipping=clipping,
-                               per_layer_kernel=per_layer_kernel, loss_chunk_tokens=loss_chunk_tokens)
-    return PreflightResult(config, estimate_memory(config), gpus, notes, private_length)
+        raise ValueError(f"context_parallel_size={cp} must be a positive divisor of the {gpus} processes.")
+    strategy = strategy.replace(context_parallel_size=cp)
+    config, notes = plan_strategy(model, strategy, gpus, seq_len, precision, gpu_spec_for(gpu_name, capacity_bytes),
+                                  per_layer_kernel, loss_chunk_tokens)
+    return PreflightResult(config, estimate_memory(config), gpus, strategy, notes, private_length)
 
 
-def find_alternative(config: RunConfig, world_size: int) -> Optional[Alternative]:
-    """The best change that fits: the fastest on the same GPUs, else on the fewest more GPUs.
+def find_alternative(strategy: StrategyConfig, config: RunConfig, world_size: int) -> Optional[Alternative]:
+    """The best change to ``strategy`` (planned as ``config``) that fits: the fastest on the same GPUs, else on the
+    fewest more GPUs.
 
-    Changes tried: V2 instead of V1, activation checkpointing (V3), smaller micro-batches, larger context-parallel
-    groups (divisors of the world size; beyond it, doubling up to :data:`MAX_CP_SIZE`).
+    Changes tried: ``exchange="reduce_scatter"`` instead of ``"all_reduce"``, ``activation_checkpointing=True``,
+    smaller micro-batches, larger context-parallel groups (divisors of the world size; beyond it, doubling up to
+    :data:`MAX_CP_SIZE`).
     """
     cp = config.cp_size
     same_gpus = [n for n in range(cp, world_size + 1) if world_size % n == 0]
     doublings = (cp * 2**k for k in range(1, MAX_CP_SIZE.bit_length()))
     more_gpus = [n for n in doublings if world_size % n and n <= MAX_CP_SIZE]
-    found = _fastest_fit(config, same_gpus, world_size)
+    found = _fastest_fit(strategy, config, same_gpus, world_size)
     for n in more_gpus:
         if found is not None:
             break
-        found = _fastest_fit(config, [n], world_size)
+        found = _fastest_fit(strategy, config, [n], world_size)
     return found
 
 
-def _fastest_fit(config: RunConfig, cp_sizes: list[int], world_size: int) -> Optional[Alternative]:
-    """The fitting candidate over ``cp_sizes`` x methods x micro-batch sizes with the most tokens/s per GPU."""
-    best: Optional[tuple[float, RunConfig, MemoryBreakdown]] = None
+def _fastest_fit(
+    strategy: StrategyConfig, config: RunConfig, cp_sizes: list[int], world_size: int
+) -> Optional[Alternative]:
+    """The fitting candidate over ``cp_sizes`` x layouts x micro-batch sizes with the most tokens/s per GPU."""
+    best: Optional[tuple[float, StrategyConfig, MemoryBreakdown]] = None
+    sharded_over_all = strategy.shard_over == "all"  # ZeRO-DP+'s layout: no context parallelism
     for cp in cp_sizes:
-        if config.seq_len % (2 * cp):
+        if config.seq_len % (2 * cp) or (sharded_over_all and cp > 1):
             continue
-        for method in _stronger_methods(config.method.name):
-            if not METHODS[method].context_parallel and cp > 1:
-                continue
-            for mbs in _smaller_micro_batches(config.micro_batch_size):
-                gpus = config.num_gpus if not METHODS[method].context_parallel else cp
-                candidate = config.replace(method=method, mbs=mbs, cp=cp, gpus=gpus)
-                if candidate == config:
+        for layout in _lighter_layouts(strategy):
+            for mbs in _smaller_micro_batches(strategy.micro_batch_size):
+                candidate = layout.replace(context_parallel_size=cp, micro_batch_size=mbs)
+                if candidate == strategy:
                     continue
-                memory = estimate_memory(candidate)
+                gpus = int(config.num_gpus) if sharded_over_all else cp
+                planned, _ = plan_strategy(config.model, candidate, gpus, config.seq_len, config.precision.name,
+                                           config.gpu, config.per_layer_kernel, config.loss_chunk_tokens,
+                                           config.lora_rank)
+                memory = estimate_memory(planned)
                 if not memory.fits:
                     continue
-                step = estimate_step_time(candidate)
+                step = estimate_step_time(planned)
                 speed = step.tokens_per_second_per_gpu if step is not None else 0.0
                 if best is None or speed > best[0]:
                     best = (speed, candidate, memory)
@@ -256,26 +252,27 @@ def _fastest_fit(config: RunConfig, cp_sizes: list[int], world_size: int) -> Opt
         return None
     _, candidate, memory = best
     # A group size that divides the world size reuses the GPUs; a larger one keeps the data-parallel groups.
-    more_gpus = world_size % candidate.cp_size != 0
-    gpus = candidate.cp_size * (world_size // config.cp_size) if more_gpus else None
-    return Alternative(_changed_arguments(config, candidate), memory, gpus)
+    cp = candidate.context_parallel_size or 1
+    more_gpus = world_size % cp != 0
+    gpus = cp * (world_size // config.cp_size) if more_gpus else None
+    changed = strategy.changed_arguments(candidate)
+    return Alternative(tuple(describe_arguments({name: value}) for name, value in changed.items()), memory, gpus)
 
 
-def _stronger_methods(method: str) -> list[str]:
-    """The method and those that need less memory (V1 -> V2 -> V3)."""
-    order = ["v1", "v2", "v3"]
-    return order[order.index(method):] if method in order else [method]
+def _lighter_layouts(strategy: StrategyConfig) -> list[StrategyConfig]:
+    """``strategy`` and the layouts that need less memory: sharded per-sample gradients (V1 -> V2), then every block
+    checkpointed (V3)."""
+    layouts = [strategy]
+    if strategy.exchange == "all_reduce":
+        layouts.append(layouts[-1].replace(exchange="reduce_scatter"))
+    if strategy.activation_checkpointing is not True and strategy.shard_over != "all":
+        layouts.append(layouts[-1].replace(activation_checkpointing=True))
+    return layouts
 
 
 def _smaller_micro_batches(mbs: int) -> list[int]:
     """``mbs``, ``mbs // 2``, ... down to 1."""
     return sorted({max(1, mbs >> k) for k in range(mbs.bit_length())}, reverse=True)
-
-
-def _changed_arguments(old: RunConfig, new: RunConfig) -> tuple[str, ...]:
-    """The `LongShieldStrategy` constructor arguments that turn ``old`` into ``new``."""
-    changed = old.strategy.changed_arguments(new.strategy)
-    return tuple(describe_arguments({name: value}) for name, value in changed.items())
 
 
 def planned_per_layer_kernel(config: StrategyConfig, device: torch.device, cp: int, world_size: int) -> str:
@@ -316,11 +313,9 @@ def run_preflight(
         rank_zero_info(f"LongShield pre-flight memory check skipped: {reason}.")
         return None
     assert model is not None and seq_len is not None and planner_precision is not None
-    method, notes = method_for(config.replace(context_parallel_size=cp))
-    run = (model, method, world_size, cp, config.micro_batch_size, seq_len, planner_precision)
-    clipping = "flat" if config.per_layer is None else "per_layer"
-    options = dict(notes=notes, clipping=clipping,
-                   per_layer_kernel=planned_per_layer_kernel(config, device, cp, world_size),
+    strategy = config.replace(context_parallel_size=cp)
+    run = (model, strategy, world_size, seq_len, planner_precision)
+    options = dict(per_layer_kernel=planned_per_layer_kernel(config, device, cp, world_size),
                    private_length=public_length is None,
                    # A module of its own computes its loss as it likes: planned over the whole logits.
                    loss_chunk_tokens=getattr(module, "loss_chunk_tokens", None))
@@ -329,7 +324,7 @@ def run_preflight(
         prediction = "planned" if result.private_length else f"on CUDA, {result.peak()}"
         rank_zero_info(
             f"LongShield pre-flight ({device.type}: logged, not checked): {prediction} for"
-            f" {result.describe_run()}. {_details(result)}{_joined(notes)}"
+            f" {result.describe_run()}. {_details(result)}{_joined(result.notes)}"
         )
         return result
     name, capacity = device_properties(device)
@@ -337,7 +332,7 @@ def run_preflight(
     fits = "fits in" if result.private_length else f"fits, {result.peak()} of"
     rank_zero_info(
         f"LongShield pre-flight: {fits} {capacity / GIB:.1f} GiB ({name}) for {result.describe_run()}."
-        f" {_details(result)}{_joined(notes)}"
+        f" {_details(result)}{_joined(result.notes)}"
     )
     return result
 

@@ -6,7 +6,7 @@
 (True, 74, 131072)
 """
 
-from simulate.config import METHODS, RunConfig, make_config
+from simulate.config import METHODS, RunConfig, make_config, plan_strategy
 from simulate.memory import MemoryBreakdown, estimate_memory
 from simulate.planner import Plan, compare, evaluate, max_seq_len, plan, recommend
 from simulate.specs import GPU_PRESETS, MODEL_PRESETS, GPUSpec, ModelSpec, get_gpu_spec, get_model_spec
@@ -15,5 +15,5 @@ from simulate.throughput import StepTime, estimate_step_time
 __all__ = [
     "GPU_PRESETS", "METHODS", "MODEL_PRESETS", "GPUSpec", "MemoryBreakdown", "ModelSpec", "Plan", "RunConfig",
     "StepTime", "compare", "estimate_memory", "estimate_step_time", "evaluate", "get_gpu_spec", "get_model_spec",
-    "make_config", "max_seq_len", "plan", "recommend",
+    "make_config", "max_seq_len", "plan", "plan_strategy", "recommend",
 ]

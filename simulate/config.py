@@ -333,6 +333,34 @@ def method_for(strategy: StrategyConfig) -> tuple[str, tuple[str, ...]]:
     return "v3", tuple(notes)
 
 
+def plan_strategy(
+    model: str | ModelSpec,
+    strategy: StrategyConfig,
+    gpus: int,
+    seq_len: int,
+    precision: str = "bf16-mixed",
+    gpu: str | GPUSpec = "h100",
+    per_layer_kernel: str = "auto",
+    loss_chunk_tokens: LossChunking = "auto",
+    lora_rank: int = 0,
+) -> tuple[RunConfig, tuple[str, ...]]:
+    """The planner's point for `LongShieldStrategy` with ``strategy`` on ``gpus`` processes, and notes where the
+    estimate is approximate: the one place where the strategy's arguments meet the planner's cost model
+    (`method_for`). A context-parallel group of ``strategy.context_parallel_size`` (``None``: all ``gpus``) is
+    planned (data-parallel groups are replicas; ZeRO-DP+'s layout shards over all ``gpus``); ``seq_len`` is rounded
+    up to a multiple of ``2 x CP`` (the load-balanced sharding needs it)."""
+    cp = strategy.context_parallel_size or gpus
+    method, notes = method_for(strategy.replace(context_parallel_size=cp))
+    mbs = strategy.micro_batch_size
+    if method == "zero-dp":
+        return longshield_config(model, method, 1, mbs, seq_len, precision, gpu, lora_rank=lora_rank,
+                                 data_parallel=gpus, loss_chunk_tokens=loss_chunk_tokens), notes
+    padded = -(-seq_len // (2 * cp)) * (2 * cp)
+    clipping = "flat" if strategy.per_layer is None else "per_layer"
+    return longshield_config(model, method, cp, mbs, padded, precision, gpu, lora_rank=lora_rank, clipping=clipping,
+                             per_layer_kernel=per_layer_kernel, loss_chunk_tokens=loss_chunk_tokens), notes
+
+
 RANDOMIZED_CLIPPING_NOTE = (
     "Note: randomized clipping (ProjectedNorms) keeps every linear and embedding layer's inputs and output gradients"
     " until the norms are known (about MBS x T x (in + out) elements per layer, with k-column sketches), which the"

@@ -16,17 +16,27 @@ from tests.support.helpers import RandomTokens, full_state, loader, make_module,
 GIB = 2**30
 
 
+def layout(method: str = "v2", cp: int = 1, mbs: int = 1, **choices) -> StrategyConfig:
+    """The strategy's arguments of one of the planner's method presets."""
+    return StrategyConfig(**{"context_parallel_size": cp, **METHOD_PRESETS[method]}, micro_batch_size=mbs, **choices)
+
+
+def predict(model: str, method: str, gpus: int, cp: int, mbs: int, seq_len: int, capacity_gib: float = 80,
+            **options) -> preflight.PreflightResult:
+    return preflight.predict(get_model_spec(model), layout(method, cp, mbs, **options.pop("choices", {})), gpus,
+                             seq_len, "bf16-mixed", capacity_gib * GIB, **options)
+
+
 def check(model: str = "llama3.1-8b", method: str = "v2", gpus: int = 1, cp: int = 1, mbs: int = 1,
           seq_len: int = 131072, capacity_gib: float = 80) -> preflight.PreflightResult:
-    return preflight.predict(get_model_spec(model), method, gpus, cp, mbs, seq_len, "bf16-mixed",
-                             capacity_gib * GIB, gpu_name="NVIDIA H100 80GB HBM3").check()
+    return predict(model, method, gpus, cp, mbs, seq_len, capacity_gib, gpu_name="NVIDIA H100 80GB HBM3").check()
 
 
 def test_infeasible_config_names_peak_breakdown_and_a_fix():
     with pytest.raises(PreflightMemoryError) as error:
         check()
     message = str(error.value)
-    memory = preflight.predict(get_model_spec("llama3.1-8b"), "v2", 1, 1, 1, 131072, "bf16-mixed", 80 * GIB).memory
+    memory = predict("llama3.1-8b", "v2", 1, 1, 1, 131072).memory
     assert "does not fit in GPU memory" in message and isinstance(error.value, MemoryError)
     assert f"predicted peak {memory.reserved / GIB:.1f} GiB per GPU" in message
     assert "vs 80.0 GiB capacity of the NVIDIA H100 80GB HBM3" in message
@@ -39,10 +49,12 @@ def test_infeasible_config_names_peak_breakdown_and_a_fix():
 def test_alternative_on_the_same_gpus_is_a_constructor_change():
     with pytest.raises(PreflightMemoryError, match=r"instead: LongShieldStrategy\(activation_checkpointing=True\):"):
         check(gpus=8, cp=8, mbs=2, seq_len=65536)
-    result = preflight.predict(get_model_spec("llama3.1-8b"), "v1", 8, 8, 8, 32768, "bf16-mixed", 80 * GIB)
-    alternative = preflight.find_alternative(result.config, world_size=8)
+    result = predict("llama3.1-8b", "v1", 8, 8, 8, 32768)
+    alternative = preflight.find_alternative(result.strategy, result.config, world_size=8)
     assert alternative is not None and alternative.memory.fits and alternative.gpus is None
-    assert "exchange='reduce_scatter'" in alternative.arguments
+    # V1's per-sample gradients do not fit at MBS 8: shard them, or take one sample per micro-batch (where V1 runs
+    # V2's path: the sample's gradient is FSDP's shard), the fastest that fits.
+    assert {"micro_batch_size=1", "exchange='reduce_scatter'"} & set(alternative.arguments), alternative.arguments
 
 
 def test_nothing_fits_says_so():
@@ -59,7 +71,7 @@ def test_feasible_config_passes():
 def test_policy_and_v1_checkpointing_are_estimated_as_v3_with_a_note():
     assert method_for(StrategyConfig()) == ("v2", ())
     assert method_for(StrategyConfig(exchange="all_reduce")) == ("v1", ())
-    v1_at_mbs_1 = preflight.predict(get_model_spec("tiny"), "v1", 2, 2, 1, 1024, "bf16-mixed", 80 * GIB)
+    v1_at_mbs_1 = predict("tiny", "v1", 2, 2, 1, 1024)
     assert v1_at_mbs_1.config.method.name == "v2"  # V1 at micro-batch 1 runs V2's path
     assert method_for(StrategyConfig(activation_checkpointing=True)) == ("v3", ())
     method, notes = method_for(StrategyConfig(exchange="all_reduce", activation_checkpointing=2))
@@ -70,9 +82,9 @@ def test_book_keeping_is_planned_as_zero_dp_plus_over_all_gpus():
     assert method_for(StrategyConfig(**METHOD_PRESETS["zero-dp"])) == ("zero-dp", ())
     method, notes = method_for(StrategyConfig(norms="ghost", context_parallel_size=2))
     assert method == "zero-dp" and "approximate" in notes[0]
-    result = preflight.predict(get_model_spec("llama3.2-1b"), "zero-dp", 4, 1, 2, 4096, "bf16-mixed", 80 * GIB)
+    result = predict("llama3.2-1b", "zero-dp", 4, 1, 2, 4096)
     assert result.config.method.name == "zero-dp" and result.config.num_gpus == 4 and result.config.cp_size == 1
-    alone = preflight.predict(get_model_spec("llama3.2-1b"), "zero-dp", 1, 1, 2, 4096, "bf16-mixed", 80 * GIB)
+    alone = predict("llama3.2-1b", "zero-dp", 1, 1, 2, 4096)
     # Parameters and AdamW moments sharded over the 4 GPUs; the clipped sum whole on each (reduced once per step).
     assert result.memory.model_states < alone.memory.model_states / 2
     assert not result.config.method.retained_norm_pass  # the strategy's one-backward book-keeping
@@ -114,8 +126,8 @@ def test_per_layer_clipping_is_planned_with_the_kernel_the_strategy_runs(monkeyp
     monkeypatch.setattr(per_layer, "triton_runs_on", lambda device: False)
     assert preflight.planned_per_layer_kernel(auto, cuda, 1, 1) == "torch"  # no Triton
     spec = get_model_spec("llama3.2-1b")
-    fused, materialised = (preflight.predict(spec, "v2", 1, 1, 4, 1024, "bf16-mixed", 80 * GIB, clipping="per_layer",
-                                             per_layer_kernel=kernel) for kernel in ("auto", "torch"))
+    fused, materialised = (preflight.predict(spec, layout("v2", 1, 4, clipping="per_layer"), 1, 1024, "bf16-mixed",
+                                             80 * GIB, per_layer_kernel=kernel) for kernel in ("auto", "torch"))
     assert fused.config.fused_linear_weights and not materialised.config.fused_linear_weights
     held = [max(p.get("per_sample_grads", 0.0) for _, p in memory._phases(r.config)) for r in (fused, materialised)]
     assert held[0] < held[1]
