@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_longshield import preflight as _preflight
 from lightning_longshield.callbacks import PrivacyMonitor
+from lightning_longshield.checkpoints import StrategyCheckpoints
 from lightning_longshield.context_parallel import (
     CONTEXT_PARALLEL,
     DATA_PARALLEL,
@@ -36,7 +37,6 @@ from lightning_longshield.context_parallel import (
 from lightning_longshield.dp_dataloaders import data_parallel_dataloader, training_dataloader
 from lightning_longshield.dp_step_loop import DPStepLoop
 from lightning_longshield.durable_checkpoints import DurableCheckpointIO
-from lightning_longshield.full_state_checkpoints import FullStateCheckpoints
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
 from lightning_longshield.padding import ZeroWeightPadding
 from lightning_longshield.parallelize import parallelize
@@ -55,7 +55,7 @@ from simulate.strategy_config import (
 )
 
 
-class LongShieldStrategy(FullStateCheckpoints, DPStepLoop, ModelParallelStrategy):
+class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy):
     """Differentially private training (DP-SGD) of a LightningModule on a (data_parallel, context_parallel) mesh.
 
     Each context-parallel group shares every batch: sequences are sharded head-tail over it, parameters and optimizer
@@ -89,6 +89,11 @@ class LongShieldStrategy(FullStateCheckpoints, DPStepLoop, ModelParallelStrategy
     (V3), ``norms`` (``"materialize"``, ``"ghost"``, ``"mixed"``, ``"hutchinson"``, ``"hutchpp"`` or `ProjectedNorms`),
     ``clipping`` (``"flat"``, ``"per_layer"`` or `PerLayerClipping`) and ``shard_over`` (``"context_parallel"`` or
     ``"all"``).
+
+    Args (checkpoints):
+        checkpoint_format: ``"sharded"``: every rank writes and reads its own shards (PyTorch's distributed
+            checkpoint engine), a folder that loads at any layout; ``"full"``: one file gathered on rank 0;
+            ``"auto"`` (default): sharded with several processes, one file with one.
 
     Args (launch):
         start_method: ``"popen"`` (torchrun-style script relaunch) or a multiprocessing start method.
@@ -128,6 +133,7 @@ class LongShieldStrategy(FullStateCheckpoints, DPStepLoop, ModelParallelStrategy
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         preflight: bool = True,
         privacy_ledger: Optional[Union[str, os.PathLike]] = None,
+        checkpoint_format: Literal["auto", "sharded", "full"] = "auto",
     ) -> None:
         super().__init__(save_distributed_checkpoint=False, process_group_backend=process_group_backend,
                          timeout=timeout)
@@ -144,6 +150,10 @@ class LongShieldStrategy(FullStateCheckpoints, DPStepLoop, ModelParallelStrategy
         self.seed = seed
         self.preflight = preflight
         self.privacy_ledger = privacy_ledger
+        if checkpoint_format not in ("auto", "sharded", "full"):
+            raise ValueError(f"checkpoint_format={checkpoint_format!r}: choose 'auto' (sharded with several processes,"
+                             " one file with one), 'sharded' or 'full'.")
+        self.checkpoint_format = checkpoint_format
         self._start_method = start_method
         self._engine: Optional[DPSGDEngine] = None
         self._padding = ZeroWeightPadding()  # its mesh: FSDP2's with shard_over="all" and data parallelism

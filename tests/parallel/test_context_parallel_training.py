@@ -11,8 +11,10 @@ from typing import Optional
 import pytest
 import torch
 from opacus.accountants import create_accountant
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_longshield import LongShieldStrategy, StrategyConfig
+from lightning_longshield.sharded_checkpoints import read_model_state
 from tests.support.cp_training_workers import (
     DATASET,
     LOGICAL_BATCH,
@@ -25,8 +27,10 @@ from tests.support.cp_training_workers import (
     fit,
     fit_bf16,
     leak_check,
+    load_checkpoint_data_parallel,
     meta_initialisation,
     noise_and_epsilon,
+    restored_state,
     save_checkpoint_under_cp,
     sharded_over_all,
     train_configurations,
@@ -211,13 +215,15 @@ def test_noise_is_added_once_across_data_parallel_groups_and_epsilon_matches(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("activation_checkpointing", [False, True], ids=["v2", "v3"])
-def test_checkpoint_saved_under_cp_resumes_on_one_process(tmp_path, activation_checkpointing):
+@pytest.mark.parametrize("activation_checkpointing, checkpoint_format", [(False, "auto"), (True, "full")],
+                         ids=["v2-sharded", "v3-full"])
+def test_checkpoint_saved_under_cp_resumes_on_one_process(tmp_path, activation_checkpointing, checkpoint_format):
     path = tmp_path / "cp2.ckpt"
-    run_processes(2, tmp_path, save_checkpoint_under_cp, str(path), activation_checkpointing)
-    checkpoint = torch.load(path, weights_only=False)
+    run_processes(2, tmp_path, save_checkpoint_under_cp, str(path), activation_checkpointing, checkpoint_format)
+    assert path.is_dir() == (checkpoint_format == "auto")  # several processes: sharded by default
+    saved = read_model_state(path) if path.is_dir() else torch.load(path, weights_only=False)["state_dict"]
     module = make_module(small_config(), optimizer="adamw", learning_rate=1e-2)
-    assert set(checkpoint["state_dict"]) == {f"model.{k}" for k in module.model.state_dict()}
+    assert set(saved) == {f"model.{k}" for k in module.model.state_dict()}
 
     def strategy():
         # Poisson draws are keyed by the DP step: with the same (test-only) noise_seed, the resumed run sees exactly
@@ -234,6 +240,34 @@ def test_checkpoint_saved_under_cp_resumes_on_one_process(tmp_path, activation_c
     # O(lr) difference of that weight, so a few weights may differ by up to 1e-3 relative.
     for (name, value), expected in zip(resumed.model.state_dict().items(), uninterrupted.model.state_dict().values()):
         torch.testing.assert_close(value, expected, rtol=1e-3, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_loads_at_cp_1_at_dp_2_and_into_one_process(tmp_path):
+    """Saved by CP 2 (each rank its shards), SGD with momentum: restored whole in this process (CP 1), by two
+    data-parallel processes, and read without a process group for an export; parameters and momentum buffers equal
+    what was saved, exactly."""
+    path = tmp_path / "cp2.ckpt"
+    run_processes(2, tmp_path, save_checkpoint_under_cp, str(path), False, "sharded", "sgd", 0.9)
+    saved = read_model_state(path)
+    whole = tmp_path / "whole.pt"
+    dcp_to_torch_save(path, whole)
+    saved_optimizer = torch.load(whole, weights_only=False)["optimizer_0"]["state"]
+    assert saved_optimizer and all(set(state) == {"momentum_buffer"} for state in saved_optimizer.values())
+
+    module = make_module(small_config(), optimizer="sgd", learning_rate=1e-2, momentum=0.9)
+    strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=0.05, micro_batch_size=2, noise_seed=0)
+    trainer = make_trainer(strategy, max_steps=2)
+    trainer.fit(module, loader(RandomTokens(**DATASET), LOGICAL_BATCH), ckpt_path=path)
+    run_processes(2, tmp_path, load_checkpoint_data_parallel, str(path), str(tmp_path), "sgd", 0.9)
+    for restored in (restored_state(module, trainer), torch.load(tmp_path / "restored.pt", weights_only=False)):
+        assert restored["model"].keys() == saved.keys()
+        for name, value in saved.items():
+            torch.testing.assert_close(restored["model"][name], value, rtol=0, atol=0)
+        assert restored["optimizer"]["state"].keys() == saved_optimizer.keys()
+        for name, state in saved_optimizer.items():
+            torch.testing.assert_close(restored["optimizer"]["state"][name]["momentum_buffer"],
+                                       state["momentum_buffer"], rtol=0, atol=0)
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Checkpoints hold a full state dict plus the DP state; a resumed run continues exactly where it stopped."""
+"""Checkpoints (one full file, or sharded on the distributed checkpoint engine) hold the model, the optimizer and the DP
+state; a resumed run continues exactly where it stopped."""
 
 from __future__ import annotations
 
@@ -6,15 +7,16 @@ import pytest
 import torch
 
 from lightning_longshield import LongShieldStrategy
+from lightning_longshield.sharded_checkpoints import read_model_state
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
 DATA = RandomTokens(size=32, seq_len=8)
 
 
-def strategy():
+def strategy(checkpoint_format: str = "auto"):
     # Exact resumption needs the same noise and Poisson draws: the explicit (test-only) reproducible mode.
     return LongShieldStrategy(noise_multiplier=0.8, max_grad_norm=0.5, micro_batch_size=2, accountant="rdp",
-                              target_delta=1e-3, noise_seed=5)
+                              target_delta=1e-3, noise_seed=5, checkpoint_format=checkpoint_format)
 
 
 def module(optimizer: str = "adamw", momentum: float = 0.0):
@@ -22,22 +24,31 @@ def module(optimizer: str = "adamw", momentum: float = 0.0):
 
 
 # SGD without momentum keeps no optimizer state (only its hyper-parameters); with momentum, one buffer per parameter.
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
 @pytest.mark.parametrize("optimizer, momentum", [("adamw", 0.0), ("sgd", 0.0), ("sgd", 0.9)],
                          ids=["adamw", "sgd", "sgd-momentum"])
-def test_resume_continues_the_same_run(tmp_path, optimizer, momentum):
+def test_resume_continues_the_same_run(tmp_path, optimizer, momentum, checkpoint_format):
     uninterrupted = module(optimizer, momentum)
     reference_strategy = strategy()
     make_trainer(reference_strategy, max_steps=4).fit(uninterrupted, loader(DATA, 4))
 
     first_half = module(optimizer, momentum)
-    first_strategy = strategy()
+    first_strategy = strategy(checkpoint_format)
     trainer = make_trainer(first_strategy, max_steps=2)
     trainer.fit(first_half, loader(DATA, 4))
     path = tmp_path / "dp.ckpt"
     trainer.save_checkpoint(path)
 
-    checkpoint = torch.load(path, weights_only=False)
-    assert set(checkpoint["state_dict"]) == {f"model.{k}" for k in first_half.model.state_dict()}
+    if checkpoint_format == "sharded":
+        assert path.is_dir() and (path / "manifest.json").is_file()
+        checkpoint = torch.load(path / "meta.pt", weights_only=False)
+        state_dict = read_model_state(path)
+    else:
+        checkpoint = torch.load(path, weights_only=False)
+        state_dict = checkpoint["state_dict"]
+    assert set(state_dict) == {f"model.{k}" for k in first_half.model.state_dict()}
+    for name, value in first_half.model.state_dict().items():
+        torch.testing.assert_close(state_dict[f"model.{name}"], value, rtol=0, atol=0)
     assert checkpoint["longshield"]["accountant"]["history"] == [(0.8, 4 / 32, 2)]
 
     resumed = module(optimizer, momentum)
@@ -48,7 +59,7 @@ def test_resume_continues_the_same_run(tmp_path, optimizer, momentum):
     assert resumed_strategy.get_epsilon() == reference_strategy.get_epsilon()
     for (name, value), expected in zip(resumed.state_dict().items(), uninterrupted.state_dict().values()):
         torch.testing.assert_close(value, expected, msg=lambda m, name=name: f"{name}: {m}")
-    if momentum:
+    if momentum and checkpoint_format == "full":
         assert all("momentum_buffer" in state for state in checkpoint["optimizer_states"][0]["state"].values())
 
 

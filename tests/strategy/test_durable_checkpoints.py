@@ -8,6 +8,7 @@ import torch
 
 from lightning_longshield import LongShieldStrategy
 from lightning_longshield.durable_checkpoints import CorruptCheckpointError, DurableCheckpointIO, is_whole_checkpoint
+from lightning_longshield.sharded_checkpoints import is_whole_sharded_checkpoint, read_model_state
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
 DATA = RandomTokens(size=16, seq_len=8)
@@ -59,3 +60,47 @@ def test_a_damaged_checkpoint_is_refused_with_the_last_good_one(tmp_path, damage
     bad.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match=rf"{bad} is truncated or damaged .* beside it is {good}"):
         _fit(tmp_path, 2, ckpt_path=bad)
+
+
+def _sharded_fit(tmp_path, max_steps: int, ckpt_path=None):
+    strategy = LongShieldStrategy(noise_multiplier=1.0, target_delta=1e-3, checkpoint_format="sharded")
+    trainer = make_trainer(strategy, max_steps=max_steps, default_root_dir=tmp_path)
+    trainer.fit(make_module(small_config(n_layers=1)), loader(DATA, 4), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_sharded_checkpoint_appears_whole_and_replaces_its_name(tmp_path):
+    trainer = _sharded_fit(tmp_path, 1)
+    path = tmp_path / "ckpt" / "last.ckpt"
+    trainer.save_checkpoint(path)
+    first = (path / "meta.pt").stat().st_mtime_ns
+    trainer.save_checkpoint(path)  # a second save replaces the folder, through a temporary name
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt"]  # nothing partial left
+    assert (path / "meta.pt").stat().st_mtime_ns >= first
+    assert {".metadata", "meta.pt", "manifest.json"} <= {p.name for p in path.iterdir()}
+    assert is_whole_sharded_checkpoint(path)
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "flipped shard", "no engine metadata", "no manifest"])
+def test_a_damaged_sharded_checkpoint_is_refused_with_the_last_good_one(tmp_path, damage):
+    """A shard cut short or altered, the engine's metadata missing, or a save that never wrote its manifest: refused
+    by name, nothing loaded, the newest whole checkpoint named."""
+    trainer = _sharded_fit(tmp_path, 1)
+    good, bad = tmp_path / "ckpt" / "step1.ckpt", tmp_path / "ckpt" / "step2.ckpt"
+    trainer.save_checkpoint(good)
+    trainer.save_checkpoint(bad)
+    shard = next(bad.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    if damage == "truncated shard":
+        shard.write_bytes(bytes(data[: len(data) // 2]))
+    elif damage == "flipped shard":
+        data[len(data) // 3] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "no engine metadata":
+        (bad / ".metadata").unlink()
+    else:
+        (bad / "manifest.json").unlink()
+    with pytest.raises(CorruptCheckpointError, match=rf"{bad} is incomplete or damaged .* beside it is {good}"):
+        _sharded_fit(tmp_path, 2, ckpt_path=bad)
+    with pytest.raises(CorruptCheckpointError):
+        read_model_state(bad)

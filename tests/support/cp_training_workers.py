@@ -143,14 +143,40 @@ def noise_and_epsilon(rank: int, world_size: int, out_dir: str) -> None:
         torch.save(results, Path(out_dir) / "noise.pt")
 
 
-def save_checkpoint_under_cp(rank: int, world_size: int, path: str, activation_checkpointing: bool = False) -> None:
-    """CP 2: two Poisson-sampled AdamW steps without noise, then a checkpoint."""
+def save_checkpoint_under_cp(rank: int, world_size: int, path: str, activation_checkpointing: bool = False,
+                             checkpoint_format: str = "auto", optimizer: str = "adamw", momentum: float = 0.0) -> None:
+    """CP 2: two Poisson-sampled steps without noise, then a checkpoint (``"auto"``: sharded, as for any run of
+    several processes)."""
     strategy = LongShieldStrategy(context_parallel_size=world_size, noise_multiplier=0.0, max_grad_norm=0.05,
-                                  micro_batch_size=2, noise_seed=0, activation_checkpointing=activation_checkpointing)
-    module = make_module(small_config(), optimizer="adamw", learning_rate=1e-2)
+                                  micro_batch_size=2, noise_seed=0, activation_checkpointing=activation_checkpointing,
+                                  checkpoint_format=checkpoint_format)
+    module = make_module(small_config(), optimizer=optimizer, learning_rate=1e-2, momentum=momentum)
     trainer = make_trainer(strategy, max_steps=2, devices=world_size)
     trainer.fit(module, loader(RandomTokens(**DATASET), LOGICAL_BATCH))
     trainer.save_checkpoint(path)
+
+
+def restored_state(module: Any, trainer: Any) -> dict[str, Any]:
+    """The module's parameters and its optimizer's state keyed by parameter name, whole, on CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    optimizer = trainer.optimizers[0]
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {"model": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
+            "optimizer": get_optimizer_state_dict(module, optimizer, options=options)}
+
+
+def load_checkpoint_data_parallel(rank: int, world_size: int, path: str, out_dir: str, optimizer: str,
+                                  momentum: float) -> None:
+    """DP ``world_size`` at CP 1: restore ``path`` (no step left to run) and save rank 0's restored state."""
+    strategy = LongShieldStrategy(context_parallel_size=1, noise_multiplier=0.0, max_grad_norm=0.05,
+                                  micro_batch_size=2, noise_seed=0)
+    module = make_module(small_config(), optimizer=optimizer, learning_rate=1e-2, momentum=momentum)
+    trainer = make_trainer(strategy, max_steps=2, devices=world_size)
+    trainer.fit(module, loader(RandomTokens(**DATASET), LOGICAL_BATCH), ckpt_path=path)
+    assert trainer.global_step == 2
+    if rank == 0:
+        torch.save(restored_state(module, trainer), Path(out_dir) / "restored.pt")
 
 
 def context_parallel_errors(rank: int, world_size: int, out_dir: str) -> None:

@@ -1,10 +1,12 @@
-"""Checkpoints as one full, unsharded file whose optimizer state is keyed by parameter name (loads at any CP size),
-with the strategy's privacy state (plan, accountant history, the run's privacy ledger) under `CHECKPOINT_KEY`."""
+"""The strategy's checkpoints: sharded on PyTorch's distributed checkpoint engine (`sharded_checkpoints`), or one full
+file whose optimizer state is keyed by parameter name; both load at any layout, with the strategy's privacy state
+(plan, accountant history, the run's privacy ledger) under `CHECKPOINT_KEY`."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.strategies import ParallelStrategy
@@ -17,19 +19,41 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightning_longshield.privacy.ledger import LEDGER_FILE
+from lightning_longshield.sharded_checkpoints import (
+    is_sharded_checkpoint,
+    load_hyperparameters,
+    load_sharded,
+    save_sharded,
+)
 
 CHECKPOINT_KEY = "longshield"
 
 
-class FullStateCheckpoints:
-    """Strategy mix-in: gather the full model and optimizer state to save, scatter it back into shards to load.
+class StrategyCheckpoints:
+    """Strategy mix-in: sharded checkpoints (`sharded_checkpoints`: every rank writes and reads its own shards) where
+    `sharded_checkpoints` says so, else the full model and optimizer state gathered to save and scattered back into
+    shards to load. A checkpoint of either kind loads whatever the format chosen now.
 
-    The model's state comes from `ModelParallelStrategy` with ``save_distributed_checkpoint=False``; this class
-    makes the optimizer state portable (by parameter name, not position) and loads both through Lightning's own
-    restore path instead of `ModelParallelStrategy`'s sharded-folder loader. The strategy's ``privacy``
-    (`PrivacySession`) travels with them, and a restored run adds the steps its privacy ledger recorded after the
-    checkpoint.
+    The full file's model state comes from `ModelParallelStrategy` with ``save_distributed_checkpoint=False``; this
+    class makes its optimizer state portable (by parameter name, not position) and loads both through Lightning's own
+    restore path instead of `ModelParallelStrategy`'s sharded-folder loader (which needs DTensor parameters; at CP 1
+    they are plain). The strategy's ``privacy`` (`PrivacySession`) travels with either, and a restored run adds the
+    steps its privacy ledger recorded after the checkpoint.
     """
+
+    _loaded_sharded = False
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """``checkpoint_format="sharded"``, or ``"auto"`` with more than one process (one process writes everything
+        either way, and one file is the simplest to move and load)."""
+        chosen = self.checkpoint_format  # type: ignore[attr-defined]
+        return chosen == "sharded" or (chosen == "auto" and self.world_size > 1)  # type: ignore[attr-defined]
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.sharded_checkpoints:
+            return {}  # written shard by shard in `save_checkpoint`, never gathered
+        return super().lightning_module_state_dict()  # type: ignore[misc]
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if self.privacy.ledger_path is None and self.privacy.plan is not None:  # type: ignore[attr-defined]
@@ -37,11 +61,29 @@ class FullStateCheckpoints:
         state = self.privacy.state_dict()  # type: ignore[attr-defined]
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state
-        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+        if not self.sharded_checkpoints:
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+            return
+        if storage_options is not None:
+            raise TypeError("Sharded checkpoints take no storage_options; use checkpoint_format='full' with a"
+                            " CheckpointIO of your own.")
+        for key in ("state_dict", "optimizer_states"):
+            checkpoint.pop(key, None)
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]  # type: ignore[attr-defined]
+        save_sharded(self.broadcast(filepath), self.lightning_module, optimizers, checkpoint,  # type: ignore[attr-defined]
+                     self.global_rank, self.barrier)  # type: ignore[attr-defined]
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """One full checkpoint file (not the sharded folder of `ModelParallelStrategy`), and the privacy state."""
-        checkpoint = ParallelStrategy.load_checkpoint(self, checkpoint_path, weights_only=False)  # type: ignore[arg-type]
+        """A sharded checkpoint folder or one full checkpoint file (not `ModelParallelStrategy`'s loader), and the
+        privacy state."""
+        path = self.broadcast(checkpoint_path)  # type: ignore[attr-defined]
+        self._loaded_sharded = is_sharded_checkpoint(path)
+        if self._loaded_sharded:
+            module = self.lightning_module  # type: ignore[attr-defined]
+            checkpoint = load_sharded(Path(path), module, list(self.optimizers),  # type: ignore[attr-defined]
+                                      strict=module.strict_loading)
+        else:
+            checkpoint = ParallelStrategy.load_checkpoint(self, path, weights_only=False)  # type: ignore[arg-type]
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None and self.privacy.noise is not None:  # type: ignore[attr-defined]
             self.privacy.load_state_dict(state)  # type: ignore[attr-defined]
@@ -70,14 +112,19 @@ class FullStateCheckpoints:
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        return True
+        return not self._loaded_sharded  # a sharded checkpoint's optimizers were loaded with the model
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._loaded_sharded:
+            return
         options = StateDictOptions(full_state_dict=True, strict=strict)
         set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=options)  # type: ignore[attr-defined]
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The full optimizer state keyed by parameter name, so it loads under any CP size."""
+        """The full optimizer state keyed by parameter name, so it loads under any CP size (sharded checkpoints write
+        it shard by shard instead)."""
+        if self.sharded_checkpoints:
+            return {}
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)  # type: ignore[attr-defined]
@@ -89,14 +136,3 @@ class FullStateCheckpoints:
                 load_hyperparameters(optimizer, state["param_groups"])
                 continue
             set_optimizer_state_dict(self.lightning_module, optimizer, state, options=options)  # type: ignore[attr-defined]
-
-
-def load_hyperparameters(optimizer: Optimizer, saved_groups: list[dict[str, Any]]) -> None:
-    """Set each parameter group's hyper-parameters (learning rate, ...) from a saved optimizer state without
-    per-parameter state, which torch's distributed loader cannot place (it takes the device from that state)."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(f"The checkpoint's optimizer has {len(saved_groups)} parameter groups, this one"
-                         f" {len(optimizer.param_groups)}: configure_optimizers must build the same groups.")
-    for group, saved in zip(optimizer.param_groups, saved_groups):
-        group.update({key: value for key, value in saved.items() if key != "params"})

@@ -1,0 +1,217 @@
+"""Sharded checkpoints on PyTorch's distributed checkpoint engine (`torch.distributed.checkpoint`, DCP).
+
+Every rank writes its own shards of the model and optimizer state, in parallel, holding only them; the engine records
+where each chunk of each tensor lives, so a checkpoint loads at any (data-parallel, context-parallel) layout, resharded
+as it is read, and into one process without a process group (`read_model_state`, for a Hugging Face export).
+
+A checkpoint is a folder: the engine's shard files and ``.metadata``, Lightning's remaining state in ``meta.pt`` (the
+step, callbacks, the strategy's privacy state) and ``manifest.json`` (size and CRC-32 of every other file, each
+computed by the rank that wrote it). It is written under a temporary name, every file fsynced, and renamed into place
+only once the manifest is durable, so the name never refers to a partial checkpoint; loading checks the manifest first
+and refuses a missing or damaged file by name (`CorruptCheckpointError`), loading nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from lightning_longshield.durable_checkpoints import CorruptCheckpointError, newest_whole_checkpoint
+from lightning_longshield.privacy.ledger import fsync_directory
+
+METADATA_FILE = "meta.pt"
+MANIFEST_FILE = "manifest.json"
+MODEL_KEY = "model"
+_CRC_CHUNK = 2**24
+
+
+def is_sharded_checkpoint(path: os.PathLike | str) -> bool:
+    """Whether ``path`` is a folder written by `save_sharded` (whole or not)."""
+    return Path(path).is_dir()
+
+
+def optimizer_key(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+def save_sharded(
+    path: os.PathLike | str,
+    model: nn.Module,
+    optimizers: list[Optimizer],
+    metadata: dict[str, Any],
+    rank: int,
+    barrier: Callable[[], None],
+) -> None:
+    """Every rank: write its shards of ``model`` and ``optimizers`` (state keyed by parameter name) and, from rank 0,
+    ``metadata``, into the folder ``path``, which appears whole or not at all. A collective."""
+    final = Path(path)
+    temporary = final.with_name(f".{final.name}.partial")
+    if rank == 0:
+        shutil.rmtree(temporary, ignore_errors=True)  # left by a save that was killed
+        temporary.mkdir(parents=True)
+    barrier()
+    options = StateDictOptions(cpu_offload=False)
+    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model, options=options)}
+    for index, optimizer in enumerate(optimizers):
+        state[optimizer_key(index)] = get_optimizer_state_dict(model, optimizer, options=options)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(temporary, sync_files=True))
+    del state
+    if rank == 0:
+        _write_durably(temporary / METADATA_FILE, lambda file: torch.save(metadata, file))
+    barrier()
+    files = _checksums(temporary, own=lambda name: name.startswith(f"__{rank}_") or (rank == 0 and not
+                                                                                         name.startswith("__")))
+    gathered: list[Optional[dict[str, list[int]]]] = [None] * _world_size()
+    if _world_size() > 1:
+        dist.all_gather_object(gathered, files)
+    else:
+        gathered = [files]
+    if rank == 0:
+        manifest = {name: entry for part in gathered if part for name, entry in part.items()}
+        _write_durably(temporary / MANIFEST_FILE, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
+        fsync_directory(temporary)
+        _replace_folder(temporary, final)
+    barrier()
+
+
+def load_sharded(path: os.PathLike | str, model: nn.Module, optimizers: list[Optimizer],
+                 strict: bool = True) -> dict[str, Any]:
+    """Every rank: load ``model`` and ``optimizers`` (whatever their layout now) from the sharded checkpoint ``path``
+    after checking it whole; returns its remaining Lightning state. A collective."""
+    folder = Path(path)
+    verify_sharded(folder)
+    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
+    set_model_state_dict(model, state[MODEL_KEY], options=StateDictOptions(strict=strict))
+    for index, optimizer in enumerate(optimizers):
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        key = optimizer_key(index)
+        optimizer_state = {key: get_optimizer_state_dict(model, optimizer)}
+        dcp.load(optimizer_state, storage_reader=dcp.FileSystemReader(folder))
+        saved = optimizer_state[key]
+        if not saved.get("state"):  # e.g. SGD without momentum: only hyper-parameters
+            load_hyperparameters(optimizer, saved["param_groups"])
+            continue
+        set_optimizer_state_dict(model, optimizer, saved)
+    return torch.load(folder / METADATA_FILE, weights_only=False)
+
+
+def read_model_state(path: os.PathLike | str) -> dict[str, torch.Tensor]:
+    """The whole model state of the sharded checkpoint ``path`` in this process, keyed as the LightningModule's
+    parameters, without a process group: for an export (e.g. ``module.load_state_dict(...)`` then
+    `lightning_longshield.hf.save_pretrained`)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = Path(path)
+    verify_sharded(folder)
+    with tempfile.TemporaryDirectory() as scratch:
+        whole = Path(scratch) / "state.pt"
+        dcp_to_torch_save(folder, whole)
+        return dict(torch.load(whole, weights_only=False)[MODEL_KEY])
+
+
+def verify_sharded(folder: Path) -> None:
+    """Raise `CorruptCheckpointError` (naming the file and the newest whole checkpoint beside) unless every file the
+    manifest lists is there with its size and CRC-32."""
+    manifest_path = folder / MANIFEST_FILE
+    problem = None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        problem = f"its manifest {manifest_path} is missing or unreadable (the save did not finish)"
+        manifest = {}
+    for name, (size, crc) in manifest.items():
+        file = folder / name
+        if not file.is_file():
+            problem = f"{file} is missing"
+        elif file.stat().st_size != size:
+            problem = f"{file} has {file.stat().st_size} bytes, the manifest {size}"
+        elif _crc32(file) != crc:
+            problem = f"{file} does not match its checksum"
+        if problem:
+            break
+    if problem is None and not {".metadata", METADATA_FILE} <= set(manifest):
+        problem = f"its manifest {manifest_path} does not list the engine's .metadata and {METADATA_FILE}"
+    if problem is not None:
+        good = newest_whole_checkpoint(folder.parent, exclude=folder)
+        fix = (f"the newest whole checkpoint beside it is {good}: resume from it (fit(ckpt_path=...))" if good
+               else "no whole checkpoint is beside it")
+        raise CorruptCheckpointError(f"Checkpoint {folder} is incomplete or damaged ({problem}) and was not"
+                                     f" loaded; {fix}.")
+
+
+def is_whole_sharded_checkpoint(folder: Path) -> bool:
+    try:
+        verify_sharded(folder)
+    except CorruptCheckpointError:
+        return False
+    return True
+
+
+def _checksums(folder: Path, own: Callable[[str], bool]) -> dict[str, list[int]]:
+    """``{name: [size, crc32]}`` of the files of ``folder`` that ``own`` selects (this rank's)."""
+    return {p.name: [p.stat().st_size, _crc32(p)] for p in sorted(folder.iterdir())
+            if p.is_file() and p.name != MANIFEST_FILE and own(p.name)}
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(_CRC_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _write_durably(path: Path, write: Callable[[Any], object]) -> None:
+    with open(path, "wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _replace_folder(temporary: Path, final: Path) -> None:
+    """Rename ``temporary`` to ``final`` (replacing a previous checkpoint of that name) and make it durable."""
+    previous = final.with_name(f".{final.name}.previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    if final.is_dir():
+        final.rename(previous)
+    elif final.exists():
+        final.unlink()
+    temporary.rename(final)
+    fsync_directory(final.parent)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def load_hyperparameters(optimizer: Optimizer, saved_groups: list[dict[str, Any]]) -> None:
+    """Set each parameter group's hyper-parameters (learning rate, ...) from a saved optimizer state without
+    per-parameter state, which torch's distributed loader cannot place (it takes the device from that state)."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"The checkpoint's optimizer has {len(saved_groups)} parameter groups, this one"
+                         f" {len(optimizer.param_groups)}: configure_optimizers must build the same groups.")
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({key: value for key, value in saved.items() if key != "params"})
