@@ -65,8 +65,10 @@ def save_sharded(
     final = Path(path)
     temporary = final.with_name(f".{final.name}.partial")
     if rank == 0:
-        shutil.rmtree(temporary, ignore_errors=True)  # left by a save that was killed
-        temporary.mkdir(parents=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in final.parent.glob(".*.partial"):  # left by saves that were killed
+            shutil.rmtree(stale, ignore_errors=True)
+        temporary.mkdir()
     barrier()
     options = StateDictOptions(cpu_offload=False)
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model, options=options)}

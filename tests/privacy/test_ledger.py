@@ -19,6 +19,7 @@ from opacus.accountants import RDPAccountant
 from lightning_longshield import LongShieldStrategy
 from lightning_longshield.durable_checkpoints import is_whole_checkpoint
 from lightning_longshield.privacy.ledger import LEDGER_FILE, PrivacyLedger, read_ledger, steps_after
+from lightning_longshield.sharded_checkpoints import is_whole_sharded_checkpoint
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
 DATA = RandomTokens(size=32, seq_len=8)  # batch 4: q = 1/8
@@ -118,9 +119,37 @@ def test_epsilon_after_sigkills_covers_every_step_that_ran(tmp_path):
     assert all(is_whole_checkpoint(path) for path in (tmp_path / "checkpoints").glob("*.ckpt"))
 
 
-def _attempt(root, kill_after: int, point: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "tests.support.ledger_crash_worker", str(root), "6", str(kill_after), point]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+@pytest.mark.slow
+def test_epsilon_after_sigkills_of_a_two_process_run_covers_every_step_that_ran(tmp_path):
+    """CP 2 with sharded checkpoints; a seeded rank SIGKILLs the whole job before a step, between a step's ledger line
+    and its release, after it, before a save, once its own shards are written, and halfway through the save's state
+    and manifest. Every attempt resumes from the newest checkpoint whose manifest checks; no checkpoint name ever
+    holds a partial folder; the finished run's epsilon covers every step the ledger holds."""
+    rng = random.Random(1)
+    points = [(rng.randint(2, 3), "release")] + [(rng.randint(0, 1), p) for p in
+                                                 ("batch_end", "save", "mid_save", "manifest", "batch_start")]
+    for kill_after, point in points:
+        kill_rank = 0 if point == "manifest" else rng.randint(0, 1)  # rank 0 writes the save's own files
+        result = _attempt(tmp_path, kill_after, point, processes=2, kill_rank=kill_rank)
+        assert result.returncode == -signal.SIGKILL, (point, result.stderr[-2000:])
+        checkpoints = list((tmp_path / "checkpoints").glob("*.ckpt"))
+        assert all(path.is_dir() and is_whole_sharded_checkpoint(path) for path in checkpoints), point
+        if point in ("mid_save", "manifest"):  # killed inside a save: its folder exists, under its temporary name
+            assert list((tmp_path / "checkpoints").glob(".*.ckpt.partial")), point
+    final = _attempt(tmp_path, -1, "none", processes=2)
+    assert final.returncode == 0, final.stderr[-2000:]
+    report = json.loads(final.stdout.strip().splitlines()[-1])
+    ran = len(read_ledger(tmp_path / LEDGER_FILE, report["run"]))
+    assert ran > 6 and report["steps"] == ran
+    assert report["epsilon"] >= _rdp_epsilon(ran) * (1 - 1e-9)
+
+
+def _attempt(root, kill_after: int, point: str, processes: int = 1, kill_rank: int = 0) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "tests.support.ledger_crash_worker", str(root), "6", str(kill_after), point,
+               str(processes), str(kill_rank)]
+    # A session of its own: a two-process attempt kills its whole process group, never the test's.
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2],
+                          start_new_session=True)
 
 
 @pytest.mark.slow

@@ -1,13 +1,17 @@
 """One attempt of a checkpointed DP run that may be killed with SIGKILL: resumes from the newest checkpoint that
 loads, trains to ``max_steps`` and prints ``{"epsilon", "steps", "run"}`` as its last line, unless it is killed.
 
-    python -m tests.support.ledger_crash_worker ROOT MAX_STEPS KILL_AFTER KILL_POINT
+    python -m tests.support.ledger_crash_worker ROOT MAX_STEPS KILL_AFTER KILL_POINT [PROCESSES KILL_RANK]
 
 The attempt is killed ``KILL_AFTER`` steps after the step it resumed at, at ``KILL_POINT``: ``batch_start`` (before
 the step), ``release`` (the step is in the ledger, its gradient not yet released), ``batch_end`` (released, not yet
 checkpointed), ``save`` (the first checkpoint save from then on, before its file is written), ``mid_save`` (the
-same save, half written), ``sigterm`` (SIGTERM
-before the step: the run saves ``last.ckpt`` at the step's end and exits with status 0) or ``none``.
+same save, half written; sharded: once this rank's shards are written), ``manifest`` (sharded: rank 0 dies halfway
+through the save's last files), ``sigterm`` (SIGTERM before the step: the run saves ``last.ckpt`` at the step's end
+and exits with status 0) or ``none``.
+
+With ``PROCESSES`` 2 the script relaunches itself as rank 1 (CP 2, sharded checkpoints) and rank ``KILL_RANK``
+SIGKILLs the whole process group, as a lost node would end the job; run it in a session of its own.
 """
 
 from __future__ import annotations
@@ -16,18 +20,22 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_longshield import LongShieldStrategy
+from lightning_longshield import LongShieldStrategy, sharded_checkpoints
+from lightning_longshield.sharded_checkpoints import is_whole_sharded_checkpoint
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
 DELTA = 1e-3
 
 
 def _die() -> None:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        os.killpg(os.getpgid(0), signal.SIGKILL)  # every rank of the job at once
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -65,17 +73,51 @@ def newest_checkpoint(directory: Path) -> Path | None:
     """The checkpoint of the highest step that loads (a save cut short by the kill does not)."""
     steps = {}
     for path in directory.glob("*.ckpt"):
+        if path.is_dir() and not is_whole_sharded_checkpoint(path):
+            continue
         try:
-            steps[path] = torch.load(path, map_location="cpu", weights_only=False)["global_step"]
+            steps[path] = torch.load(path / "meta.pt" if path.is_dir() else path, map_location="cpu",
+                                     weights_only=False)["global_step"]
         except Exception:  # a torn file
             continue
     return max(steps, key=steps.get) if steps else None
 
 
-def main(root: Path, max_steps: int, kill_after: int, kill_point: str) -> None:
-    strategy = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=DELTA)
-    kill = KillAt(kill_after, kill_point)
-    if kill_point == "release":
+def _kill_inside_sharded_saves(point: str, kill: KillAt, trainer_of: Callable[[], object]) -> None:
+    """``mid_save``: die once this rank's shards are written; ``manifest``: rank 0 dies halfway through writing the
+    save's own files (its state, then the manifest)."""
+    def due() -> bool:
+        return trainer_of().global_step >= kill.step  # type: ignore[attr-defined]
+
+    if point == "mid_save":
+        save = sharded_checkpoints.dcp.save
+
+        def save_then_die(*args, **kwargs):
+            save(*args, **kwargs)
+            if due():
+                _die()
+
+        sharded_checkpoints.dcp.save = save_then_die
+    if point == "manifest":
+        write = sharded_checkpoints._write_durably
+
+        def half_then_die(path, writer):
+            if not due():
+                return write(path, writer)
+            with open(path, "wb") as file:
+                file.write(b"half")
+                file.flush()
+            _die()
+
+        sharded_checkpoints._write_durably = half_then_die
+
+
+def main(root: Path, max_steps: int, kill_after: int, kill_point: str, processes: int = 1, kill_rank: int = 0) -> None:
+    strategy = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=DELTA,
+                                  context_parallel_size=processes)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    kill = KillAt(kill_after, kill_point if rank == kill_rank else "none")
+    if kill_point == "release" and rank == kill_rank:
         record = strategy.privacy.record_release
 
         def record_then_die() -> None:
@@ -84,15 +126,18 @@ def main(root: Path, max_steps: int, kill_after: int, kill_point: str) -> None:
                 _die()
 
         strategy.privacy.record_release = record_then_die  # type: ignore[method-assign]
+    if processes > 1 and rank == kill_rank:
+        _kill_inside_sharded_saves(kill_point, kill, lambda: strategy.lightning_module.trainer)
     checkpoints = ModelCheckpoint(dirpath=root / "checkpoints", filename="{step}", every_n_train_steps=2,
                                   save_top_k=-1)
     trainer = make_trainer(strategy, max_steps=max_steps, default_root_dir=root, enable_checkpointing=True,
-                           callbacks=[checkpoints, kill])
+                           callbacks=[checkpoints, kill], devices=processes)
     trainer.fit(make_module(small_config(n_layers=1), optimizer="sgd", learning_rate=1e-2),
                 loader(RandomTokens(size=32, seq_len=8), 4), ckpt_path=newest_checkpoint(root / "checkpoints"))
-    print(json.dumps({"epsilon": strategy.get_epsilon(), "steps": strategy.accountant.steps,
-                      "run": strategy.privacy.run_id}))
+    if trainer.global_rank == 0:
+        print(json.dumps({"epsilon": strategy.get_epsilon(), "steps": strategy.accountant.steps,
+                          "run": strategy.privacy.run_id}))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:7]))
