@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_longshield.privacy.ledger import LEDGER_FILE
 from lightning_longshield.sharded_checkpoints import (
+    ShardedSave,
     is_sharded_checkpoint,
     load_hyperparameters,
     load_sharded,
@@ -42,13 +43,17 @@ class StrategyCheckpoints:
     """
 
     _loaded_sharded = False
+    _pending_save: Optional[ShardedSave] = None
+    _save_group: Optional[Any] = None
 
     @property
     def sharded_checkpoints(self) -> bool:
-        """``checkpoint_format="sharded"``, or ``"auto"`` with more than one process (one process writes everything
-        either way, and one file is the simplest to move and load)."""
+        """``checkpoint_format="sharded"`` or asynchronous saves, or ``"auto"`` with more than one process (one process
+        writes everything either way, and one file is the simplest to move and load)."""
         chosen = self.checkpoint_format  # type: ignore[attr-defined]
-        return chosen == "sharded" or (chosen == "auto" and self.world_size > 1)  # type: ignore[attr-defined]
+        if chosen == "sharded" or self.async_checkpoints:  # type: ignore[attr-defined]
+            return True
+        return chosen == "auto" and self.world_size > 1  # type: ignore[attr-defined]
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.sharded_checkpoints:
@@ -69,9 +74,44 @@ class StrategyCheckpoints:
                             " CheckpointIO of your own.")
         for key in ("state_dict", "optimizer_states"):
             checkpoint.pop(key, None)
+        self.commit_pending_save()
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]  # type: ignore[attr-defined]
-        save_sharded(self.broadcast(filepath), self.lightning_module, optimizers, checkpoint,  # type: ignore[attr-defined]
-                     self.global_rank, self.barrier)  # type: ignore[attr-defined]
+        save = save_sharded(self.broadcast(filepath), self.lightning_module, optimizers,  # type: ignore[attr-defined]
+                            checkpoint, self.global_rank, self.barrier,  # type: ignore[attr-defined]
+                            background_group=self._background_group())
+        self._pending_save = save if save.pending is not None else None
+        if not self.lightning_module.trainer.training:  # type: ignore[attr-defined]  # no later step to finish it
+            self.commit_pending_save()
+
+    def _background_group(self) -> Optional[Any]:
+        """The process group of asynchronous saves (created on first use, on every rank: saves are collectives)."""
+        if not self.async_checkpoints:  # type: ignore[attr-defined]
+            return None
+        if self._save_group is None:
+            import torch.distributed as dist
+
+            self._save_group = dist.new_group(backend="gloo")
+        return self._save_group
+
+    def commit_pending_save(self, wait: bool = True) -> None:
+        """Finish the asynchronous save under way, if any (a collective). ``wait=False``: only once every rank's
+        shards are written (else leave it for a later step)."""
+        if self._pending_save is None:
+            return
+        if not wait and not self.reduce_boolean_decision(self._pending_save.written(),  # type: ignore[attr-defined]
+                                                         all=True):
+            return
+        save, self._pending_save = self._pending_save, None
+        save.commit(self.barrier)  # type: ignore[attr-defined]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        if self._pending_save is not None:
+            self.commit_pending_save(wait=False)
+
+    def on_train_end(self) -> None:
+        self.commit_pending_save()
+        super().on_train_end()  # type: ignore[misc]
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded checkpoint folder or one full checkpoint file (not `ModelParallelStrategy`'s loader), and the

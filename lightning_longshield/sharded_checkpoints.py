@@ -18,6 +18,8 @@ import os
 import shutil
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -52,6 +54,44 @@ def optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
 
 
+@dataclass
+class ShardedSave:
+    """One sharded save: its shards written, or being written in the background (``pending``); `commit` (a
+    collective) adds Lightning's state and the manifest and renames the folder into place."""
+
+    temporary: Path
+    final: Path
+    metadata: dict[str, Any]
+    rank: int
+    pending: Optional[Future] = None
+
+    def written(self) -> bool:
+        """Whether this rank's shards are on disk (always, for a synchronous save)."""
+        return self.pending is None or self.pending.done()
+
+    def commit(self, barrier: Callable[[], None]) -> None:
+        if self.pending is not None:
+            self.pending.result()  # waits for this rank's writes; raises if they failed
+            self.pending = None
+        rank, temporary = self.rank, self.temporary
+        if rank == 0:
+            _write_durably(temporary / METADATA_FILE, lambda file: torch.save(self.metadata, file))
+        barrier()
+        files = _checksums(temporary, own=lambda name: name.startswith(f"__{rank}_") or (rank == 0 and not
+                                                                                             name.startswith("__")))
+        gathered: list[Optional[dict[str, list[int]]]] = [files]
+        if _world_size() > 1:
+            gathered = [None] * _world_size()
+            dist.all_gather_object(gathered, files)
+        if rank == 0:
+            manifest = {name: entry for part in gathered if part for name, entry in part.items()}
+            _write_durably(temporary / MANIFEST_FILE,
+                           lambda file: file.write(json.dumps(manifest, indent=1).encode()))
+            fsync_directory(temporary)
+            _replace_folder(temporary, self.final)
+        barrier()
+
+
 def save_sharded(
     path: os.PathLike | str,
     model: nn.Module,
@@ -59,9 +99,14 @@ def save_sharded(
     metadata: dict[str, Any],
     rank: int,
     barrier: Callable[[], None],
-) -> None:
+    background_group: Optional[dist.ProcessGroup] = None,
+) -> ShardedSave:
     """Every rank: write its shards of ``model`` and ``optimizers`` (state keyed by parameter name) and, from rank 0,
-    ``metadata``, into the folder ``path``, which appears whole or not at all. A collective."""
+    ``metadata``, into the folder ``path``, which appears whole or not at all. A collective.
+
+    With ``background_group`` (a process group of its own, for the engine's collectives off the main thread) the
+    shards are copied in memory and written by a background thread while training goes on: the returned save is
+    committed later (`ShardedSave.commit`); without, it is committed before this returns."""
     final = Path(path)
     temporary = final.with_name(f".{final.name}.partial")
     if rank == 0:
@@ -74,24 +119,15 @@ def save_sharded(
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model, options=options)}
     for index, optimizer in enumerate(optimizers):
         state[optimizer_key(index)] = get_optimizer_state_dict(model, optimizer, options=options)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(temporary, sync_files=True))
-    del state
-    if rank == 0:
-        _write_durably(temporary / METADATA_FILE, lambda file: torch.save(metadata, file))
-    barrier()
-    files = _checksums(temporary, own=lambda name: name.startswith(f"__{rank}_") or (rank == 0 and not
-                                                                                         name.startswith("__")))
-    gathered: list[Optional[dict[str, list[int]]]] = [None] * _world_size()
-    if _world_size() > 1:
-        dist.all_gather_object(gathered, files)
-    else:
-        gathered = [files]
-    if rank == 0:
-        manifest = {name: entry for part in gathered if part for name, entry in part.items()}
-        _write_durably(temporary / MANIFEST_FILE, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
-        fsync_directory(temporary)
-        _replace_folder(temporary, final)
-    barrier()
+    writer = dcp.FileSystemWriter(temporary, sync_files=True)
+    save = ShardedSave(temporary, final, metadata, rank)
+    if background_group is None:
+        dcp.save(state, storage_writer=writer)
+        save.commit(barrier)
+        return save
+    response = dcp.async_save(state, storage_writer=writer, process_group=background_group)
+    save.pending = getattr(response, "upload_completion", response)
+    return save
 
 
 def load_sharded(path: os.PathLike | str, model: nn.Module, optimizers: list[Optimizer],

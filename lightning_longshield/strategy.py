@@ -94,6 +94,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         checkpoint_format: ``"sharded"``: every rank writes and reads its own shards (PyTorch's distributed
             checkpoint engine), a folder that loads at any layout; ``"full"``: one file gathered on rank 0;
             ``"auto"`` (default): sharded with several processes, one file with one.
+        async_checkpoints: sharded saves copy the shards in memory and write them in a background thread while
+            training goes on; each is renamed into place once every rank has written it (checked at step starts).
 
     Args (launch):
         start_method: ``"popen"`` (torchrun-style script relaunch) or a multiprocessing start method.
@@ -134,6 +136,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         preflight: bool = True,
         privacy_ledger: Optional[Union[str, os.PathLike]] = None,
         checkpoint_format: Literal["auto", "sharded", "full"] = "auto",
+        async_checkpoints: bool = False,
     ) -> None:
         super().__init__(save_distributed_checkpoint=False, process_group_backend=process_group_backend,
                          timeout=timeout)
@@ -153,7 +156,11 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         if checkpoint_format not in ("auto", "sharded", "full"):
             raise ValueError(f"checkpoint_format={checkpoint_format!r}: choose 'auto' (sharded with several processes,"
                              " one file with one), 'sharded' or 'full'.")
+        if async_checkpoints and checkpoint_format == "full":
+            raise ValueError("async_checkpoints=True writes sharded checkpoints in the background; use"
+                             " checkpoint_format='sharded' (or 'auto') with it.")
         self.checkpoint_format = checkpoint_format
+        self.async_checkpoints = async_checkpoints
         self._start_method = start_method
         self._engine: Optional[DPSGDEngine] = None
         self._padding = ZeroWeightPadding()  # its mesh: FSDP2's with shard_over="all" and data parallelism

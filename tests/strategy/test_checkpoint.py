@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_longshield import LongShieldStrategy
-from lightning_longshield.sharded_checkpoints import read_model_state
+from lightning_longshield.sharded_checkpoints import is_whole_sharded_checkpoint, read_model_state
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
 DATA = RandomTokens(size=32, seq_len=8)
@@ -81,3 +82,29 @@ def test_resume_respects_spent_budget(tmp_path):
     trainer.fit(module(), loader(DATA, 4), ckpt_path=tmp_path / "budget.ckpt")
     assert second.accountant.steps == budget == trainer.global_step
     assert second.get_epsilon() <= 2.0
+
+
+def test_an_asynchronous_save_holds_the_state_of_its_step(tmp_path):
+    """A save every 2 steps written in the background while training goes on: after a third step ran, the step-2
+    checkpoint is in place, whole, and holds exactly step 2's parameters (the engine copied them when the save
+    started), with nothing partial left behind."""
+    at_step_2 = module("sgd", 0.9)
+    make_trainer(strategy(), max_steps=2).fit(at_step_2, loader(DATA, 4))
+
+    background = LongShieldStrategy(noise_multiplier=0.8, max_grad_norm=0.5, micro_batch_size=2, accountant="rdp",
+                                    target_delta=1e-3, noise_seed=5, async_checkpoints=True)
+    saves = ModelCheckpoint(dirpath=tmp_path / "checkpoints", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    trained = module("sgd", 0.9)
+    make_trainer(background, max_steps=3, enable_checkpointing=True, callbacks=[saves]).fit(trained, loader(DATA, 4))
+    path = tmp_path / "checkpoints" / "step=2.ckpt"
+    assert is_whole_sharded_checkpoint(path) and not list(path.parent.glob(".*.partial"))
+    assert torch.load(path / "meta.pt", weights_only=False)["global_step"] == 2
+    saved = read_model_state(path)
+    for name, value in at_step_2.model.state_dict().items():
+        torch.testing.assert_close(saved[f"model.{name}"], value, rtol=0, atol=0)
+    assert any(not torch.equal(saved[f"model.{name}"], value) for name, value in trained.model.state_dict().items())
+
+
+def test_asynchronous_saves_are_sharded():
+    with pytest.raises(ValueError, match="checkpoint_format='sharded'"):
+        LongShieldStrategy(noise_multiplier=1.0, async_checkpoints=True, checkpoint_format="full")

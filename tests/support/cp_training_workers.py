@@ -144,12 +144,13 @@ def noise_and_epsilon(rank: int, world_size: int, out_dir: str) -> None:
 
 
 def save_checkpoint_under_cp(rank: int, world_size: int, path: str, activation_checkpointing: bool = False,
-                             checkpoint_format: str = "auto", optimizer: str = "adamw", momentum: float = 0.0) -> None:
+                             checkpoint_format: str = "auto", optimizer: str = "adamw", momentum: float = 0.0,
+                             async_checkpoints: bool = False) -> None:
     """CP 2: two Poisson-sampled steps without noise, then a checkpoint (``"auto"``: sharded, as for any run of
     several processes)."""
     strategy = LongShieldStrategy(context_parallel_size=world_size, noise_multiplier=0.0, max_grad_norm=0.05,
                                   micro_batch_size=2, noise_seed=0, activation_checkpointing=activation_checkpointing,
-                                  checkpoint_format=checkpoint_format)
+                                  checkpoint_format=checkpoint_format, async_checkpoints=async_checkpoints)
     module = make_module(small_config(), optimizer=optimizer, learning_rate=1e-2, momentum=momentum)
     trainer = make_trainer(strategy, max_steps=2, devices=world_size)
     trainer.fit(module, loader(RandomTokens(**DATASET), LOGICAL_BATCH))
