@@ -244,33 +244,37 @@ def test_checkpoint_saved_under_cp_resumes_on_one_process(tmp_path, activation_c
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_loads_at_cp_1_at_dp_2_and_into_one_process(tmp_path):
-    """Saved by CP 2 (each rank its shards), SGD with momentum: restored whole in this process (CP 1), by two
-    data-parallel processes, and read without a process group for an export; parameters and momentum buffers equal
-    what was saved, exactly."""
+@pytest.mark.parametrize("optimizer, momentum", [("adamw", 0.0), ("sgd", 0.0), ("sgd", 0.9)],
+                         ids=["adamw", "sgd", "sgd-momentum"])
+def test_a_sharded_checkpoint_loads_at_cp_1_at_dp_2_and_into_one_process(tmp_path, optimizer, momentum):
+    """Saved by CP 2 (each rank its shards): restored whole in this process (CP 1), by two data-parallel processes,
+    and read without a process group for an export; parameters and optimizer state (AdamW's moments and step, SGD's
+    momentum buffers, SGD's hyper-parameters alone) equal what was saved, exactly."""
     path = tmp_path / "cp2.ckpt"
-    run_processes(2, tmp_path, save_checkpoint_under_cp, str(path), False, "sharded", "sgd", 0.9)
+    run_processes(2, tmp_path, save_checkpoint_under_cp, str(path), False, "sharded", optimizer, momentum)
     saved = read_model_state(path)
     whole = tmp_path / "whole.pt"
     dcp_to_torch_save(path, whole)
-    saved_optimizer = torch.load(whole, weights_only=False)["optimizer_0"]["state"]
-    assert saved_optimizer and all(set(state) == {"momentum_buffer"} for state in saved_optimizer.values())
+    saved_optimizer = torch.load(whole, weights_only=False)["optimizer_0"]
+    saved_optimizer.setdefault("state", {})  # an empty state (SGD without momentum) is not stored
+    assert bool(saved_optimizer["state"]) == (optimizer == "adamw" or momentum > 0)
 
-    module = make_module(small_config(), optimizer="sgd", learning_rate=1e-2, momentum=0.9)
+    module = make_module(small_config(), optimizer=optimizer, learning_rate=1e-2, momentum=momentum)
     strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=0.05, micro_batch_size=2, noise_seed=0)
     trainer = make_trainer(strategy, max_steps=2)
     trainer.fit(module, loader(RandomTokens(**DATASET), LOGICAL_BATCH), ckpt_path=path)
     loading = tmp_path / "dp2"  # a rendezvous of its own: the save's store holds the other run's addresses
     loading.mkdir()
-    run_processes(2, loading, load_checkpoint_data_parallel, str(path), str(loading), "sgd", 0.9)
+    run_processes(2, loading, load_checkpoint_data_parallel, str(path), str(loading), optimizer, momentum)
     for restored in (restored_state(module, trainer), torch.load(loading / "restored.pt", weights_only=False)):
         assert restored["model"].keys() == saved.keys()
         for name, value in saved.items():
             torch.testing.assert_close(restored["model"][name], value, rtol=0, atol=0)
-        assert restored["optimizer"]["state"].keys() == saved_optimizer.keys()
-        for name, state in saved_optimizer.items():
-            torch.testing.assert_close(restored["optimizer"]["state"][name]["momentum_buffer"],
-                                       state["momentum_buffer"], rtol=0, atol=0)
+        assert restored["optimizer"]["state"].keys() == saved_optimizer["state"].keys()
+        for name, state in saved_optimizer["state"].items():
+            for key, value in state.items():
+                torch.testing.assert_close(restored["optimizer"]["state"][name][key], value, rtol=0, atol=0)
+        assert restored["optimizer"]["param_groups"][0]["lr"] == saved_optimizer["param_groups"][0]["lr"]
 
 
 @pytest.mark.slow
