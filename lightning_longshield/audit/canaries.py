@@ -1,0 +1,177 @@
+"""Canaries for a one-run audit: records inserted into the training data, each with probability 1/2.
+
+- `GradientCanaries` (white box): canary ``i`` is a record whose loss is ``magnitude x theta[c_i]`` for one
+  coordinate ``c_i`` of the trainable parameters, so its per-sample gradient is ``magnitude`` on that coordinate
+  alone (a Dirac canary). It is sampled, clipped and noised like every record; its score is the sum over steps of the
+  released (noisy, clipped, averaged) gradient at ``c_i``.
+- `InputCanaries` (black box): canary ``i`` is a random token sequence; its score is minus its loss on the trained
+  model.
+
+The inclusion draws come from the audit's own generator, independent of the run's (secret) noise and sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+CANARY_KEY = "canary"  # index of the canary a record is, -1 for the run's own records
+
+
+@dataclass
+class Canaries:
+    """``m`` canaries, each included in the training data with probability 1/2 (``included``)."""
+
+    m: int
+    seed: int = 0
+    included: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.m < 2:
+            raise ValueError(f"m={self.m}: an audit needs canaries to guess about; pass m of a few hundred or more.")
+        generator = torch.Generator().manual_seed(self.seed)
+        self.included = (torch.rand(self.m, generator=generator) < 0.5).tolist()
+
+    @property
+    def inserted(self) -> list[int]:
+        """The indices of the included canaries, the records added to the data."""
+        return [index for index, chosen in enumerate(self.included) if chosen]
+
+
+@dataclass
+class GradientCanaries(Canaries):
+    """White-box Dirac canaries: canary ``i`` adds ``magnitude`` to coordinate ``coordinates[i]`` of the flattened
+    trainable parameters (chosen at random, distinct). ``magnitude`` above the clipping bound makes clipping part of
+    what is audited."""
+
+    magnitude: float = 1.0
+    coordinates: list[tuple[str, int]] = field(default_factory=list)
+
+    def place(self, module: nn.Module) -> None:
+        """Choose the canaries' coordinates among ``module``'s trainable parameters."""
+        parameters = [(name, p.numel()) for name, p in module.named_parameters() if p.requires_grad]
+        total = sum(size for _, size in parameters)
+        if total < self.m:
+            raise ValueError(f"m={self.m} canaries need as many trainable coordinates; the model has {total}.")
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        flat = torch.randperm(total, generator=generator)[: self.m].tolist()
+        starts, position = [], 0
+        for name, size in parameters:
+            starts.append((position, name, size))
+            position += size
+        self.coordinates = [next((name, index - start) for start, name, size in starts if index < start + size)
+                            for index in flat]
+
+
+@dataclass
+class InputCanaries(Canaries):
+    """Black-box canaries: canary ``i`` is a sequence of ``seq_len`` tokens drawn uniformly from ``vocab_size``."""
+
+    seq_len: int = 64
+    vocab_size: int = 256
+    tokens: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        generator = torch.Generator().manual_seed(self.seed + 2)
+        self.tokens = torch.randint(0, self.vocab_size, (self.m, self.seq_len + 1), generator=generator)
+
+    def record(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[index, :-1], "labels": self.tokens[index, 1:]}
+
+
+class WithCanaries(Dataset):
+    """The run's records (their index under `CANARY_KEY` is -1) followed by the included canaries' records."""
+
+    def __init__(self, records: Dataset, canaries: Canaries,
+                 canary_record: Optional[Callable[[int], dict[str, Any]]] = None) -> None:
+        """``canary_record``: canary ``i``'s record (`InputCanaries.record`); by default one shaped like the run's
+        own records whose labels are all ignored (gradient canaries ignore the record; it only has to collate)."""
+        self.records, self.canaries = records, canaries
+        self.canary_record = canary_record or self.gradient_record
+        self.inserted = canaries.inserted
+        first = records[0]
+        if not isinstance(first, dict) or "input_ids" not in first:
+            raise TypeError("An audit inserts canaries among records that are dicts with 'input_ids' (and 'labels').")
+        self._template = first
+
+    def __len__(self) -> int:
+        return len(self.records) + len(self.inserted)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        own = len(self.records)  # type: ignore[arg-type]
+        if index < own:
+            return {**self.records[index], CANARY_KEY: torch.tensor(-1)}
+        canary = self.inserted[index - own]
+        return {**self.canary_record(canary), CANARY_KEY: torch.tensor(canary)}
+
+    def gradient_record(self, canary: int) -> dict[str, Any]:
+        """A record shaped like the run's own (so that batches collate), its labels all ignored."""
+        return {key: torch.full_like(value, -100) if key == "labels" else torch.zeros_like(value)
+                for key, value in self._template.items() if isinstance(value, torch.Tensor)}
+
+
+class CanaryScores(pl.Callback):
+    """Adds, at every DP step, the released gradient at each gradient canary's coordinate to its score (the private
+    gradient: `on_before_optimizer_step` runs after the noisy release)."""
+
+    def __init__(self, canaries: GradientCanaries) -> None:
+        self.canaries = canaries
+        self.scores = torch.zeros(canaries.m, dtype=torch.float64)
+        self._by_parameter: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name in {name for name, _ in canaries.coordinates}:
+            indices = [(i, offset) for i, (owner, offset) in enumerate(canaries.coordinates) if owner == name]
+            self._by_parameter[name] = (torch.tensor([i for i, _ in indices]), torch.tensor([o for _, o in indices]))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        parameters = dict(pl_module.named_parameters())
+        for name, (canary_indices, offsets) in self._by_parameter.items():
+            grad = parameters[name].grad
+            if grad is None:
+                continue
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            self.scores[canary_indices] += local.detach().reshape(-1)[offsets.to(local.device)].double().cpu()
+
+
+def insert_gradient_canaries(module: pl.LightningModule, canaries: GradientCanaries) -> None:
+    """Make ``module``'s training step give a canary record the loss ``magnitude x theta[c_i]`` (its gradient:
+    ``magnitude`` at ``c_i``; every other trainable parameter gets a zero gradient, as a record that touches it not),
+    and the run's own records their usual loss. Needs one sample per micro-batch: the canary's gradient is the
+    micro-batch's."""
+    step = module.training_step
+    parameters = {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+    def training_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        canary = batch.pop(CANARY_KEY)
+        if canary.numel() != 1:
+            raise ValueError("Gradient canaries need LongShieldStrategy(micro_batch_size=1): a canary's gradient is"
+                             " its micro-batch's.")
+        index = int(canary.reshape(()))
+        if index < 0:
+            return step(batch, batch_idx, *args, **kwargs)
+        name, offset = canaries.coordinates[index]
+        untouched = sum(p.reshape(-1)[0] * 0.0 for p in parameters.values())
+        return canaries.magnitude * parameters[name].reshape(-1)[offset] + untouched
+
+    module.training_step = training_step  # type: ignore[method-assign]
+
+
+def loss_scores(module: pl.LightningModule, canaries: InputCanaries,
+                loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]) -> list[float]:
+    """Black-box scores: minus each canary's loss on the trained ``module`` (a member should have a lower loss)."""
+    module.eval()
+    with torch.no_grad():
+        return [-float(loss(module, canaries.record(index))) for index in range(canaries.m)]
+
+
+def guess_candidates(m: int, fractions: Sequence[float] = (0.02, 0.05, 0.1, 0.2, 0.4)) -> list[tuple[int, int]]:
+    """``(k_plus, k_minus)`` pairs to choose among (the union bound pays for each): guess "in" for the top
+    ``fraction x m`` scores, alone and with as many "out" guesses at the bottom."""
+    sizes = sorted({max(1, int(round(fraction * m))) for fraction in fractions})
+    return [(k, 0) for k in sizes] + [(k, k) for k in sizes if 2 * k <= m]

@@ -1,0 +1,141 @@
+"""`audit_training`: train once with canaries among the records, score them, and turn the guesses into an empirical
+lower bound on epsilon (Steinke, Nasr and Jagielski, 2023) beside the accountant's claim."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_longshield.audit.bounds import best_epsilon_lower_bound
+from lightning_longshield.audit.canaries import (
+    CANARY_KEY,
+    CanaryScores,
+    GradientCanaries,
+    InputCanaries,
+    WithCanaries,
+    guess_candidates,
+    insert_gradient_canaries,
+    loss_scores,
+)
+from lightning_longshield.loss import causal_lm_loss
+
+log = logging.getLogger("lightning_longshield")
+
+CanaryType = Literal["gradient", "input"]
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """What one audited run shows: the accountant's epsilon and the empirical lower bound at ``confidence``."""
+
+    canary_type: str
+    m: int
+    inserted: int
+    claimed_epsilon: float
+    epsilon_lower_bound: float
+    confidence: float
+    delta: float
+    guesses: int
+    correct: int
+    steps: int
+    scale: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        kind = "white-box gradient" if self.canary_type == "gradient" else "black-box input"
+        return (f"Audit ({kind} canaries, m={self.m}, {self.inserted} inserted, {self.steps} DP steps, {self.scale}):"
+                f" claimed epsilon={self.claimed_epsilon:.3f} at delta={self.delta:.3g}; empirical lower bound"
+                f" {self.epsilon_lower_bound:.3f} at {self.confidence:.0%} confidence ({self.correct} of"
+                f" {self.guesses} guesses correct). A lower bound is evidence, not proof: it can only show a"
+                " guarantee broken (lower bound above the claim), never that it holds.")
+
+
+def audit_training(
+    module: pl.LightningModule,
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    max_steps: int,
+    strategy_options: Optional[Mapping[str, Any]] = None,
+    canaries: int = 1000,
+    canary_type: CanaryType = "gradient",
+    magnitude: float = 1.0,
+    confidence: float = 0.95,
+    seed: int = 0,
+    scale: str = "as configured",
+    trainer_options: Optional[Mapping[str, Any]] = None,
+) -> AuditReport:
+    """Train ``module`` on ``dataset`` plus ``canaries`` canaries (each inserted with probability 1/2) with
+    `LongShieldStrategy(**strategy_options)` for ``max_steps`` DP steps of expected logical batch ``batch_size``, and
+    audit the run.
+
+    ``canary_type="gradient"`` (white box): each canary's gradient is ``magnitude x max_grad_norm`` on one coordinate,
+    scored on every released update; it needs one sample per micro-batch (the strategy's ``micro_batch_size`` is set
+    to 1, which has no privacy effect). ``"input"`` (black box, a `CausalLMModule`): random token sequences scored by
+    their loss on the trained model. Canaries are sampled, clipped and noised like every record. ``scale`` says how
+    this run relates to the real one (e.g. fewer steps), and is reported.
+    """
+    from lightning_longshield import LongShieldStrategy
+    from lightning_longshield.progress import StepProgressBar
+
+    options = dict(strategy_options or {})
+    if getattr(module, "model", True) is None and hasattr(module, "configure_model"):
+        module.configure_model()  # the canaries' coordinates are chosen among the parameters
+    callbacks: list[pl.Callback] = []
+    if canary_type == "gradient":
+        if options.get("micro_batch_size", 1) != 1:
+            log.info("Gradient canaries audit at micro_batch_size=1 (a canary's gradient is its micro-batch's; the"
+                     " micro-batch size has no privacy effect).")
+        options["micro_batch_size"] = 1
+        chosen = GradientCanaries(canaries, seed=seed, magnitude=magnitude * float(options.get("max_grad_norm", 1.0)))
+        chosen.place(module)
+        insert_gradient_canaries(module, chosen)
+        data: Dataset = WithCanaries(dataset, chosen)
+        scorer = CanaryScores(chosen)
+        callbacks.append(scorer)
+    elif canary_type == "input":
+        sample = dataset[0]
+        vocab = int(getattr(getattr(module, "config", None), "vocab_size", 256))
+        inputs = InputCanaries(canaries, seed=seed, seq_len=len(sample["input_ids"]), vocab_size=vocab)
+        chosen = inputs
+        data = WithCanaries(dataset, inputs, inputs.record)
+        _ignore_canary_key(module)
+    else:
+        raise ValueError(f"canary_type={canary_type!r}: choose 'gradient' (white box) or 'input' (black box).")
+    strategy = LongShieldStrategy(**options)
+    settings: dict[str, Any] = {**dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                                       enable_model_summary=False, num_sanity_val_steps=0, enable_progress_bar=True),
+                                **(trainer_options or {})}
+    if settings["enable_progress_bar"]:
+        callbacks.append(StepProgressBar())
+    settings["callbacks"] = [*callbacks, *settings.get("callbacks", [])]
+    trainer = pl.Trainer(strategy=strategy, max_steps=max_steps, **settings)
+    trainer.fit(module, DataLoader(data, batch_size=batch_size))
+    plan = strategy.privacy_plan
+    assert plan is not None
+    if canary_type == "gradient":
+        scores = scorer.scores.tolist()
+    else:
+        scores = loss_scores(module, inputs, lambda m, record: causal_lm_loss(m(record["input_ids"][None]),
+                                                                              record["labels"][None]))
+    best = best_epsilon_lower_bound(scores, chosen.included, plan.delta, guess_candidates(canaries), confidence)
+    return AuditReport(canary_type, canaries, len(chosen.inserted), strategy.get_epsilon(), best.epsilon, confidence,
+                       plan.delta, best.guesses, best.correct, trainer.global_step, scale)
+
+
+def _ignore_canary_key(module: pl.LightningModule) -> None:
+    """The run's own training step, handed records without the canary index."""
+    step = module.training_step
+
+    def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        batch.pop(CANARY_KEY, None)
+        return step(batch, *args, **kwargs)
+
+    module.training_step = training_step  # type: ignore[method-assign]
