@@ -108,6 +108,7 @@ def test_a_sample_is_clipped_alike_whoever_else_was_drawn(estimator):
         torch.testing.assert_close(alone[name], total, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_accounted_and_calibrated_by_the_randomized_accountant():
     """target_epsilon calibrates sigma with the randomized accountant: above the exact-clipping sigma and within
     the target; epsilon comes from it; Hutch++ accounts its k - k // 3 residual projections."""

@@ -42,6 +42,7 @@ def test_traced_step_growth_equals_the_measured_cpu_peak(method):
     assert trace.total - trace.at_start == pytest.approx(measured, rel=0.10)
 
 
+@pytest.mark.slow
 def test_v2_holds_one_nth_of_v1s_per_sample_gradients():
     v1, v2 = traced("tiny", "v1", 4, 2, 8192, "fp32"), traced("tiny", "v2", 4, 2, 8192, "fp32")
     assert v1.per_sample_grads_peak > 0
@@ -63,6 +64,7 @@ def test_checkpointing_keeps_block_inputs_instead_of_activations():
     assert checkpointed.activations < 0.5 * full.activations
 
 
+@pytest.mark.slow
 def test_nothing_grows_faster_than_the_sequence():
     """V3 under CP 4: what one step holds beyond the model states grows at most linearly with T (no ``(T, T)`` mask
     or scores, no ``O(T)`` tensor kept per layer beyond the block inputs; the loss chunked at the longer length)."""
@@ -114,6 +116,7 @@ def test_zero_dp_plus_analytic_within_ten_percent_of_traced(point):
     assert trace.gradients > 3 * trace.parameters  # the whole fp32 clipped sum beside 1/8 of the parameters
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, cp", [("v2", 1), ("v1", 2)])
 def test_per_layer_clipping_holds_at_most_the_largest_layer(method, cp):
     """Traced: per-layer clipping holds one layer's complete per-sample gradients at a time (V2 under CP: one
