@@ -19,6 +19,7 @@ from simulate.specs import (
 )
 from simulate.strategy_config import (
     CLIPPING_MODES,
+    METHOD_PRESETS,
     PER_LAYER_KERNELS,
     PerLayerClipping,
     StrategyConfig,
@@ -44,6 +45,8 @@ class MethodSpec:
     context_parallel: bool
     activation_checkpointing: bool
     per_sample_grads: str
+    #: The `METHOD_PRESETS` entry (the strategy's arguments) this method runs, or shares its layout with (non-DP).
+    preset: str = "v2"
     overlap_grad_comm: bool = False
     whole_clipped_sum: bool = False
     retained_norm_pass: bool = False
@@ -58,15 +61,15 @@ METHODS: dict[str, MethodSpec] = {
     for m in (
         MethodSpec("nondp-fsdp", "non-private FSDP (TorchTitan baseline)", False, False, "none"),
         MethodSpec("zero-dp", "FSDP + mixed ghost clipping + book-keeping (ZeRO-DP+)", False, False, "ghost",
-                   retained_norm_pass=True),
+                   preset="zero-dp", retained_norm_pass=True),
         MethodSpec("nondp-cp", "non-private FSDP + context parallelism", True, False, "none"),
-        MethodSpec("nondp-cp-ac", "non-private CP + block activation checkpointing", True, True, "none"),
+        MethodSpec("nondp-cp-ac", "non-private CP + block activation checkpointing", True, True, "none", preset="v3"),
         MethodSpec("v1", "LongShield-V1: CP + per-sample grads all-reduced over CP", True, False, "full",
-                   whole_clipped_sum=True),
+                   preset="v1", whole_clipped_sum=True),
         MethodSpec("v2", "LongShield-V2: CP + per-sample grads reduce-scattered over CP (overlapped)", True, False,
                    "sharded", overlap_grad_comm=True),
         MethodSpec("v3", "LongShield-V3: V2 + DP-safe block activation checkpointing", True, True, "sharded",
-                   overlap_grad_comm=True),
+                   preset="v3", overlap_grad_comm=True),
     )
 }
 
@@ -128,16 +131,9 @@ class RunConfig:
     def strategy(self) -> StrategyConfig:
         """`LongShieldStrategy`'s arguments that run this point (for a LongShield method; the non-DP baselines as
         the layout they share with V2 / V3)."""
-        method = self.method
-        zero_dp = method.per_sample_grads == "ghost"
         clipping = PerLayerClipping(kernel=self.per_layer_kernel) if self.clipping == "per_layer" else "flat"
-        return StrategyConfig(
-            context_parallel_size=self.cp_size, micro_batch_size=self.micro_batch_size,
-            exchange="all_reduce" if method.per_sample_grads == "full" else "reduce_scatter",
-            activation_checkpointing=method.activation_checkpointing,
-            norms="mixed" if zero_dp else "materialize", clipping=clipping,
-            shard_over="all" if zero_dp else "context_parallel",
-        )
+        arguments = {**METHOD_PRESETS[self.method.preset], "context_parallel_size": self.cp_size}
+        return StrategyConfig(**arguments, micro_batch_size=self.micro_batch_size, clipping=clipping)
 
     @property
     def fused_linear_weights(self) -> bool:
