@@ -43,6 +43,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("--seed", type=int, default=0, help="the audit's canaries and inclusion draws")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="also save the guess-accuracy curve there (needs matplotlib)")
     args = parser.parse_args(argv)
     if args.canaries < 2 or args.steps < 1 or args.records < 1:
         parser.error("--canaries must be at least 2, --steps and --records at least 1.")
@@ -72,6 +73,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         scale=scale,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
+    if args.plot:
+        report.plot(args.plot)
     return 0
 
 

@@ -4,6 +4,7 @@ lower bound on epsilon (Steinke, Nasr and Jagielski, 2023) beside the accountant
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Optional
@@ -44,9 +45,35 @@ class AuditReport:
     correct: int
     steps: int
     scale: str
+    #: ``(k, fraction of the k highest-scoring canaries that were inserted)``, k up to half the canaries.
+    top_guess_accuracy: tuple[tuple[int, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def plot(self, path: str) -> None:
+        """The guess-accuracy curve beside chance and the most an (epsilon, 0)-DP run at the claimed epsilon allows,
+        ``e^eps / (1 + e^eps)``, saved to ``path`` (needs matplotlib)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("Plotting the audit needs matplotlib: pip install matplotlib.") from None
+        figure, axes = plt.subplots(figsize=(6, 4))
+        ks, accuracy = zip(*self.top_guess_accuracy)
+        axes.plot(ks, accuracy, marker="o", label="top-k guesses right")
+        axes.axhline(0.5, color="grey", linestyle=":", label="chance")
+        if math.isfinite(self.claimed_epsilon):
+            ceiling = 1.0 / (1.0 + math.exp(-self.claimed_epsilon))
+            axes.axhline(ceiling, color="red", linestyle="--", label=f"most at epsilon {self.claimed_epsilon:.2f}")
+        axes.set(xlabel="guesses k (highest scores)", ylabel="fraction right", ylim=(0.4, 1.02),
+                 title=f"{self.canary_type} canaries: lower bound {self.epsilon_lower_bound:.2f}")
+        axes.legend(loc="lower left")
+        figure.tight_layout()
+        figure.savefig(path)
+        plt.close(figure)
 
     def summary(self) -> str:
         kind = "white-box gradient" if self.canary_type == "gradient" else "black-box input"
@@ -127,7 +154,16 @@ def audit_training(
                                                                               record["labels"][None]))
     best = best_epsilon_lower_bound(scores, chosen.included, plan.delta, guess_candidates(canaries), confidence)
     return AuditReport(canary_type, canaries, len(chosen.inserted), strategy.get_epsilon(), best.epsilon, confidence,
-                       plan.delta, best.guesses, best.correct, trainer.global_step, scale)
+                       plan.delta, best.guesses, best.correct, trainer.global_step, scale,
+                       top_guess_accuracy(scores, chosen.included))
+
+
+def top_guess_accuracy(scores: list[float], included: list[bool], points: int = 20) -> tuple[tuple[int, float], ...]:
+    """For ``points`` values of k up to half the canaries: the fraction of the k highest scores that were inserted."""
+    order = sorted(range(len(scores)), key=lambda index: -scores[index])
+    half = max(1, len(scores) // 2)
+    ks = sorted({max(1, round(half * (i + 1) / points)) for i in range(points)})
+    return tuple((k, sum(included[index] for index in order[:k]) / k) for k in ks)
 
 
 def _ignore_canary_key(module: pl.LightningModule) -> None:

@@ -88,10 +88,12 @@ def test_clipping_skipped_for_one_parameter_is_caught(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("canary_type", ["gradient", "input"])
-def test_the_audit_command_reports_claim_and_bound(canary_type):
+def test_the_audit_command_reports_claim_and_bound(canary_type, tmp_path):
     """``longshield-audit`` on the standard library's text (a reduced scale, which the report says)."""
+    plot = tmp_path / "audit.png"
     command = [sys.executable, "-m", "lightning_longshield.audit.cli", "--canary-type", canary_type, "--canaries",
-               "60", "--steps", "3", "--records", "8", "--seq-len", "16", "--batch-size", "16", "--json"]
+               "60", "--steps", "3", "--records", "8", "--seq-len", "16", "--batch-size", "16", "--json",
+               "--plot", str(plot)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout[result.stdout.index("{"):])
@@ -99,6 +101,9 @@ def test_the_audit_command_reports_claim_and_bound(canary_type):
     assert report["claimed_epsilon"] == pytest.approx(8.0, rel=1e-3)
     assert 0.0 <= report["epsilon_lower_bound"] <= report["claimed_epsilon"]
     assert 0 < report["guesses"] <= 60 and report["scale"].startswith("reduced")
+    ks = [k for k, _ in report["top_guess_accuracy"]]
+    assert ks == sorted(ks) and ks[-1] == 30 and all(0 <= a <= 1 for _, a in report["top_guess_accuracy"])
+    assert plot.stat().st_size > 1000  # the curve, saved
 
 
 def test_the_audit_command_refuses_bad_counts(capsys):
