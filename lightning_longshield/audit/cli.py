@@ -2,11 +2,14 @@
 
     longshield-audit --target-epsilon 8 --canaries 1000 --steps 40           # white-box gradient canaries
     longshield-audit --canary-type input --noise-multiplier 0 --steps 200    # black-box input canaries
+    longshield-audit --config run.yaml --canaries 2000                       # the run a longshield-train YAML gives
 
 It trains the model once with canaries among the records (each inserted with probability 1/2), through the same
 Poisson sampling, clipping and noise as every record, and prints the accountant's epsilon beside the empirical lower
 bound (`audit_training`); ``--json`` prints the report as JSON. The run is at the scale the flags give (by default a
-reduced one: the ``tiny`` preset, a few dozen steps), which the report states.
+reduced one: the ``tiny`` preset, a few dozen steps), which the report states. With ``--config`` the model, the
+training data, the strategy's arguments and ``max_steps`` are the `longshield-train` file's (``--steps`` shortens the
+run and the report says so); the model, data and privacy flags are then not taken.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -25,13 +28,14 @@ from lightning_longshield.audit.run import audit_training
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="longshield-audit", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", metavar="YAML", help="audit the run a longshield-train file describes")
     parser.add_argument("--preset", default="tiny", help="LlamaConfig preset of the audited model")
     parser.add_argument("--canaries", type=int, default=1000, help="m: canaries, each inserted with probability 1/2")
     parser.add_argument("--canary-type", choices=("gradient", "input"), default="gradient",
                         help="white-box gradient canaries (tight) or black-box input canaries (scored by loss)")
     parser.add_argument("--magnitude", type=float, default=1.0,
                         help="a gradient canary's norm, in units of --max-grad-norm (above 1, clipping is audited)")
-    parser.add_argument("--steps", type=int, default=40, help="DP steps")
+    parser.add_argument("--steps", type=int, help="DP steps (default 40, or the --config file's max_steps)")
     parser.add_argument("--batch-size", type=int, default=64, help="expected logical (Poisson) batch")
     parser.add_argument("--records", type=int, default=64, help="the run's own records: standard-library windows")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per record")
@@ -45,37 +49,64 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", metavar="PNG", help="also save the guess-accuracy curve there (needs matplotlib)")
     args = parser.parse_args(argv)
-    if args.canaries < 2 or args.steps < 1 or args.records < 1:
+    if args.canaries < 2 or (args.steps is not None and args.steps < 1) or args.records < 1:
         parser.error("--canaries must be at least 2, --steps and --records at least 1.")
     return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    run = _run_from_file(args) if args.config else _reduced_run(args)
+    report = audit_training(**run, canaries=args.canaries, canary_type=args.canary_type, magnitude=args.magnitude,
+                            confidence=args.confidence, seed=args.seed)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
+    if args.plot:
+        report.plot(args.plot)
+    return 0
+
+
+def _reduced_run(args: argparse.Namespace) -> dict[str, Any]:
+    """A preset model on standard-library text, as the flags give it."""
     from lightning_longshield import CausalLMModule
     from lightning_longshield.models import LlamaConfig
     from lightning_longshield.text_data import ByteTokenizer, PackedTokenDataset, python_stdlib_corpus
 
-    args = parse_args(argv)
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    window = args.seq_len + 1
-    text = python_stdlib_corpus(max_bytes=args.records * window)
+    steps = args.steps if args.steps is not None else 40
+    text = python_stdlib_corpus(max_bytes=args.records * (args.seq_len + 1))
     dataset = PackedTokenDataset(torch.tensor(ByteTokenizer().encode(text)), args.seq_len)
     torch.manual_seed(args.seed)
     module = CausalLMModule(LlamaConfig.from_name(args.preset), optimizer="sgd", learning_rate=0.1)
     privacy = ({"noise_multiplier": args.noise_multiplier} if args.noise_multiplier is not None
                else {"target_epsilon": args.target_epsilon if args.target_epsilon is not None else 8.0})
-    scale = (f"reduced: the {args.preset} preset, {len(dataset)} records of {args.seq_len} tokens, {args.steps} steps"
-             " (audit your own run with lightning_longshield.audit.audit_training)")
-    report = audit_training(
-        module, dataset, batch_size=args.batch_size, max_steps=args.steps, canaries=args.canaries,
-        canary_type=args.canary_type, magnitude=args.magnitude, confidence=args.confidence, seed=args.seed,
-        strategy_options=dict(max_grad_norm=args.max_grad_norm, target_delta=args.target_delta, **privacy),
-        scale=scale,
-    )
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
-    if args.plot:
-        report.plot(args.plot)
-    return 0
+    scale = (f"reduced: the {args.preset} preset, {len(dataset)} records of {args.seq_len} tokens, {steps} steps"
+             " (audit your own run with --config or lightning_longshield.audit.audit_training)")
+    return dict(module=module, dataset=dataset, batch_size=args.batch_size, max_steps=steps, scale=scale,
+                strategy_options=dict(max_grad_norm=args.max_grad_norm, target_delta=args.target_delta, **privacy))
+
+
+def _run_from_file(args: argparse.Namespace) -> dict[str, Any]:
+    """The model, training data, strategy arguments and steps of a `longshield-train` file."""
+    from lightning_longshield.cli import run_cli
+
+    cli = run_cli(["--config", args.config, "--trainer.logger", "false", "--trainer.enable_checkpointing", "false"],
+                  run=False)
+    trainer = cli.config["trainer"]
+    strategy = trainer.get("strategy")
+    if not (hasattr(strategy, "get") and str(strategy.get("class_path", "")).endswith("LongShieldStrategy")):
+        raise SystemExit(f"{args.config}: trainer.strategy must be LongShieldStrategy to audit a DP run.")
+    options = {key: value for key, value in dict(strategy.get("init_args") or {}).items() if value is not None}
+    datamodule = cli.datamodule
+    datamodule.setup("fit")
+    configured = trainer.get("max_steps")
+    if args.steps is None and (configured is None or configured < 1):
+        raise SystemExit(f"{args.config}: give trainer.max_steps or --steps (the audited run's DP steps).")
+    steps = args.steps if args.steps is not None else configured
+    scale = "as configured" if steps == configured else f"reduced: {steps} of the configured {configured} steps"
+    return dict(module=cli.model, dataset=datamodule.train_dataset, batch_size=datamodule.batch_size,
+                max_steps=steps, strategy_options=options, scale=f"{scale} ({args.config})",
+                trainer_options={key: trainer[key] for key in ("accelerator", "devices", "precision")
+                                 if trainer.get(key) is not None})
 
 
 if __name__ == "__main__":

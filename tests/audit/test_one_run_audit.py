@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -110,3 +111,30 @@ def test_the_audit_command_refuses_bad_counts(capsys):
     with pytest.raises(SystemExit):
         audit_cli.parse_args(["--canaries", "1"])
     assert "--canaries must be at least 2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_audit_command_takes_a_longshield_train_file(tmp_path, capsys):
+    """``--config``: the file's model, data, strategy arguments and steps (micro-batches of one for the canaries)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(textwrap.dedent("""\
+        model: {config: tiny, learning_rate: 0.01}
+        data:
+          class_path: lightning_longshield.text_data.StdlibTextDataModule
+          init_args: {seq_len: 32, batch_size: 16, max_bytes: 20000}
+        trainer:
+          accelerator: cpu
+          devices: 1
+          max_steps: 3
+          strategy:
+            class_path: lightning_longshield.LongShieldStrategy
+            init_args: {target_epsilon: 4.0, target_delta: 1.0e-5, micro_batch_size: 2}
+        """))
+    assert audit_cli.main(["--config", str(config), "--canaries", "40", "--json"]) == 0
+    output = capsys.readouterr().out
+    report = json.loads(output[output.index("{"):])
+    assert report["steps"] == 3 and report["scale"].startswith("as configured")
+    assert report["claimed_epsilon"] == pytest.approx(4.0, rel=1e-2) and report["delta"] == 1e-5
+    assert audit_cli.main(["--config", str(config), "--canaries", "40", "--steps", "2", "--json"]) == 0
+    output = capsys.readouterr().out
+    assert json.loads(output[output.index("{"):])["scale"].startswith("reduced: 2 of the configured 3 steps")
