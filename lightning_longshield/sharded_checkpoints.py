@@ -154,18 +154,19 @@ def load_sharded(path: os.PathLike | str, model: nn.Module, optimizers: list[Opt
 
 def read_model_state(path: os.PathLike | str) -> dict[str, torch.Tensor]:
     """The whole model state of the sharded checkpoint ``path`` in this process, keyed as the LightningModule's
-    parameters, without a process group: for an export (e.g. ``module.load_state_dict(...)`` then
-    `lightning_longshield.hf.save_pretrained`)."""
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    parameters, without a process group and without reading the optimizer's state: for an export (e.g.
+    ``module.load_state_dict(...)`` then `lightning_longshield.hf.save_pretrained`)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     folder = Path(path)
     verify_sharded(folder)
-    with tempfile.TemporaryDirectory() as scratch:
-        whole = Path(scratch) / "state.pt"
-        dcp_to_torch_save(folder, whole)
-        return dict(torch.load(whole, weights_only=False)[MODEL_KEY])
+    reader = dcp.FileSystemReader(folder)
+    prefix = f"{MODEL_KEY}."
+    model = {key[len(prefix):]: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for key, entry in reader.read_metadata().state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    dcp.load({MODEL_KEY: model}, storage_reader=reader, no_dist=True)
+    return model
 
 
 def verify_sharded(folder: Path) -> None:
