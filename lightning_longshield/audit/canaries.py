@@ -48,13 +48,29 @@ class Canaries:
 class GradientCanaries(Canaries):
     """White-box Dirac canaries: canary ``i`` adds ``magnitude`` to coordinate ``coordinates[i]`` of the flattened
     trainable parameters (chosen at random, distinct). ``magnitude`` above the clipping bound makes clipping part of
-    what is audited."""
+    what is audited.
+
+    Where the module has a trainable output layer (``module.model.output``, an `nn.Linear`), the coordinates are
+    entries ``(k, j)`` of its weight and the canary's gradient comes from a call of that layer on the one-hot input
+    ``e_j``, so per-sample gradients take the run's own path at any micro-batch size (``layer`` names it); else they
+    are anywhere among the trainable parameters, and one sample per micro-batch is needed."""
 
     magnitude: float = 1.0
     coordinates: list[tuple[str, int]] = field(default_factory=list)
+    layer: Optional[nn.Linear] = None
 
     def place(self, module: nn.Module) -> None:
-        """Choose the canaries' coordinates among ``module``'s trainable parameters."""
+        """Choose the canaries' coordinates: in the output layer's weight where it trains, else among all of
+        ``module``'s trainable parameters."""
+        head = getattr(getattr(module, "model", None), "output", None)
+        if isinstance(head, nn.Linear) and head.weight.requires_grad:
+            name = next(n for n, p in module.named_parameters() if p is head.weight)
+            if head.weight.numel() >= self.m:
+                self.layer = head
+                generator = torch.Generator().manual_seed(self.seed + 1)
+                flat = torch.randperm(head.weight.numel(), generator=generator)[: self.m].tolist()
+                self.coordinates = [(name, index) for index in flat]
+                return
         parameters = [(name, p.numel()) for name, p in module.named_parameters() if p.requires_grad]
         total = sum(size for _, size in parameters)
         if total < self.m:
@@ -140,18 +156,35 @@ class CanaryScores(pl.Callback):
 
 
 def insert_gradient_canaries(module: pl.LightningModule, canaries: GradientCanaries) -> None:
-    """Make ``module``'s training step give a canary record the loss ``magnitude x theta[c_i]`` (its gradient:
-    ``magnitude`` at ``c_i``; every other trainable parameter gets a zero gradient, as a record that touches it not),
-    and the run's own records their usual loss. Needs one sample per micro-batch: the canary's gradient is the
-    micro-batch's."""
+    """Make ``module``'s training step give each canary record its Dirac gradient (``magnitude`` at ``c_i``, nothing
+    elsewhere: its tokens' labels are all ignored) and the run's own records their usual loss.
+
+    With an output layer (`GradientCanaries.layer`) the step adds ``magnitude x layer(x)[b, k_b] / B`` for a one-hot
+    ``x[b] = e_{j_b}`` on canary rows (zero rows elsewhere): one more call of the layer, whose per-sample gradient the
+    strategy captures as for any call. Otherwise a canary's loss is ``magnitude x theta[c_i]`` itself, which needs one
+    sample per micro-batch (the canary's gradient is then the micro-batch's)."""
     step = module.training_step
     parameters = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    layer = canaries.layer
+
+    def through_layer(batch: Any, canary: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        assert layer is not None
+        rows = canary.reshape(-1) >= 0
+        width = layer.in_features
+        offsets = torch.tensor([canaries.coordinates[int(i)][1] if i >= 0 else 0 for i in canary.reshape(-1)],
+                               device=layer.weight.device)
+        x = torch.zeros(rows.numel(), 1, width, device=layer.weight.device, dtype=layer.weight.dtype)
+        x[rows, 0, offsets[rows] % width] = 1.0
+        picked = layer(x)[:, 0, :].gather(1, (offsets // width)[:, None]).squeeze(1)
+        return loss + canaries.magnitude * (picked * rows).sum() / rows.numel()
 
     def training_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
         canary = batch.pop(CANARY_KEY)
+        if layer is not None:
+            return through_layer(batch, canary, step(batch, batch_idx, *args, **kwargs))
         if canary.numel() != 1:
-            raise ValueError("Gradient canaries need LongShieldStrategy(micro_batch_size=1): a canary's gradient is"
-                             " its micro-batch's.")
+            raise ValueError("These gradient canaries need LongShieldStrategy(micro_batch_size=1): a canary's"
+                             " gradient is its micro-batch's (the model has no trainable output layer to use).")
         index = int(canary.reshape(()))
         if index < 0:
             return step(batch, batch_idx, *args, **kwargs)

@@ -105,7 +105,7 @@ def _run_from_file(args: argparse.Namespace) -> dict[str, Any]:
     scale = "as configured" if steps == configured else f"reduced: {steps} of the configured {configured} steps"
     return dict(module=cli.model, dataset=datamodule.train_dataset, batch_size=datamodule.batch_size,
                 max_steps=steps, strategy_options=options, scale=f"{scale} ({args.config})",
-                trainer_options={key: trainer[key] for key in ("accelerator", "devices", "precision")
+                trainer_options={key: trainer[key] for key in ("accelerator", "precision")
                                  if trainer.get(key) is not None})
 
 

@@ -103,11 +103,12 @@ def audit_training(
     `LongShieldStrategy(**strategy_options)` for ``max_steps`` DP steps of expected logical batch ``batch_size``, and
     audit the run.
 
-    ``canary_type="gradient"`` (white box): each canary's gradient is ``magnitude x max_grad_norm`` on one coordinate,
-    scored on every released update; it needs one sample per micro-batch (the strategy's ``micro_batch_size`` is set
-    to 1, which has no privacy effect). ``"input"`` (black box, a `CausalLMModule`): random token sequences scored by
-    their loss on the trained model. Canaries are sampled, clipped and noised like every record. ``scale`` says how
-    this run relates to the real one (e.g. fewer steps), and is reported.
+    ``canary_type="gradient"`` (white box): each canary's gradient is ``magnitude x max_grad_norm`` on one coordinate
+    of the output layer, through a call of that layer, scored on every released update, at the run's micro-batch
+    size (a model without a trainable output layer: any coordinate, at ``micro_batch_size=1``, logged).
+    ``"input"`` (black box, a `CausalLMModule`): random token sequences scored by their loss on the trained model.
+    Canaries are sampled, clipped and noised like every record. ``scale`` says how this run relates to the real one
+    (e.g. fewer steps), and is reported. One process.
     """
     from lightning_longshield import LongShieldStrategy
     from lightning_longshield.progress import StepProgressBar
@@ -117,12 +118,13 @@ def audit_training(
         module.configure_model()  # the canaries' coordinates are chosen among the parameters
     callbacks: list[pl.Callback] = []
     if canary_type == "gradient":
-        if options.get("micro_batch_size", 1) != 1:
-            log.info("Gradient canaries audit at micro_batch_size=1 (a canary's gradient is its micro-batch's; the"
-                     " micro-batch size has no privacy effect).")
-        options["micro_batch_size"] = 1
         chosen = GradientCanaries(canaries, seed=seed, magnitude=magnitude * float(options.get("max_grad_norm", 1.0)))
         chosen.place(module)
+        if chosen.layer is None and options.get("micro_batch_size", 1) != 1:
+            log.info("Gradient canaries audit at micro_batch_size=1: the model has no trainable output layer to"
+                     " carry them, so a canary's gradient must be its micro-batch's (the micro-batch size has no"
+                     " privacy effect).")
+            options["micro_batch_size"] = 1
         insert_gradient_canaries(module, chosen)
         data: Dataset = WithCanaries(dataset, chosen)
         scorer = CanaryScores(chosen)
@@ -137,6 +139,9 @@ def audit_training(
     else:
         raise ValueError(f"canary_type={canary_type!r}: choose 'gradient' (white box) or 'input' (black box).")
     strategy = LongShieldStrategy(**options)
+    if (trainer_options or {}).get("devices", 1) not in (1, [0], "1"):
+        raise ValueError("An audit runs in one process (its canary scores read the whole released gradient): pass"
+                         " devices=1; the guarantee audited is the same mechanism's.")
     settings: dict[str, Any] = {**dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                                        enable_model_summary=False, num_sanity_val_steps=0, enable_progress_bar=True),
                                 **(trainer_options or {})}

@@ -39,8 +39,13 @@ def test_canaries_are_inserted_with_probability_one_half_and_collate_with_the_re
     module = make_module(small_config())
     canaries.place(module)
     names = dict(module.named_parameters())
-    assert len(set(canaries.coordinates)) == 1000
-    assert all(0 <= offset < names[name].numel() for name, offset in canaries.coordinates)
+    assert len(set(canaries.coordinates)) == 1000 and canaries.layer is module.model.output  # the output layer's
+    assert all(name == "model.output.weight" and 0 <= offset < names[name].numel()
+               for name, offset in canaries.coordinates)
+    module.model.output.weight.requires_grad_(False)  # a frozen output layer: any trainable coordinate
+    fallback = GradientCanaries(1000, seed=3)
+    fallback.place(module)
+    assert fallback.layer is None and len({name for name, _ in fallback.coordinates}) > 3
     data = WithCanaries(RandomTokens(size=4, seq_len=8), canaries)
     assert len(data) == 4 + len(canaries.inserted)
     own, canary = data[0], data[4]
@@ -50,35 +55,38 @@ def test_canaries_are_inserted_with_probability_one_half_and_collate_with_the_re
 
 
 @pytest.mark.slow
-def test_without_noise_the_white_box_audit_is_strong():
-    """sigma 0 (epsilon infinite): 2000 gradient canaries, 40 steps of a tiny model, lower bound >= 4 at 95%."""
-    report = _audit(2000, 40, noise_multiplier=0.0)
+@pytest.mark.parametrize("micro_batch_size", [1, 4])
+def test_without_noise_the_white_box_audit_is_strong(micro_batch_size):
+    """sigma 0 (epsilon infinite): 2000 gradient canaries, 40 steps of a tiny model, lower bound >= 4 at 95%, at one
+    sample per micro-batch and at four (where per-sample gradients come from the layers' captured calls)."""
+    report = _audit(2000, 40, noise_multiplier=0.0, micro_batch_size=micro_batch_size)
     assert report.claimed_epsilon == float("inf")
     assert report.epsilon_lower_bound >= 4.0, report
     assert report.correct == report.guesses
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target_epsilon", [1.0, 2.0, 8.0])
-def test_the_lower_bound_never_exceeds_the_claimed_epsilon(target_epsilon):
-    report = _audit(1000, 40, confidence=0.999, target_epsilon=target_epsilon, noise_seed=int(target_epsilon))
+@pytest.mark.parametrize("target_epsilon, micro_batch_size", [(1.0, 1), (2.0, 4), (8.0, 1)])
+def test_the_lower_bound_never_exceeds_the_claimed_epsilon(target_epsilon, micro_batch_size):
+    report = _audit(1000, 40, confidence=0.999, target_epsilon=target_epsilon, noise_seed=int(target_epsilon),
+                    micro_batch_size=micro_batch_size)
     assert report.claimed_epsilon <= target_epsilon * (1 + 1e-6)
     assert report.epsilon_lower_bound <= report.claimed_epsilon, report
 
 
 @pytest.mark.slow
 def test_clipping_skipped_for_one_parameter_is_caught(monkeypatch):
-    """The embedding's per-sample gradients added unclipped: canaries there (gradient 100 C) stand far out of the
-    noise calibrated to epsilon 1, and the audit reports a lower bound above the claim."""
+    """The output layer's per-sample gradients added unclipped: the canaries there (gradient 100 C) stand far out of
+    the noise calibrated to epsilon 1, and the audit reports a lower bound above the claim."""
     add = ClippedGradientSum.add
 
-    def add_embedding_unclipped(self, grad_samples, factors):
-        broken = {name: g for name, g in grad_samples.items() if "tok_embeddings" in name}
+    def add_output_layer_unclipped(self, grad_samples, factors):
+        broken = {name: g for name, g in grad_samples.items() if name.endswith("output.weight")}
         add(self, {name: g for name, g in grad_samples.items() if name not in broken}, factors)
         if broken:
             add(self, broken, torch.ones_like(factors))
 
-    monkeypatch.setattr(ClippedGradientSum, "add", add_embedding_unclipped)
+    monkeypatch.setattr(ClippedGradientSum, "add", add_output_layer_unclipped)
     module = make_module(small_config(), optimizer="sgd", learning_rate=0.1)
     report = audit_training(module, RandomTokens(size=8, seq_len=16), batch_size=64, max_steps=40,
                             strategy_options=dict(max_grad_norm=1.0, target_delta=DELTA, target_epsilon=1.0,
