@@ -12,6 +12,7 @@ from typing import Any, Optional
 from lightning.pytorch.strategies import ParallelStrategy
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -56,8 +57,11 @@ class StrategyCheckpoints:
         return chosen == "auto" and self.world_size > 1  # type: ignore[attr-defined]
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state: gathered whole on rank 0 for one-file checkpoints; for sharded ones each rank's own
+        shards (DTensors under FSDP2, plain tensors at CP 1), never gathered, as `ModelParallelStrategy` gives them
+        with distributed checkpoints (``v.full_tensor()`` makes a shard whole, a collective)."""
         if self.sharded_checkpoints:
-            return {}  # written shard by shard in `save_checkpoint`, never gathered
+            return get_model_state_dict(self.lightning_module)  # type: ignore[attr-defined]
         return super().lightning_module_state_dict()  # type: ignore[misc]
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

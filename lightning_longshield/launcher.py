@@ -7,6 +7,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
 
@@ -16,7 +17,8 @@ class GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Optional[_WorkerOutput]:
-        full_state = self._strategy.lightning_module_state_dict()  # collective: every rank takes part
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered whole: a collective
+        full_state = get_model_state_dict(self._strategy.lightning_module, options=options)
         output = super()._collect_rank_zero_results(trainer, results)
         if output is not None and output.weights_path is not None:
             self._strategy.checkpoint_io.save_checkpoint(full_state, output.weights_path)

@@ -13,6 +13,7 @@ from lightning_longshield import LongShieldStrategy, PerLayerClipping, Projected
 from tests.support.helpers import (
     CountLiveTensors,
     RandomTokens,
+    full_state,
     loader,
     make_lora_module,
     make_module,
@@ -32,7 +33,7 @@ class FullStateAfterEachStep(Callback):
         self.states: list[dict[str, torch.Tensor]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        state = trainer.strategy.lightning_module_state_dict()
+        state = full_state(trainer.strategy.lightning_module_state_dict())
         self.states.append({k.removeprefix("model."): v.clone() for k, v in state.items()})
 
 
@@ -124,7 +125,7 @@ def noise_and_epsilon(rank: int, world_size: int, out_dir: str) -> None:
     trainer = make_trainer(strategy, max_steps=1, devices=world_size)
     initial = {name: value.detach().float().clone() for name, value in module.model.state_dict().items()}
     trainer.fit(module, loader(RandomTokens(**DATASET), LOGICAL_BATCH // 2))
-    final = {k.removeprefix("model."): v for k, v in strategy.lightning_module_state_dict().items()}
+    final = {k.removeprefix("model."): v for k, v in full_state(strategy.lightning_module_state_dict()).items()}
     # Every rank's own shard of every parameter: data-parallel replicas of a shard must hold identical values.
     local = torch.cat([p.to_local().detach().flatten().float() for p in module.model.parameters()])
     shards = [None] * world_size
@@ -240,7 +241,7 @@ class InitialShards(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.local = {name: p.to_local().detach().clone() for name, p in pl_module.model.named_parameters()}
-        state = trainer.strategy.lightning_module_state_dict()
+        state = full_state(trainer.strategy.lightning_module_state_dict())
         self.full = {k.removeprefix("model."): v.clone() for k, v in state.items()}
 
 
@@ -292,7 +293,7 @@ def sharded_over_all(rank: int, world_size: int, out_dir: str, max_grad_norm: fl
     initial = {name: value.detach().float().clone() for name, value in module.model.state_dict().items()}
     make_trainer(strategy, max_steps=1, devices=world_size).fit(module, loader(RandomTokens(**DATASET),
                                                                                LOGICAL_BATCH // 2))
-    final = {k.removeprefix("model."): v for k, v in strategy.lightning_module_state_dict().items()}
+    final = {k.removeprefix("model."): v for k, v in full_state(strategy.lightning_module_state_dict()).items()}
     if rank == 0:  # the full state is gathered on rank 0
         results["noise_updates"] = {name: final[name].float() - value for name, value in initial.items()}
         torch.save(results, Path(out_dir) / "sharded_over_all.pt")

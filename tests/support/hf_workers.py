@@ -45,8 +45,10 @@ def check_sharded_load(rank: int, world_size: int, directory: str, export_direct
 def fine_tune_from_directory(rank: int, world_size: int, directory: str, out_path: str) -> None:
     """`CausalLMModule(config=directory)` built by the strategy under CP ``world_size`` (meta device, each rank
     reading its shards), two DP steps; rank 0 saves the gathered full state."""
+    from tests.support.helpers import full_state
+
     strategy, module = fine_tune(directory, world_size)
-    state = strategy.lightning_module_state_dict()
+    state = full_state(strategy.lightning_module_state_dict())
     if rank == 0:
         torch.save({k.removeprefix("model."): v for k, v in state.items()}, out_path)
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_longshield import LongShieldStrategy
-from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
+from tests.support.helpers import RandomTokens, full_state, loader, make_module, make_trainer, small_config
 
 DATASET = dict(size=8, seq_len=16)
 GROUP_BATCH = 1  # DataLoader batch_size: expected logical batch 2 over 2 groups, Poisson rate 2 / 8
@@ -41,7 +41,7 @@ class RecordBatchesAndStates(Callback):
         self.batches.append({key: batch[key].detach().clone() for key in ("input_ids", "labels")})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        state = trainer.strategy.lightning_module_state_dict()
+        state = full_state(trainer.strategy.lightning_module_state_dict())
         self.states.append({k.removeprefix("model."): v.clone() for k, v in state.items()})
 
 
