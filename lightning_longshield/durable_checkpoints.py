@@ -6,7 +6,7 @@ import os
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -37,10 +37,7 @@ class DurableCheckpointIO(TorchCheckpointIO):
         target.parent.mkdir(parents=True, exist_ok=True)
         temporary = target.with_name(f".{target.name}.{os.getpid()}.partial")
         try:
-            with open(temporary, "wb") as file:
-                torch.save(checkpoint, file)
-                file.flush()
-                os.fsync(file.fileno())
+            write_durably(temporary, lambda file: torch.save(checkpoint, file))
             os.replace(temporary, target)
         finally:
             temporary.unlink(missing_ok=True)
@@ -54,6 +51,14 @@ class DurableCheckpointIO(TorchCheckpointIO):
                    else "no whole checkpoint is beside it")
             raise CorruptCheckpointError(f"Checkpoint {path} is truncated or damaged and was not loaded; {fix}.")
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
+def write_durably(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write ``path`` with ``write(file)`` and fsync it before returning."""
+    with open(path, "wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def is_whole_checkpoint(path: _PATH) -> bool:

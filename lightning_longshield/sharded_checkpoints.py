@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lightning_longshield.durable_checkpoints import CorruptCheckpointError, newest_whole_checkpoint
+from lightning_longshield.durable_checkpoints import CorruptCheckpointError, newest_whole_checkpoint, write_durably
 from lightning_longshield.privacy.ledger import fsync_directory
 
 METADATA_FILE = "meta.pt"
@@ -75,18 +75,14 @@ class ShardedSave:
             self.pending = None
         rank, temporary = self.rank, self.temporary
         if rank == 0:
-            _write_durably(temporary / METADATA_FILE, lambda file: torch.save(self.metadata, file))
+            write_durably(temporary / METADATA_FILE, lambda file: torch.save(self.metadata, file))
         barrier()
         files = _checksums(temporary, own=lambda name: name.startswith(f"__{rank}_") or (rank == 0 and not
                                                                                              name.startswith("__")))
-        gathered: list[Optional[dict[str, list[int]]]] = [files]
-        if _world_size() > 1:
-            gathered = [None] * _world_size()
-            dist.all_gather_object(gathered, files)
+        gathered = _all_gathered(files)  # a collective: every rank
         if rank == 0:
-            manifest = {name: entry for part in gathered if part for name, entry in part.items()}
-            _write_durably(temporary / MANIFEST_FILE,
-                           lambda file: file.write(json.dumps(manifest, indent=1).encode()))
+            manifest = {name: entry for part in gathered for name, entry in part.items()}
+            write_durably(temporary / MANIFEST_FILE, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
             fsync_directory(temporary)
             _replace_folder(temporary, self.final)
         barrier()
@@ -133,9 +129,12 @@ def save_sharded(
 def load_sharded(path: os.PathLike | str, model: nn.Module, optimizers: list[Optimizer],
                  strict: bool = True) -> dict[str, Any]:
     """Every rank: load ``model`` and ``optimizers`` (whatever their layout now) from the sharded checkpoint ``path``
-    after checking it whole; returns its remaining Lightning state. A collective."""
+    after checking it whole (the ranks share the reading of its files); returns its remaining Lightning state. A
+    collective."""
     folder = Path(path)
-    verify_sharded(folder)
+    world = _world_size()
+    share = _manifest_problem(folder, dist.get_rank() if world > 1 else 0, world)  # each rank checks its share
+    _refuse_if_damaged(folder, next((problem for problem in _all_gathered(share) if problem), None))
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
     dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
     set_model_state_dict(model, state[MODEL_KEY], options=StateDictOptions(strict=strict))
@@ -172,31 +171,39 @@ def read_model_state(path: os.PathLike | str) -> dict[str, torch.Tensor]:
 def verify_sharded(folder: Path) -> None:
     """Raise `CorruptCheckpointError` (naming the file and the newest whole checkpoint beside) unless every file the
     manifest lists is there with its size and CRC-32."""
+    _refuse_if_damaged(folder, _manifest_problem(folder))
+
+
+def _manifest_problem(folder: Path, part: int = 0, parts: int = 1) -> Optional[str]:
+    """What is wrong with ``folder`` against its manifest, checking the files ``part::parts`` of it (sorted by name),
+    or ``None``."""
     manifest_path = folder / MANIFEST_FILE
-    problem = None
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError):
-        problem = f"its manifest {manifest_path} is missing or unreadable (the save did not finish)"
-        manifest = {}
-    for name, (size, crc) in manifest.items():
+        return f"its manifest {manifest_path} is missing or unreadable (the save did not finish)"
+    if not {".metadata", METADATA_FILE} <= set(manifest):
+        return f"its manifest {manifest_path} does not list the engine's .metadata and {METADATA_FILE}"
+    for name in sorted(manifest)[part::parts]:
+        size, crc = manifest[name]
         file = folder / name
         if not file.is_file():
-            problem = f"{file} is missing"
-        elif file.stat().st_size != size:
-            problem = f"{file} has {file.stat().st_size} bytes, the manifest {size}"
-        elif _crc32(file) != crc:
-            problem = f"{file} does not match its checksum"
-        if problem:
-            break
-    if problem is None and not {".metadata", METADATA_FILE} <= set(manifest):
-        problem = f"its manifest {manifest_path} does not list the engine's .metadata and {METADATA_FILE}"
-    if problem is not None:
-        good = newest_whole_checkpoint(folder.parent, exclude=folder)
-        fix = (f"the newest whole checkpoint beside it is {good}: resume from it (fit(ckpt_path=...))" if good
-               else "no whole checkpoint is beside it")
-        raise CorruptCheckpointError(f"Checkpoint {folder} is incomplete or damaged ({problem}) and was not"
-                                     f" loaded; {fix}.")
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} has {file.stat().st_size} bytes, the manifest {size}"
+        if _crc32(file) != crc:
+            return f"{file} does not match its checksum"
+    return None
+
+
+def _refuse_if_damaged(folder: Path, problem: Optional[str]) -> None:
+    if problem is None:
+        return
+    good = newest_whole_checkpoint(folder.parent, exclude=folder)
+    fix = (f"the newest whole checkpoint beside it is {good}: resume from it (fit(ckpt_path=...))" if good
+           else "no whole checkpoint is beside it")
+    raise CorruptCheckpointError(f"Checkpoint {folder} is incomplete or damaged ({problem}) and was not loaded;"
+                                 f" {fix}.")
 
 
 def is_whole_sharded_checkpoint(folder: Path) -> bool:
@@ -221,13 +228,6 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _write_durably(path: Path, write: Callable[[Any], object]) -> None:
-    with open(path, "wb") as file:
-        write(file)
-        file.flush()
-        os.fsync(file.fileno())
-
-
 def _replace_folder(temporary: Path, final: Path) -> None:
     """Rename ``temporary`` to ``final`` (replacing a previous checkpoint of that name) and make it durable."""
     previous = final.with_name(f".{final.name}.previous")
@@ -239,6 +239,15 @@ def _replace_folder(temporary: Path, final: Path) -> None:
     temporary.rename(final)
     fsync_directory(final.parent)
     shutil.rmtree(previous, ignore_errors=True)
+
+
+def _all_gathered(value: Any) -> list[Any]:
+    """``value`` from every rank, in rank order (this one's alone without a process group); a collective."""
+    if _world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * _world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def _world_size() -> int:

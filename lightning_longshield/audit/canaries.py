@@ -1,9 +1,9 @@
 """Canaries for a one-run audit: records inserted into the training data, each with probability 1/2.
 
-- `GradientCanaries` (white box): canary ``i`` is a record whose loss is ``magnitude x theta[c_i]`` for one
-  coordinate ``c_i`` of the trainable parameters, so its per-sample gradient is ``magnitude`` on that coordinate
-  alone (a Dirac canary). It is sampled, clipped and noised like every record; its score is the sum over steps of the
-  released (noisy, clipped, averaged) gradient at ``c_i``.
+- `GradientCanaries` (white box): canary ``i``'s per-sample gradient is ``magnitude`` on one coordinate ``c_i`` of
+  the trainable parameters alone (a Dirac canary), an entry of the output layer's weight reached through a call of
+  that layer where it trains. It is sampled, clipped and noised like every record; its score is the sum over steps
+  of the released (noisy, clipped, averaged) gradient at ``c_i``.
 - `InputCanaries` (black box): canary ``i`` is a random token sequence; its score is minus its loss on the trained
   model.
 
@@ -63,26 +63,27 @@ class GradientCanaries(Canaries):
         """Choose the canaries' coordinates: in the output layer's weight where it trains, else among all of
         ``module``'s trainable parameters."""
         head = getattr(getattr(module, "model", None), "output", None)
-        if isinstance(head, nn.Linear) and head.weight.requires_grad:
+        if isinstance(head, nn.Linear) and head.weight.requires_grad and head.weight.numel() >= self.m:
             name = next(n for n, p in module.named_parameters() if p is head.weight)
-            if head.weight.numel() >= self.m:
-                self.layer = head
-                generator = torch.Generator().manual_seed(self.seed + 1)
-                flat = torch.randperm(head.weight.numel(), generator=generator)[: self.m].tolist()
-                self.coordinates = [(name, index) for index in flat]
-                return
+            self.layer = head
+            self.coordinates = [(name, index) for index in self._distinct(head.weight.numel())]
+            return
         parameters = [(name, p.numel()) for name, p in module.named_parameters() if p.requires_grad]
         total = sum(size for _, size in parameters)
         if total < self.m:
             raise ValueError(f"m={self.m} canaries need as many trainable coordinates; the model has {total}.")
-        generator = torch.Generator().manual_seed(self.seed + 1)
-        flat = torch.randperm(total, generator=generator)[: self.m].tolist()
+        flat = self._distinct(total)
         starts, position = [], 0
         for name, size in parameters:
             starts.append((position, name, size))
             position += size
         self.coordinates = [next((name, index - start) for start, name, size in starts if index < start + size)
                             for index in flat]
+
+
+    def _distinct(self, total: int) -> list[int]:
+        """``m`` distinct indices below ``total``, drawn from the audit's seed."""
+        return torch.randperm(total, generator=torch.Generator().manual_seed(self.seed + 1))[: self.m].tolist()
 
 
 @dataclass
@@ -167,7 +168,7 @@ def insert_gradient_canaries(module: pl.LightningModule, canaries: GradientCanar
     parameters = {name: p for name, p in module.named_parameters() if p.requires_grad}
     layer = canaries.layer
 
-    def through_layer(batch: Any, canary: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    def through_layer(canary: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         assert layer is not None
         rows = canary.reshape(-1) >= 0
         width = layer.in_features
@@ -181,7 +182,7 @@ def insert_gradient_canaries(module: pl.LightningModule, canaries: GradientCanar
     def training_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
         canary = batch.pop(CANARY_KEY)
         if layer is not None:
-            return through_layer(batch, canary, step(batch, batch_idx, *args, **kwargs))
+            return through_layer(canary, step(batch, batch_idx, *args, **kwargs))
         if canary.numel() != 1:
             raise ValueError("These gradient canaries need LongShieldStrategy(micro_batch_size=1): a canary's"
                              " gradient is its micro-batch's (the model has no trainable output layer to use).")

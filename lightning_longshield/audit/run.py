@@ -113,6 +113,9 @@ def audit_training(
     from lightning_longshield import LongShieldStrategy
     from lightning_longshield.progress import StepProgressBar
 
+    if (trainer_options or {}).get("devices", 1) not in (1, [0], "1"):
+        raise ValueError("An audit runs in one process (its canary scores read the whole released gradient): pass"
+                         " devices=1; the guarantee audited is the same mechanism's.")
     options = dict(strategy_options or {})
     if getattr(module, "model", True) is None and hasattr(module, "configure_model"):
         module.configure_model()  # the canaries' coordinates are chosen among the parameters
@@ -139,9 +142,6 @@ def audit_training(
     else:
         raise ValueError(f"canary_type={canary_type!r}: choose 'gradient' (white box) or 'input' (black box).")
     strategy = LongShieldStrategy(**options)
-    if (trainer_options or {}).get("devices", 1) not in (1, [0], "1"):
-        raise ValueError("An audit runs in one process (its canary scores read the whole released gradient): pass"
-                         " devices=1; the guarantee audited is the same mechanism's.")
     settings: dict[str, Any] = {**dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                                        enable_model_summary=False, num_sanity_val_steps=0, enable_progress_bar=True),
                                 **(trainer_options or {})}

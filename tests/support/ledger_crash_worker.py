@@ -99,7 +99,7 @@ def _kill_inside_sharded_saves(point: str, kill: KillAt, trainer_of: Callable[[]
 
         sharded_checkpoints.dcp.save = save_then_die
     if point == "manifest":
-        write = sharded_checkpoints._write_durably
+        write = sharded_checkpoints.write_durably
 
         def half_then_die(path, writer):
             if not due():
@@ -109,7 +109,7 @@ def _kill_inside_sharded_saves(point: str, kill: KillAt, trainer_of: Callable[[]
                 file.flush()
             _die()
 
-        sharded_checkpoints._write_durably = half_then_die
+        sharded_checkpoints.write_durably = half_then_die
 
 
 def main(root: Path, max_steps: int, kill_after: int, kill_point: str, processes: int = 1, kill_rank: int = 0) -> None:
