@@ -24,6 +24,9 @@ Every (loop, micro-batch size) runs in a fresh subprocess, so peak memory is mea
 growth of peak RSS (``ru_maxrss``) from just before training to the end, on CUDA ``max_memory_allocated`` above
 the memory allocated just before training (and ``max_memory_reserved``). The LongShield loops also report the
 most per-sample-gradient bytes the DP engine held at once, ``opacus`` the size of its ``grad_sample`` tensors.
+They also time one step's noise alone (the engine's keyed generators, a tensor per parameter) and report
+``<loop>_noise_floor_over_nondp``: non-DP's step plus that noise, over non-DP's step, the ratio no DP-SGD
+implementation can go below on that machine.
 Step time is the median over ``--steps`` optimizer steps after
 ``--warmup`` steps; with ``--repeats`` every configuration runs that many times, interleaved, and the least
 disturbed (minimum) measurement is reported. Example:
@@ -54,6 +57,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_longshield import CausalLMModule, LongShieldStrategy, PerLayerClipping, ProjectedNorms
 from lightning_longshield.loss import causal_lm_loss
 from lightning_longshield.models import Llama, LlamaConfig
+from lightning_longshield.privacy.shards import local_tensor
 from lightning_longshield.text_data import python_stdlib_corpus
 
 METHODS = ("nondp_lightning", "longshield", "longshield_v3", "zero_dp_plus", "longshield_per_layer",
@@ -223,7 +227,24 @@ def _lightning_step_ends(
     if dp:  # what the DP engine held for the last micro-batch (per-layer clipping: the most at once)
         held["per_sample_grad_bytes"] = strategy.dp_engine.last_held_bytes
         held["bookkept_bytes"] = strategy.dp_engine.last_bookkept_bytes
+        held["noise_s"] = _noise_draw_seconds(strategy.dp_engine, args.device)
     return ends
+
+
+def _noise_draw_seconds(engine: Any, device: str, repeats: int = 5) -> float:
+    """Median time of one step's noise, drawn as the release draws it (the engine's own keyed generators, one
+    tensor per trainable parameter) but without the sums: the part of a DP step no implementation can skip."""
+    shapes = [local_tensor(param).shape for param in engine.capture.parameters.values()]
+    times = []
+    for step in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        engine.noise.start_step(10**9 + step)  # any step number: only the time is kept
+        for shape in shapes:
+            engine.noise.sample(shape, 1.0, torch.device(device))
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _torch_step_ends(
@@ -381,6 +402,8 @@ def _row(micro_batch_size: int, accumulation: int, measured: dict[str, dict[str,
             row[f"{method}_per_sample_grad_mib"] = round(get(method, "per_sample_grad_bytes") / 2**20, 2)
         if method in measured and "bookkept_bytes" in measured[method]:
             row[f"{method}_bookkept_mib"] = round(get(method, "bookkept_bytes") / 2**20, 2)
+        if method in measured and "noise_s" in measured[method]:
+            row[f"{method}_noise_s"] = round(get(method, "noise_s"), 4)  # type: ignore[arg-type]
     for dp, nondp in (("longshield", "nondp_lightning"), ("longshield_v3", "nondp_lightning"),
                       ("zero_dp_plus", "nondp_lightning"), ("longshield_per_layer", "nondp_lightning"),
                       ("longshield_per_layer_fused", "nondp_lightning"), ("longshield_hutchinson", "nondp_lightning"),
@@ -390,6 +413,9 @@ def _row(micro_batch_size: int, accumulation: int, measured: dict[str, dict[str,
             continue
         row[f"{dp}_over_nondp"] = ratio(get(dp, "step_s"), get(nondp, "step_s"))
         row[f"{dp}_peak_mem_over_nondp"] = ratio(get(dp, "peak_mem_bytes"), get(nondp, "peak_mem_bytes"))
+        if "noise_s" in measured[dp]:  # the floor: non-DP plus the noise alone
+            row[f"{dp}_noise_floor_over_nondp"] = ratio(
+                get(nondp, "step_s") + get(dp, "noise_s"), get(nondp, "step_s"))  # type: ignore[operator]
     return row
 
 

@@ -103,6 +103,18 @@ def test_per_layer_clipping_benchmark_reports_flat_per_layer_and_opacus_against_
     assert "| LongShield per-layer | " in result.stdout
 
 
+@pytest.mark.slow
+def test_dp_overhead_reports_each_loop_against_non_dp_and_the_noise_floor():
+    command = [sys.executable, str(BENCHMARKS / "dp_overhead.py"), "--micro-batch-sizes", "1", "--seq-len", "32",
+               "--methods", "nondp_lightning", "longshield", "--repeats", "1", "--warmup", "1", "--steps", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(result.stdout)["results"]
+    assert row["longshield_over_nondp"] > 0 and row["longshield_peak_mem_over_nondp"] > 0
+    assert row["longshield_noise_s"] > 0 and row["longshield_noise_floor_over_nondp"] > 1
+    assert "nondp_lightning_noise_s" not in row
+
+
 def test_fused_per_layer_worker_refuses_cpu():
     command = [sys.executable, str(BENCHMARKS / "dp_overhead.py"), "--worker", "longshield_per_layer_fused",
                "--micro-batch-size", "2", "--device", "cpu"]
