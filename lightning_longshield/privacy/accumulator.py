@@ -140,8 +140,9 @@ class ClippedGradientSum:
             local = local_tensor(param)
             total = self.sums.pop(name, None)  # freed once its mean is formed: no second copy of every sum
             if name in self.replica_shards:
-                param.grad = _like_parameter(param, self._release_chunk(name, total, local, noise, noise_std)
-                                             .div_(expected_batch_size).to(param.dtype))
+                chunk = self._reduce_scatter_chunk(name, total, local)
+                param.grad = _like_parameter(param, self._noisy_mean(chunk, local, noise, noise_std,
+                                                                     expected_batch_size).to(param.dtype))
                 continue
             mean = self._noisy_mean(total, local, noise, noise_std / replicas**0.5, expected_batch_size)
             if self.data_parallel_group is not None:
@@ -153,18 +154,19 @@ class ClippedGradientSum:
     def _noisy_mean(
         total: Optional[torch.Tensor], local: torch.Tensor, noise: GaussianNoise, noise_std: float, batch_size: float
     ) -> torch.Tensor:
-        """``(total + N(0, noise_std^2)) / batch_size``, formed as noise of std ``noise_std / batch_size`` plus
-        ``total / batch_size`` in one pass (the same distribution, two passes over the parameter fewer)."""
+        """``(total + N(0, noise_std^2)) / batch_size``, formed as the sum scaled by ``1 / batch_size`` plus noise of
+        std ``noise_std / batch_size`` in one pass (the same distribution, two passes over the parameter fewer; in
+        place on CPU, `GaussianNoise.add_to_scaled`)."""
         if noise_std == 0:
             mean = torch.zeros(local.shape, dtype=torch.float32, device=local.device) if total is None else total
             return mean.div_(batch_size).contiguous()
-        mean = noise.sample(local.shape if total is None else total.shape, noise_std / batch_size, local.device)
-        return mean if total is None else mean.add_(total, alpha=1.0 / batch_size)
+        if total is None:
+            return noise.sample(local.shape, noise_std / batch_size, local.device)
+        return noise.add_to_scaled(total, 1.0 / batch_size, noise_std / batch_size)
 
-    def _release_chunk(
-        self, name: str, total: Optional[torch.Tensor], local: torch.Tensor, noise: GaussianNoise, noise_std: float
-    ) -> torch.Tensor:
-        """The noisy sum of this rank's FSDP2 chunk: its replicas' parts reduce-scattered, noise added once."""
+    def _reduce_scatter_chunk(self, name: str, total: Optional[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
+        """The sum of this rank's FSDP2 chunk: its replicas' parts reduce-scattered over the data-parallel group
+        (the noise is then added once, to the chunk)."""
         shard = self.replica_shards[name]
         if total is None:
             shape = list(local.shape)
@@ -173,10 +175,7 @@ class ClippedGradientSum:
         chunks = shard.data_parallel_chunks_first(total)
         chunk = torch.empty_like(chunks[:1])
         dist.reduce_scatter_tensor(chunk, chunks, group=self.data_parallel_group)
-        mine = chunk[0].narrow(shard.dim, 0, local.shape[shard.dim]).contiguous()
-        if noise_std > 0:
-            mine += noise.sample(mine.shape, noise_std, mine.device)
-        return mine
+        return chunk[0].narrow(shard.dim, 0, local.shape[shard.dim]).contiguous()
 
 
 def _any_zero(factors: torch.Tensor) -> bool:

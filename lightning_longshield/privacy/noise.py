@@ -8,7 +8,11 @@ from typing import Optional
 import torch
 
 from lightning_longshield.privacy.chacha20 import secure_gaussians
-from lightning_longshield.privacy.randomness import KEY_BYTES, SecretKey, standard_normal
+from lightning_longshield.privacy.randomness import KEY_BYTES, SecretKey, standard_normal, standard_normal_
+
+# Elements of noise drawn and added at a time on CPU: 128 KiB of buffer, and at most ATen's intra-op grain size, so
+# the add runs on the calling thread.
+_CPU_NOISE_CHUNK = 32768
 
 
 class GaussianNoise:
@@ -60,6 +64,28 @@ class GaussianNoise:
         if not self._generators:
             raise RuntimeError("GaussianNoise.start_step must position the generators before the first sample.")
         return standard_normal(self._generators, shape, device, std=std)
+
+    def add_to_scaled(self, total: torch.Tensor, scale: float, std: float) -> torch.Tensor:
+        """``total * scale + N(0, std^2)``: in place on CPU (an fp32 contiguous ``total``), else a new tensor.
+
+        On CPU the noise is drawn a chunk at a time into a small buffer that stays in cache and added from there:
+        no tensor of noise is allocated, and the chunks are small enough that each add runs on this thread
+        (waking the intra-op threads after every serial draw cost more than the add). The same draws as `sample`.
+        A fake tensor (a traced step, which models a GPU's memory) takes the path of other devices.
+        """
+        in_place = (not self.secure_mode and type(total) is torch.Tensor and total.device.type == "cpu"
+                    and total.dtype == torch.float32 and total.is_contiguous())
+        if not in_place:
+            return self.sample(total.shape, std, total.device).add_(total, alpha=scale)
+        if not self._generators:
+            raise RuntimeError("GaussianNoise.start_step must position the generators before the first sample.")
+        flat = total.view(-1)
+        buffer = torch.empty(min(_CPU_NOISE_CHUNK, flat.numel()), dtype=torch.float32)
+        for start in range(0, flat.numel(), _CPU_NOISE_CHUNK):
+            chunk = flat[start:start + _CPU_NOISE_CHUNK]
+            noise = standard_normal_(buffer[: chunk.numel()], self._generators, std)
+            torch.add(noise, chunk, alpha=scale, out=chunk)
+        return total
 
     def __repr__(self) -> str:
         source = "secure" if self.secure_mode else "seeded (reproducible)" if self.reproducible else "secret"

@@ -142,8 +142,13 @@ def standard_normal(
 ) -> torch.Tensor:
     """``N(0, std^2)`` entries: one generator's draws, or several generators' draws summed and scaled by
     ``1 / sqrt(n)`` (the same distribution, keyed by all their states)."""
+    return standard_normal_(torch.empty(tuple(shape), device=device, dtype=dtype), generators, std)
+
+
+def standard_normal_(out: torch.Tensor, generators: Sequence[torch.Generator], std: float = 1.0) -> torch.Tensor:
+    """`standard_normal` drawn into ``out``; a chunk after chunk of one tensor continues the generators' streams."""
     scale = std / math.sqrt(len(generators))
-    total = torch.normal(0.0, scale, tuple(shape), generator=generators[0], device=device, dtype=dtype)
+    out.normal_(0.0, scale, generator=generators[0])
     for generator in generators[1:]:
-        total += torch.normal(0.0, scale, tuple(shape), generator=generator, device=device, dtype=dtype)
-    return total
+        out += torch.empty_like(out).normal_(0.0, scale, generator=generator)
+    return out

@@ -138,3 +138,24 @@ def test_noise_sources_draw_the_requested_gaussian_and_never_repeat(secure_mode)
 def test_secure_mode_and_noise_seed_are_exclusive():
     with pytest.raises(ValueError, match="remove noise_seed"):
         LongShieldStrategy(noise_multiplier=1.0, secure_mode=True, noise_seed=0)
+
+
+@pytest.mark.parametrize("numel", [7, 32768, 100_003])
+def test_the_release_adds_noise_in_place_on_cpu_with_the_draws_of_a_whole_tensor(numel):
+    """On CPU the noise is drawn a chunk at a time into a small buffer and added to the sum in place: the values are
+    those of one draw of the whole tensor added to the scaled sum (the same stream, the same distribution), and no
+    tensor of noise is allocated."""
+    from lightning_longshield.privacy.randomness import SecretKey
+
+    total = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    expected_noise, in_place = (GaussianNoise(torch.device("cpu"), SecretKey.from_seed(5)) for _ in range(2))
+    expected_noise.start_step(2)
+    in_place.start_step(2)
+    expected = expected_noise.sample(total.shape, 0.5, torch.device("cpu")).add_(total, alpha=0.25)
+    storage = total.data_ptr()
+    result = in_place.add_to_scaled(total, 0.25, 0.5)
+    assert result.data_ptr() == storage
+    torch.testing.assert_close(result, expected, rtol=0, atol=1e-6)
+    residual = (result - 0.25 * torch.randn(numel, generator=torch.Generator().manual_seed(1))) / 0.5
+    if numel > 1000:
+        assert stats.kstest(residual.numpy(), "norm").pvalue > 1e-4
