@@ -232,8 +232,8 @@ def _lightning_step_ends(
 
 
 def _noise_draw_seconds(engine: Any, device: str, repeats: int = 5) -> float:
-    """Median time of one step's noise, drawn as the release draws it (the engine's own keyed generators, one
-    tensor per trainable parameter) but without the sums: the part of a DP step no implementation can skip."""
+    """Median time of one step's noise alone: the release's keyed draws, as many values as trainable parameters,
+    without adding them to the sums (the part of a DP step no implementation can skip)."""
     shapes = [local_tensor(param).shape for param in engine.capture.parameters.values()]
     times = []
     for step in range(repeats):

@@ -61,9 +61,7 @@ class GaussianNoise:
         if self.secure_mode:
             count = int(torch.Size(shape).numel())
             return secure_gaussians(secrets.token_bytes(KEY_BYTES), count, device).view(shape).mul_(std)
-        if not self._generators:
-            raise RuntimeError("GaussianNoise.start_step must position the generators before the first sample.")
-        return standard_normal(self._generators, shape, device, std=std)
+        return standard_normal(self._step_generators(), shape, device, std=std)
 
     def add_to_scaled(self, total: torch.Tensor, scale: float, std: float) -> torch.Tensor:
         """``total * scale + N(0, std^2)``: in place on CPU (an fp32 contiguous ``total``), else a new tensor.
@@ -77,15 +75,19 @@ class GaussianNoise:
                     and total.dtype == torch.float32 and total.is_contiguous())
         if not in_place:
             return self.sample(total.shape, std, total.device).add_(total, alpha=scale)
-        if not self._generators:
-            raise RuntimeError("GaussianNoise.start_step must position the generators before the first sample.")
+        generators = self._step_generators()
         flat = total.view(-1)
         buffer = torch.empty(min(_CPU_NOISE_CHUNK, flat.numel()), dtype=torch.float32)
         for start in range(0, flat.numel(), _CPU_NOISE_CHUNK):
             chunk = flat[start:start + _CPU_NOISE_CHUNK]
-            noise = standard_normal_(buffer[: chunk.numel()], self._generators, std)
+            noise = standard_normal_(buffer[: chunk.numel()], generators, std)
             torch.add(noise, chunk, alpha=scale, out=chunk)
         return total
+
+    def _step_generators(self) -> tuple[torch.Generator, ...]:
+        if not self._generators:
+            raise RuntimeError("GaussianNoise.start_step must position the generators before the first sample.")
+        return self._generators
 
     def __repr__(self) -> str:
         source = "secure" if self.secure_mode else "seeded (reproducible)" if self.reproducible else "secret"
