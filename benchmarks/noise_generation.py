@@ -4,14 +4,18 @@ For a model of ``--params`` trainable entries (default: the tiny preset's and Ll
 tensors of at most ``--tensor-elements`` entries (noise is drawn per parameter tensor):
 
 - ``seeded_32bit``: the old default, ``manual_seed(63-bit hash)`` per step (32 secret bits reach the CPU generator);
-- ``keyed``: today's default, the generators' whole state keyed from SHAKE-256 (`SecretKey.generators`) per step;
+- ``keyed``: the generators' whole state keyed from SHAKE-256 (`SecretKey.generators`) per step, draws alone;
+- ``release``: the whole release of a step, ``sum / B + noise`` over every tensor, as the mechanism forms it
+  (`GaussianNoise.add_to_scaled`: in place on CPU, the fused kernel of `privacy.fused_noise` on CUDA where Triton
+  runs), against ``torch_release``, the keyed generators' draws added by torch ops (what CUDA ran before the kernel);
 - ``secure``: ChaCha20 keyed per tensor with four-draw hardened Gaussians (``secure_mode``), timed on
   ``--secure-elements`` entries and reported as a throughput and an extrapolated per-step time.
 
-Each figure is the best of ``--repeats``. ``keyed_over_seeded`` is the default's cost against the old one.
+Each figure is the best of ``--repeats``. ``keyed_over_seeded`` is the keyed draws' cost against the old seeding's,
+``release_over_torch_release`` the mechanism's release against the torch ops'.
 
     python benchmarks/noise_generation.py                       # CPU, tiny and 1B
-    python benchmarks/noise_generation.py --device cuda         # on a GPU (two Philox generators per draw)
+    python benchmarks/noise_generation.py --device cuda         # on a GPU (two Philox streams per draw)
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_longshield.privacy.chacha20 import secure_gaussians
+from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.randomness import SecretKey, derive_seed, standard_normal
 from simulate.specs import get_model_spec
 
@@ -70,6 +75,18 @@ def one_step_keyed(sizes: list[int], device: torch.device, key: SecretKey) -> No
         standard_normal(generators, (size,), device)
 
 
+def one_release(totals: list[torch.Tensor], noise: GaussianNoise, step: int) -> None:
+    noise.start_step(step)
+    for total in totals:
+        noise.add_to_scaled(total, 0.25, 1.0)
+
+
+def one_torch_release(totals: list[torch.Tensor], key: SecretKey) -> None:
+    generators = key.generators(totals[0].device, "noise", 0)
+    for total in totals:
+        standard_normal(generators, total.shape, total.device).add_(total, alpha=0.25)
+
+
 def measure_noise(params_list: list[int], device: torch.device, tensor_elements: int = 2**24,
                   secure_elements: int = 2**24, repeats: int = 3) -> dict[str, Any]:
     """Per-step noise time of the old seeding, the keyed default and secure mode for each model size, on ``device``."""
@@ -79,7 +96,15 @@ def measure_noise(params_list: list[int], device: torch.device, tensor_elements:
         sizes = tensor_sizes(params, tensor_elements)
         seeded = best_of(repeats, lambda sizes=sizes: one_step_seeded(sizes, device), device)
         keyed = best_of(repeats, lambda sizes=sizes: one_step_keyed(sizes, device, key), device)
-        results[str(params)] = {"seeded_32bit_s": seeded, "keyed_s": keyed, "keyed_over_seeded": keyed / seeded}
+        totals = [torch.zeros(size, device=device) for size in sizes]
+        noise, steps = GaussianNoise(device, key), iter(range(10**9))
+        release = best_of(repeats, lambda totals=totals, noise=noise, steps=steps: one_release(totals, noise,
+                                                                                              next(steps)), device)
+        torch_release = best_of(repeats, lambda totals=totals: one_torch_release(totals, key), device)
+        del totals
+        results[str(params)] = {"seeded_32bit_s": seeded, "keyed_s": keyed, "keyed_over_seeded": keyed / seeded,
+                                "release_s": release, "torch_release_s": torch_release,
+                                "release_over_torch_release": release / torch_release}
     secure = best_of(repeats, lambda: secure_gaussians(secrets.token_bytes(32), secure_elements, device), device)
     secure_rate = secure_elements / secure
     for params, row in results.items():

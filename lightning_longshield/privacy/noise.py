@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 
 from lightning_longshield.privacy.chacha20 import secure_gaussians
-from lightning_longshield.privacy.randomness import KEY_BYTES, SecretKey, standard_normal, standard_normal_
+from lightning_longshield.privacy.randomness import KEY_BYTES, SecretKey, standard_normal_
+from lightning_longshield.privacy.triton_support import triton_runs_on
 
 # Elements of noise drawn and added at a time on CPU: 128 KiB of buffer, and at most ATen's intra-op grain size, so
 # the add runs on the calling thread.
@@ -22,8 +23,10 @@ class GaussianNoise:
 
     - default: a 256-bit `SecretKey` from OS entropy when the object is built (per process, never stored); step
       ``k``'s draws come from torch generators whose whole state is keyed by ``(key, stream, k)``
-      (`SecretKey.generators`: all of MT19937's state on CPU, 2 x 126 bits of Philox state on CUDA). Fast; keyed
-      far beyond any search, but MT19937 and Philox are not cryptographic generators.
+      (`SecretKey.generators`: all of MT19937's state on CPU, 2 x 126 bits of Philox state on CUDA). Where Triton
+      runs (CUDA), the draws come from the fused kernel of `fused_noise` instead, keyed by 256 bits of the same
+      stream per step, and are added to the sum in the same pass. Fast; keyed far beyond any search, but MT19937
+      and Philox are not cryptographic generators.
     - ``secure_mode``: every tensor drawn is ChaCha20 keyed by 256 fresh bits of OS entropy (`privacy.chacha20`), a
       cryptographically secure stream, turned into Gaussians with the four-draw hardening (sum of four Box-Muller
       normals over two), as Opacus hardens its sampler against Mironov's (2012) attack. That hardening is not a
@@ -50,30 +53,45 @@ class GaussianNoise:
         self._stream = stream
         self._device = torch.device(device)
         self._generators: tuple[torch.Generator, ...] = ()
+        self._fused = not secure_mode and triton_runs_on(self._device)
+        self._fused_keys: Optional[torch.Tensor] = None
+        self._fused_draws = 0
 
     def start_step(self, step: int) -> None:
         """Position the generators at the draws of DP step ``step`` (secure mode keys each tensor instead)."""
-        if not self.secure_mode:
-            self._generators = self._key.generators(self._device, "noise", *self._stream, step)
+        if self.secure_mode:
+            return
+        self._generators = self._key.generators(self._device, "noise", *self._stream, step)
+        if self._fused:
+            words = self._key.philox_words("noise", *self._stream, step)
+            self._fused_keys = torch.tensor(words, dtype=torch.int64, device=self._device)
+            self._fused_draws = 0
 
     def sample(self, shape: torch.Size, std: float, device: torch.device) -> torch.Tensor:
         """An fp32 tensor of shape ``shape`` with i.i.d. ``N(0, std^2)`` entries."""
         if self.secure_mode:
             count = int(torch.Size(shape).numel())
             return secure_gaussians(secrets.token_bytes(KEY_BYTES), count, device).view(shape).mul_(std)
-        return standard_normal(self._step_generators(), shape, device, std=std)
+        generators = self._step_generators()
+        out = torch.empty(tuple(shape), dtype=torch.float32, device=device)
+        if self._fused_on(out):
+            return self._fused_draw(out, std)
+        return standard_normal_(out, generators, std)
 
     def add_to_scaled(self, total: torch.Tensor, scale: float, std: float) -> torch.Tensor:
-        """``total * scale + N(0, std^2)``: in place on CPU (an fp32 contiguous ``total``), else a new tensor.
+        """``total * scale + N(0, std^2)``: in place on CPU and through the fused CUDA kernel (an fp32 contiguous
+        ``total``), else a new tensor.
 
         On CPU the noise is drawn a chunk at a time into a small buffer that stays in cache and added from there:
         no tensor of noise is allocated, and the chunks are small enough that each add runs on this thread
         (waking the intra-op threads after every serial draw cost more than the add). The same draws as `sample`.
         A fake tensor (a traced step, which models a GPU's memory) takes the path of other devices.
         """
-        in_place = (not self.secure_mode and type(total) is torch.Tensor and total.device.type == "cpu"
-                    and total.dtype == torch.float32 and total.is_contiguous())
-        if not in_place:
+        in_place = (not self.secure_mode and type(total) is torch.Tensor and total.dtype == torch.float32
+                    and total.is_contiguous())
+        if in_place and self._fused_on(total):
+            return self._fused_draw(total, std, total, scale)
+        if not (in_place and total.device.type == "cpu"):
             return self.sample(total.shape, std, total.device).add_(total, alpha=scale)
         generators = self._step_generators()
         flat = total.view(-1)
@@ -83,6 +101,20 @@ class GaussianNoise:
             noise = standard_normal_(buffer[: chunk.numel()], generators, std)
             torch.add(noise, chunk, alpha=scale, out=chunk)
         return total
+
+    def _fused_on(self, tensor: torch.Tensor) -> bool:
+        """Whether draws into ``tensor`` take the fused kernel (a real tensor on this noise's device: a fake one, in
+        a trace that models memory, takes the torch path)."""
+        keys = self._fused_keys
+        return keys is not None and type(tensor) is torch.Tensor and tensor.device == keys.device
+
+    def _fused_draw(self, out: torch.Tensor, std: float, total: Optional[torch.Tensor] = None,
+                    scale: float = 1.0) -> torch.Tensor:
+        from lightning_longshield.privacy.fused_noise import keyed_noise_
+
+        keyed_noise_(out, self._fused_keys, self._fused_draws, std, total, scale)
+        self._fused_draws += 1
+        return out
 
     def _step_generators(self) -> tuple[torch.Generator, ...]:
         if not self._generators:

@@ -11,7 +11,6 @@ norms and its clipped sum from the layer's inputs and output gradients without a
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
 from lightning_longshield.privacy.clipping import CLIP_MARGIN, clip_factors, per_parameter_squared_norms
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
+from lightning_longshield.privacy.triton_support import triton_runs_on
 from simulate.strategy_config import PerLayerClipping, ThresholdSpec
 
 # Explicit bounds may exceed C^2 in the sum of squares by this relative amount (decimal rounding of user values);
@@ -61,16 +61,6 @@ def per_layer_thresholds(
             " thresholds down or raise max_grad_norm."
         )
     return {name: float(spec[name]) for name in parameters}
-
-
-def triton_runs_on(device: torch.device) -> bool:
-    """Whether the fused Triton kernels can run on ``device``: Triton is installed (it ships with PyTorch's CUDA
-    wheels) and the device is CUDA, or Triton's interpreter is on (``TRITON_INTERPRET=1``, CPU tensors)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def use_fused_kernel(kernel: str, device: torch.device, context_parallel: bool) -> bool:

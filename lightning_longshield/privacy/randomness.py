@@ -13,9 +13,10 @@ What is cryptographic and what is not:
 - Default noise and projections come from torch's generators, whose *whole* state is set from SHAKE-256 for each
   (step, process or parameter): on CPU all 19,937 bits of MT19937's state (never ``manual_seed``, which keeps 32
   bits of a seed on CPU); on CUDA Philox's 64-bit seed and 64-bit offset (a multiple of 4: 126 secret bits), and two
-  such generators whose draws are summed, 252 bits. No search over seeds finds a step's noise; a different step's
-  generator is a fresh SHAKE output. MT19937 and Philox are not cryptographic generators: this is hardening, not a
-  proof that outputs of one generator never reveal its state.
+  such generators whose draws are summed, 252 bits. Where Triton runs, CUDA noise comes from a fused kernel instead
+  (`fused_noise`): two Philox streams, each keyed by a 64-bit key and two 32-bit counter words, 256 bits. No search
+  over seeds finds a step's noise; a different step's generator is a fresh SHAKE output. MT19937 and Philox are not
+  cryptographic generators: this is hardening, not a proof that outputs of one generator never reveal its state.
 - ``secure_mode`` noise: ChaCha20 keyed by 256 fresh OS bits per tensor (`privacy.chacha20`), a cryptographically
   secure stream; see `GaussianNoise` for how it becomes Gaussian and what that does not prove.
 """
@@ -41,6 +42,8 @@ _MT_HEADER = 24
 _MT_STATE_BYTES = 5056
 # Philox offsets must be multiples of 4 (four 32-bit outputs per counter).
 _PHILOX_OFFSET_BITS = 62
+# The fused kernel's Philox stream: a 64-bit key and two 32-bit counter words.
+_PHILOX_STREAM_BYTES = 16
 
 
 def derive_seed(base_seed: int, *keys: object) -> int:
@@ -108,6 +111,16 @@ class SecretKey:
         if device.type == "cpu":
             return (_mt19937_generator(self.stream(4 * _MT_WORDS, "mt19937", *labels)),)
         return tuple(_philox_generator(device, self.stream(16, "philox", index, *labels)) for index in range(2))
+
+    def philox_words(self, *labels: object) -> list[int]:
+        """The fused CUDA noise's key words for the draws named by ``labels`` (`fused_noise`): for each of its two
+        Philox streams a 64-bit key (as a signed int64) and two 32-bit counter words, 256 secret bits in all."""
+        data = self.stream(2 * _PHILOX_STREAM_BYTES, "philox-fused", *labels)
+        words = []
+        for start in range(0, len(data), _PHILOX_STREAM_BYTES):
+            key, word_a, word_b = struct.unpack("<qII", data[start:start + _PHILOX_STREAM_BYTES])
+            words += [key, word_a, word_b]
+        return words
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(<secret>)"

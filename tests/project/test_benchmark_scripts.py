@@ -47,6 +47,7 @@ def test_noise_generation_benchmark_reports_the_keyed_and_secure_costs():
     assert set(report["per_step"]) == {"100000", "300000"} and report["secure_noise_gb_per_s"] > 0
     for row in report["per_step"].values():
         assert row["keyed_over_seeded"] == row["keyed_s"] / row["seeded_32bit_s"]
+        assert row["release_over_torch_release"] == row["release_s"] / row["torch_release_s"]
 
 
 def test_gpu_throughput_benchmark_refuses_without_cuda():
