@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024  # counters per program; part of the element-to-counter map, so fixed
-NUM_WARPS = 16  # 2 counters a thread: 63 registers on sm_90, no spills, 32 warps a multiprocessor
+NUM_WARPS = 8  # fastest of 4, 8, 16 and 32 on an H200 (4.6 ms per 1.24e9 elements); 64 registers, no spills
 STREAMS = 2
 WORDS_PER_STREAM = 3  # the 64-bit Philox key, then two secret 32-bit counter words
 _MAX_ELEMENTS = 4 * (2**32 - 1)  # one 32-bit counter word numbers the counters

@@ -6,6 +6,7 @@ import secrets
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_longshield.privacy.chacha20 import secure_gaussians
 from lightning_longshield.privacy.randomness import KEY_BYTES, SecretKey, standard_normal_
@@ -85,8 +86,11 @@ class GaussianNoise:
         On CPU the noise is drawn a chunk at a time into a small buffer that stays in cache and added from there:
         no tensor of noise is allocated, and the chunks are small enough that each add runs on this thread
         (waking the intra-op threads after every serial draw cost more than the add). The same draws as `sample`.
-        A fake tensor (a traced step, which models a GPU's memory) takes the path of other devices.
+        A fake tensor (a traced step, which models a GPU's memory) is scaled in place and allocates nothing, as the
+        fused kernel does on a GPU.
         """
+        if isinstance(total, FakeTensor) and total.dtype == torch.float32 and total.is_contiguous():
+            return total.mul_(scale)
         in_place = (not self.secure_mode and type(total) is torch.Tensor and total.dtype == torch.float32
                     and total.is_contiguous())
         if in_place and self._fused_on(total):

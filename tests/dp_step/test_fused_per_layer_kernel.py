@@ -9,16 +9,13 @@ when the fused path is and is not taken is tested everywhere."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from lightning_longshield import LongShieldStrategy, PerLayerClipping
 from lightning_longshield.privacy.per_layer import use_fused_kernel
+from tests.support import triton_kernels
 from tests.support.helpers import (
     RandomTokens,
     assert_models_close,
@@ -30,31 +27,22 @@ from tests.support.helpers import (
     samples,
     small_config,
 )
+from tests.support.triton_kernels import (
+    HAS_TRITON,
+    needs_interpreter_process,
+    run_file_under_interpreter,
+)
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CLIP = 0.05
 BATCH = 4
 
-
-@pytest.fixture
-def kernel_device() -> torch.device:
-    """CUDA if present, else CPU in a process running Triton's interpreter."""
-    if torch.cuda.is_available() and HAS_TRITON:
-        return torch.device("cuda")
-    if HAS_TRITON and INTERPRETED:
-        return torch.device("cpu")
-    pytest.skip("needs CUDA and Triton, or Triton's interpreter (test_kernels_under_the_interpreter starts it)")
+kernel_device = triton_kernels.kernel_device  # the fixture
 
 
-@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available() or INTERPRETED,
-                    reason="the kernels run directly here, or Triton is missing")
+@needs_interpreter_process
 def test_kernels_under_the_interpreter():
     """This file's kernel tests in a fresh process with ``TRITON_INTERPRET=1``."""
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " 1 skipped" in result.stdout.splitlines()[-1], result.stdout[-2000:]  # only this test itself
+    run_file_under_interpreter(__file__, skipped=1)
 
 
 def per_sample_weights(activation: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,7 @@ kernel's tests are skipped; the reference, the key words and the path selection 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,11 +16,18 @@ from scipy import stats
 
 from lightning_longshield.privacy import GaussianNoise
 from lightning_longshield.privacy.randomness import SecretKey
+from tests.support import triton_kernels
+from tests.support.triton_kernels import (
+    HAS_TRITON,
+    INTERPRETED,
+    needs_interpreter_process,
+    run_file_under_interpreter,
+)
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK = 1024  # fused_noise.BLOCK, restated: the reference's element-to-counter map is written out here
 _MASK = np.uint64(0xFFFFFFFF)
+
+kernel_device = triton_kernels.kernel_device  # the fixture
 
 
 def philox4x32_10(counter: list[np.ndarray], key: tuple[int, int]) -> list[np.ndarray]:
@@ -107,24 +110,10 @@ def test_cpu_noise_takes_the_fused_kernel_only_where_triton_runs():
     assert noise.add_to_scaled(total, 0.5, 1.0) is total  # the chunked CPU path, in place
 
 
-@pytest.fixture
-def kernel_device() -> torch.device:
-    """CUDA if present, else CPU in a process running Triton's interpreter."""
-    if torch.cuda.is_available() and HAS_TRITON:
-        return torch.device("cuda")
-    if HAS_TRITON and INTERPRETED:
-        return torch.device("cpu")
-    pytest.skip("needs CUDA and Triton, or Triton's interpreter (test_kernel_under_the_interpreter starts it)")
-
-
-@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available() or INTERPRETED,
-                    reason="the kernel runs directly here, or Triton is missing")
+@needs_interpreter_process
 def test_kernel_under_the_interpreter():
     """This file's kernel tests in a fresh process with ``TRITON_INTERPRET=1``."""
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " 2 skipped" in result.stdout.splitlines()[-1], result.stdout[-2000:]  # this test and the CPU-path one
+    run_file_under_interpreter(__file__, skipped=2)
 
 
 @pytest.mark.parametrize("numel", [5, 4 * BLOCK, 2 * 4 * BLOCK + 37])
@@ -132,6 +121,7 @@ def test_the_kernel_draws_the_reference_noise_and_adds_it_to_the_scaled_sum(kern
     from lightning_longshield.privacy.fused_noise import keyed_noise_
 
     words = SecretKey.from_seed(numel).philox_words("noise", 0, 0, 7)
+    words[0], words[3] = -1 - (words[0] & (2**62 - 1)), words[3] & (2**62 - 1)  # one key of each sign
     keys = torch.tensor(words, dtype=torch.int64, device=kernel_device)
     expected = torch.from_numpy(reference_noise(words, 3, numel, 2.5)).float()
     out = torch.full((numel,), float("nan"), device=kernel_device)
@@ -172,3 +162,26 @@ def test_gaussian_noise_releases_through_the_kernel_in_place_fresh_per_draw_and_
     next_step = noise.add_to_scaled(torch.zeros(3 * BLOCK, device=kernel_device), 0.5, 2.0)
     assert not torch.equal(next_step, released)
     assert stats.kstest((next_step.cpu() / 2.0).numpy(), "norm").pvalue > 1e-3
+
+
+def test_a_dp_step_through_the_kernel_adds_noise_of_std_sigma_c_over_b(kernel_device, monkeypatch):
+    """The strategy's release on the kernel's device: the update's noise is ``N(0, (sigma C / B)^2)`` per coordinate
+    and the same with the same ``noise_seed`` (on CPU this runs in the interpreter's process only)."""
+    if kernel_device.type == "cuda":
+        pytest.skip("the strategy's one-process tests run on CPU; on CUDA the kernel tests above cover the release")
+    from lightning_longshield.privacy import fused_noise
+    from tests.privacy.test_noise import BATCH, CLIP, SIGMA, one_step
+
+    draws = []
+    kernel = fused_noise.keyed_noise_
+    monkeypatch.setattr(fused_noise, "keyed_noise_", lambda out, *args, **kwargs: draws.append(out.numel()) or
+                        kernel(out, *args, **kwargs))
+    _, clean = one_step(0.0, seed=0)
+    _, noisy = one_step(SIGMA, seed=0, noise_seed=0)
+    assert sum(draws) == clean.numel()  # every coordinate's noise came from the kernel
+    _, again = one_step(SIGMA, seed=0, noise_seed=0)
+    noise = -(noisy - clean)
+    torch.testing.assert_close(noisy, again, rtol=0, atol=0)
+    expected_std = SIGMA * CLIP / BATCH
+    assert abs(noise.std().item() / expected_std - 1) < 5 / (2 * noise.numel()) ** 0.5
+    assert stats.kstest((noise / expected_std).numpy(), "norm").pvalue > 1e-3
