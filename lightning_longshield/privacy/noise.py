@@ -64,8 +64,10 @@ class GaussianNoise:
             return
         self._generators = self._key.generators(self._device, "noise", *self._stream, step)
         if self._fused:
-            words = self._key.philox_words("noise", *self._stream, step)
-            self._fused_keys = torch.tensor(words, dtype=torch.int64, device=self._device)
+            words = torch.tensor(self._key.philox_words("noise", *self._stream, step), dtype=torch.int64)
+            if self._device.type == "cuda":  # copied without a host sync, which would idle the GPU until the release
+                words = words.pin_memory()
+            self._fused_keys = words.to(self._device, non_blocking=True)
             self._fused_draws = 0
 
     def sample(self, shape: torch.Size, std: float, device: torch.device) -> torch.Tensor:
