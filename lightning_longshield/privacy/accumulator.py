@@ -112,7 +112,9 @@ class ClippedGradientSum:
                 continue
             if any(row.dtype != torch.float32 for row in rows):  # one sample, first sums: fp32 copies become the sums
                 rows = [row.float() for row in rows]
-            torch._foreach_mul_(rows, scales)
+            # One factor for all tensors: the single-tensor overload, which CUDA runs as one vectorised multi-tensor
+            # kernel (a list of 0-d factors took an unvectorised kernel per tensor).
+            torch._foreach_mul_(rows, scales[0] if shared else scales)
             scaled = dict(zip(names, rows))
             self.sums.update((name, scaled.pop(name)) for name in missing)
             if scaled:
