@@ -21,6 +21,7 @@ Each figure is the best of ``--repeats``. ``keyed_over_seeded`` is the keyed dra
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import secrets
 import time
@@ -89,7 +90,8 @@ def one_torch_release(totals: list[torch.Tensor], key: SecretKey) -> None:
 
 def measure_noise(params_list: list[int], device: torch.device, tensor_elements: int = 2**24,
                   secure_elements: int = 2**24, repeats: int = 3) -> dict[str, Any]:
-    """Per-step noise time of the old seeding, the keyed default and secure mode for each model size, on ``device``."""
+    """Per-step noise time of the old seeding, the keyed draws, the mechanism's release beside the torch ops' and
+    secure mode, for each model size, on ``device``."""
     key = SecretKey.fresh()
     results: dict[str, Any] = {}
     for params in params_list:
@@ -97,7 +99,7 @@ def measure_noise(params_list: list[int], device: torch.device, tensor_elements:
         seeded = best_of(repeats, lambda sizes=sizes: one_step_seeded(sizes, device), device)
         keyed = best_of(repeats, lambda sizes=sizes: one_step_keyed(sizes, device, key), device)
         totals = [torch.zeros(size, device=device) for size in sizes]
-        noise, steps = GaussianNoise(device, key), iter(range(10**9))
+        noise, steps = GaussianNoise(device, key), itertools.count()
         release = best_of(repeats, lambda totals=totals, noise=noise, steps=steps: one_release(totals, noise,
                                                                                               next(steps)), device)
         torch_release = best_of(repeats, lambda totals=totals: one_torch_release(totals, key), device)
