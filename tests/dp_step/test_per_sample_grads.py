@@ -86,3 +86,36 @@ def test_hooks_are_removable():
     capture = PerSampleGradCapture(model)
     capture.remove()
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("layer", [torch.nn.RMSNorm(8), torch.nn.LayerNorm(8), torch.nn.LayerNorm(8, bias=False)],
+                         ids=["rms_norm", "layer_norm", "layer_norm_without_bias"])
+@pytest.mark.parametrize("shape", [(3, 5, 8), (3, 8)], ids=["tokens", "no_token_dims"])
+def test_normalization_samplers_equal_torch_func_and_opacus(layer, shape):
+    """The normalisations' own samplers (product formed in place) give torch.func's per-sample gradients and exactly
+    Opacus's values (whose LayerNorm sampler fails on a layer without bias), and never alias the output gradient that
+    still flows into the layer's backward."""
+    from opacus.grad_sample import GradSampleModule
+
+    from lightning_longshield.privacy.grad_sample.layers import normalization_gradients
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+    activation, grad_output = torch.randn(shape), torch.randn(shape)
+    params = {name: p.detach() for name, p in layer.named_parameters()}
+
+    def sample_output(params, x, g):
+        return (functional_call(layer, params, (x[None],)) * g[None]).sum()
+
+    expected = vmap(grad(sample_output), in_dims=(None, 0, 0))(params, activation, grad_output)
+    untouched = grad_output.clone()
+    ours = normalization_gradients(layer, activation, grad_output)
+    assert torch.equal(grad_output, untouched)
+    assert set(ours) == set(dict(layer.named_parameters()).values())
+    for name, param in layer.named_parameters():
+        torch.testing.assert_close(ours[param], expected[name], rtol=1e-5, atol=1e-6)
+        assert ours[param].data_ptr() != grad_output.data_ptr()
+    if getattr(layer, "bias", True) is not None:
+        opacus = GradSampleModule.GRAD_SAMPLERS[type(layer)](layer, [activation], grad_output.clone())
+        assert all(torch.equal(ours[param], opacus[param]) for param in layer.parameters())

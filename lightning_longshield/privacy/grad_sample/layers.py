@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from opacus.grad_sample import GradSampleModule
 from torch import nn
 
@@ -21,12 +22,41 @@ SUPPORTED_LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding, n
 def per_sample_gradients(
     layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
-    """``(B, *shape)`` per-sample gradients of ``layer``'s trainable parameters by Opacus's registered sampler for its
-    exact type; an embedding's padding row gets none, as from autograd (Opacus's sampler scatters into it)."""
+    """``(B, *shape)`` per-sample gradients of ``layer``'s trainable parameters by the sampler for its exact type:
+    the normalisations' own (`normalization_gradients`), else Opacus's registered one; an embedding's padding row gets
+    none, as from autograd (Opacus's sampler scatters into it)."""
     if isinstance(layer, nn.Embedding):
         grad_output = without_padding(layer, activation, grad_output)
+    if type(layer) in (nn.RMSNorm, nn.LayerNorm):
+        return normalization_gradients(layer, activation, grad_output)
     sampler: GradSampler = GradSampleModule.GRAD_SAMPLERS[type(layer)]
     return sampler(layer, [activation], grad_output)
+
+
+def normalization_gradients(
+    layer: nn.RMSNorm | nn.LayerNorm, activation: torch.Tensor, grad_output: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of an RMSNorm's or LayerNorm's affine parameters: the values of Opacus's samplers (the
+    normalised activation times the output gradient, summed over the tokens; the bias's, the output gradient summed),
+    with the product formed in place in the recomputed normalised activation (one activation-sized temporary fewer),
+    and a LayerNorm without bias supported (Opacus's sampler reads the missing bias)."""
+    grads: dict[nn.Parameter, torch.Tensor] = {}
+    token_dims = tuple(range(1, activation.dim() - len(layer.normalized_shape)))
+    if layer.weight is not None and layer.weight.requires_grad:
+        if isinstance(layer, nn.RMSNorm):
+            normalized = F.rms_norm(activation, layer.normalized_shape, eps=layer.eps)
+        else:
+            normalized = F.layer_norm(activation, layer.normalized_shape, eps=layer.eps)
+        if torch.result_type(normalized, grad_output) == normalized.dtype:
+            product = normalized.mul_(grad_output)
+        else:  # a lower-precision normalised activation: promote, as the out-of-place product does
+            product = normalized * grad_output
+        grads[layer.weight] = product.sum(token_dims) if token_dims else product
+    bias = getattr(layer, "bias", None)
+    if bias is not None and bias.requires_grad:
+        # A copy without token dimensions: the output gradient itself still flows into the layer's backward.
+        grads[bias] = grad_output.sum(token_dims) if token_dims else grad_output.clone()
+    return grads
 
 
 def without_padding(layer: nn.Embedding, ids: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
