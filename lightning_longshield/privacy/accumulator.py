@@ -105,8 +105,7 @@ class ClippedGradientSum:
         if _any_zero(factors):  # only a sample with factor 0 may hold inf or NaN; 0 x inf would be NaN
             for grad in grad_samples.values():
                 zero_non_finite_(grad)
-        while samples:
-            rows, scales = samples.pop(0)
+        for rows, scales in samples:
             if not missing:  # one pass per tensor: sums += factor x gradient, formed in fp32
                 torch._foreach_addcmul_([self.sums[name] for name in names], rows, scales)
                 continue
