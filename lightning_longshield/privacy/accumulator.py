@@ -140,33 +140,42 @@ class ClippedGradientSum:
     def release(self, noise: GaussianNoise, noise_std: float, expected_batch_size: float) -> None:
         """Privatise the sums into ``param.grad`` and start a new logical batch."""
         replicas = 1 if self.data_parallel_group is None else dist.get_world_size(self.data_parallel_group)
+        local = {name: local_tensor(param) for name, param in self.parameters.items()}
+        means = self._noisy_means(  # every sum noised first, in place: one draw for all on CPU
+            {name: self.sums.pop(name, None) for name in self.parameters if name not in self.replica_shards},
+            local, noise, noise_std / replicas**0.5, expected_batch_size,
+        )
         for name, param in self.parameters.items():
-            local = local_tensor(param)
-            total = self.sums.pop(name, None)  # freed once its mean is formed: no second copy of every sum
             if name in self.replica_shards:
-                chunk = self._reduce_scatter_chunk(name, total, local)
-                param.grad = _like_parameter(param, self._noisy_mean(chunk, local, noise, noise_std,
-                                                                     expected_batch_size).to(param.dtype))
+                chunk = self._reduce_scatter_chunk(name, self.sums.pop(name, None), local[name])
+                mean = self._noisy_means({name: chunk}, local, noise, noise_std, expected_batch_size)[name]
+                param.grad = _like_parameter(param, mean.to(param.dtype))
                 continue
-            mean = self._noisy_mean(total, local, noise, noise_std / replicas**0.5, expected_batch_size)
+            mean = means.pop(name)  # its fp32 sum is freed once converted: no second copy of every sum
             if self.data_parallel_group is not None:
                 dist.all_reduce(mean, group=self.data_parallel_group)
             param.grad = _like_parameter(param, mean.to(param.dtype))
         self.sums.clear()
 
     @staticmethod
-    def _noisy_mean(
-        total: Optional[torch.Tensor], local: torch.Tensor, noise: GaussianNoise, noise_std: float, batch_size: float
-    ) -> torch.Tensor:
-        """``(total + N(0, noise_std^2)) / batch_size``, formed as the sum scaled by ``1 / batch_size`` plus noise of
-        std ``noise_std / batch_size`` in one pass (the same distribution, two passes over the parameter fewer; in
-        place on CPU, `GaussianNoise.add_to_scaled`)."""
+    def _noisy_means(
+        totals: dict[str, Optional[torch.Tensor]], local: dict[str, torch.Tensor], noise: GaussianNoise,
+        noise_std: float, batch_size: float,
+    ) -> dict[str, torch.Tensor]:
+        """``(total + N(0, noise_std^2)) / batch_size`` of each sum (noise alone for a parameter without one, of its
+        local shape), formed as the sum scaled by ``1 / batch_size`` plus noise of std ``noise_std / batch_size`` in
+        one pass (the same distribution, two passes over the parameter fewer; in place on CPU and through the fused
+        CUDA kernel, `GaussianNoise.add_to_scaled_all`)."""
         if noise_std == 0:
-            mean = torch.zeros(local.shape, dtype=torch.float32, device=local.device) if total is None else total
-            return mean.div_(batch_size).contiguous()
-        if total is None:
-            return noise.sample(local.shape, noise_std / batch_size, local.device)
-        return noise.add_to_scaled(total, 1.0 / batch_size, noise_std / batch_size)
+            return {name: (torch.zeros(local[name].shape, dtype=torch.float32, device=local[name].device)
+                           if total is None else total).div_(batch_size).contiguous()
+                    for name, total in totals.items()}
+        present = {name: total for name, total in totals.items() if total is not None}
+        means = dict(zip(present, noise.add_to_scaled_all(list(present.values()), 1.0 / batch_size,
+                                                          noise_std / batch_size)))
+        for name in (name for name in totals if name not in present):
+            means[name] = noise.sample(local[name].shape, noise_std / batch_size, local[name].device)
+        return {name: means[name] for name in totals}
 
     def _reduce_scatter_chunk(self, name: str, total: Optional[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
         """The sum of this rank's FSDP2 chunk: its replicas' parts reduce-scattered over the data-parallel group

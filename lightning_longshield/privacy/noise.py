@@ -9,12 +9,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_longshield.privacy.chacha20 import secure_gaussians
+from lightning_longshield.privacy.keystream_normals import keystream_normals_
 from lightning_longshield.privacy.randomness import KEY_BYTES, SecretKey, standard_normal_
 from lightning_longshield.privacy.triton_support import triton_runs_on
-
-# Elements of noise drawn and added at a time on CPU: 128 KiB of buffer, and at most ATen's intra-op grain size, so
-# the add runs on the calling thread.
-_CPU_NOISE_CHUNK = 32768
 
 
 class GaussianNoise:
@@ -23,11 +20,13 @@ class GaussianNoise:
     Three sources, from the default to the explicit opt-in:
 
     - default: a 256-bit `SecretKey` from OS entropy when the object is built (per process, never stored); step
-      ``k``'s draws come from torch generators whose whole state is keyed by ``(key, stream, k)``
-      (`SecretKey.generators`: all of MT19937's state on CPU, 2 x 126 bits of Philox state on CUDA). Where Triton
-      runs (CUDA), the draws come from the fused kernel of `fused_noise` instead, keyed by 256 bits of the same
-      stream per step, and are added to the sum in the same pass. Fast; keyed far beyond any search, but MT19937
-      and Philox are not cryptographic generators.
+      ``k``'s draws are keyed by ``(key, stream, k)``. On CPU each tensor drawn is a ChaCha20 keystream keyed by
+      256 bits of that stream, its nonce the tensor's index among the step's draws, turned into fp32 normals by
+      `keystream_normals`: a cryptographically secure stream, faster than torch's MT19937. Where Triton runs
+      (CUDA), the draws come from the fused kernel of `fused_noise`, keyed by 256 bits of the same stream per step,
+      and are added to the sum in the same pass; elsewhere from torch generators whose whole state is keyed
+      (`SecretKey.generators`: 2 x 126 bits of Philox state). Philox is not a cryptographic generator: keyed far
+      beyond any search, not proven.
     - ``secure_mode``: every tensor drawn is ChaCha20 keyed by 256 fresh bits of OS entropy (`privacy.chacha20`), a
       cryptographically secure stream, turned into Gaussians with the four-draw hardening (sum of four Box-Muller
       normals over two), as Opacus hardens its sampler against Mironov's (2012) attack. That hardening is not a
@@ -56,11 +55,16 @@ class GaussianNoise:
         self._generators: tuple[torch.Generator, ...] = ()
         self._fused = not secure_mode and triton_runs_on(self._device)
         self._fused_keys: Optional[torch.Tensor] = None
-        self._fused_draws = 0
+        self._cpu_key: Optional[bytes] = None
+        self._draws = 0  # tensors drawn in this step: the nonce of the next CPU keystream, the fused kernel's index
 
     def start_step(self, step: int) -> None:
-        """Position the generators at the draws of DP step ``step`` (secure mode keys each tensor instead)."""
+        """Key the draws of DP step ``step`` (secure mode keys each tensor instead)."""
         if self.secure_mode:
+            return
+        self._draws = 0
+        if self._device.type == "cpu" and not self._fused:  # fused on CPU: Triton's interpreter, in tests
+            self._cpu_key = self._key.stream(KEY_BYTES, "noise-chacha20", *self._stream, step)
             return
         self._generators = self._key.generators(self._device, "noise", *self._stream, step)
         if self._fused:
@@ -68,45 +72,60 @@ class GaussianNoise:
             if self._device.type == "cuda":  # copied without a host sync, which would idle the GPU until the release
                 words = words.pin_memory()
             self._fused_keys = words.to(self._device, non_blocking=True)
-            self._fused_draws = 0
 
     def sample(self, shape: torch.Size, std: float, device: torch.device) -> torch.Tensor:
         """An fp32 tensor of shape ``shape`` with i.i.d. ``N(0, std^2)`` entries."""
         if self.secure_mode:
             count = int(torch.Size(shape).numel())
             return secure_gaussians(secrets.token_bytes(KEY_BYTES), count, device).view(shape).mul_(std)
-        generators = self._step_generators()
         out = torch.empty(tuple(shape), dtype=torch.float32, device=device)
+        if self._keystream_on(out):
+            self._keystream_draw([out], std)
+            return out
+        if isinstance(out, FakeTensor) and out.device.type == "cpu":
+            return out  # a traced step: nothing to draw
         if self._fused_on(out):
             return self._fused_draw(out, std)
-        return standard_normal_(out, generators, std)
+        return standard_normal_(out, self._step_generators(), std)
 
     def add_to_scaled(self, total: torch.Tensor, scale: float, std: float) -> torch.Tensor:
         """``total * scale + N(0, std^2)``: in place on CPU and through the fused CUDA kernel (an fp32 contiguous
-        ``total``), else a new tensor.
+        ``total``), else a new tensor. The same draws as `sample`.
 
-        On CPU the noise is drawn a chunk at a time into a small buffer that stays in cache and added from there:
-        no tensor of noise is allocated, and the chunks are small enough that each add runs on this thread
-        (waking the intra-op threads after every serial draw cost more than the add). The same draws as `sample`.
-        A fake tensor (a traced step, which models a GPU's memory) is scaled in place and allocates nothing, as the
-        fused kernel does on a GPU.
+        On CPU the keystream's normals are formed and added a block at a time (`keystream_normals`): no tensor of
+        noise is allocated. A fake tensor (a traced step, which models a GPU's memory) is scaled in place and
+        allocates nothing, as the fused kernel does on a GPU.
         """
+        return self.add_to_scaled_all([total], scale, std)[0]
+
+    def add_to_scaled_all(self, totals: list[torch.Tensor], scale: float, std: float) -> list[torch.Tensor]:
+        """`add_to_scaled` of each of ``totals``. On CPU those it fills in place take one draw together: one
+        keystream over all of them, formed in blocks that span tensors, so a model's small tensors cost no more
+        than its large ones."""
+        keystream = [total for total in totals if self._keystream_on(total)]
+        if keystream:
+            self._keystream_draw(keystream, std, scale)
+        drawn = {id(total) for total in keystream}
+        return [total if id(total) in drawn else self._add_to_scaled_apart(total, scale, std) for total in totals]
+
+    def _add_to_scaled_apart(self, total: torch.Tensor, scale: float, std: float) -> torch.Tensor:
         if isinstance(total, FakeTensor) and total.dtype == torch.float32 and total.is_contiguous():
             return total.mul_(scale)
         in_place = (not self.secure_mode and type(total) is torch.Tensor and total.dtype == torch.float32
                     and total.is_contiguous())
         if in_place and self._fused_on(total):
             return self._fused_draw(total, std, total, scale)
-        if not (in_place and total.device.type == "cpu"):
-            return self.sample(total.shape, std, total.device).add_(total, alpha=scale)
-        generators = self._step_generators()
-        flat = total.view(-1)
-        buffer = torch.empty(min(_CPU_NOISE_CHUNK, flat.numel()), dtype=torch.float32)
-        for start in range(0, flat.numel(), _CPU_NOISE_CHUNK):
-            chunk = flat[start:start + _CPU_NOISE_CHUNK]
-            noise = standard_normal_(buffer[: chunk.numel()], generators, std)
-            torch.add(noise, chunk, alpha=scale, out=chunk)
-        return total
+        return self.sample(total.shape, std, total.device).add_(total, alpha=scale)
+
+    def _keystream_on(self, tensor: torch.Tensor) -> bool:
+        """Whether draws into ``tensor`` come from the CPU keystream (a real fp32 contiguous CPU tensor)."""
+        return (self._cpu_key is not None and type(tensor) is torch.Tensor and tensor.device.type == "cpu"
+                and tensor.dtype == torch.float32 and tensor.is_contiguous())
+
+    def _keystream_draw(self, outs: list[torch.Tensor], std: float, scale: Optional[float] = None) -> None:
+        assert self._cpu_key is not None
+        keystream_normals_(outs, self._cpu_key, self._draws, std, scale)
+        self._draws += 1
 
     def _fused_on(self, tensor: torch.Tensor) -> bool:
         """Whether draws into ``tensor`` take the fused kernel (a real tensor on this noise's device: a fake one, in
@@ -118,8 +137,8 @@ class GaussianNoise:
                     scale: float = 1.0) -> torch.Tensor:
         from lightning_longshield.privacy.fused_noise import keyed_noise_
 
-        keyed_noise_(out, self._fused_keys, self._fused_draws, std, total, scale)
-        self._fused_draws += 1
+        keyed_noise_(out, self._fused_keys, self._draws, std, total, scale)
+        self._draws += 1
         return out
 
     def _step_generators(self) -> tuple[torch.Generator, ...]:

@@ -10,13 +10,17 @@ process from its labels, and none reveals the key or another draw.
 What is cryptographic and what is not:
 
 - Poisson masks: SHAKE-256 output itself, turned into 53-bit uniforms: a cryptographically secure stream.
-- Default noise and projections come from torch's generators, whose *whole* state is set from SHAKE-256 for each
-  (step, process or parameter): on CPU all 19,937 bits of MT19937's state (never ``manual_seed``, which keeps 32
-  bits of a seed on CPU); on CUDA Philox's 64-bit seed and 64-bit offset (a multiple of 4: 126 secret bits), and two
-  such generators whose draws are summed, 252 bits. Where Triton runs, CUDA noise comes from a fused kernel instead
-  (`fused_noise`): two Philox streams, each keyed by a 64-bit key and two 32-bit counter words, 256 bits. No search
-  over seeds finds a step's noise; a different step's generator is a fresh SHAKE output. MT19937 and Philox are not
-  cryptographic generators: this is hardening, not a proof that outputs of one generator never reveal its state.
+- Default noise on CPU: a ChaCha20 keystream (OpenSSL) per draw, keyed by 256 bits of SHAKE-256 output for the
+  (step, process), turned into fp32 normals by Box-Muller (`keystream_normals`): a cryptographically secure stream, converted to
+  Gaussians the usual way (not hardened against floating-point attacks; ``secure_mode`` is).
+- Projections, and the default noise on other devices, come from torch's generators, whose *whole* state is set from
+  SHAKE-256 for each (step, process or parameter): on CPU all 19,937 bits of MT19937's state (never
+  ``manual_seed``, which keeps 32 bits of a seed on CPU); on CUDA Philox's 64-bit seed and 64-bit offset (a multiple
+  of 4: 126 secret bits), and two such generators whose draws are summed, 252 bits. Where Triton runs, CUDA noise
+  comes from a fused kernel instead (`fused_noise`): two Philox streams, each keyed by a 64-bit key and two 32-bit
+  counter words, 256 bits. No search over seeds finds a step's draws; a different step's generator is a fresh SHAKE
+  output. MT19937 and Philox are not cryptographic generators: this is hardening, not a proof that outputs of one
+  generator never reveal its state.
 - ``secure_mode`` noise: ChaCha20 keyed by 256 fresh OS bits per tensor (`privacy.chacha20`), a cryptographically
   secure stream; see `GaussianNoise` for how it becomes Gaussian and what that does not prove.
 """

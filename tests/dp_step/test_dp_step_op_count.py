@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_longshield import LongShieldStrategy
+from lightning_longshield.privacy.keystream_normals import BLOCK_VALUES
 from tests.support.helpers import RandomTokens, loader, make_module, small_config
 
 ACCUMULATION = 4
@@ -44,9 +45,9 @@ class CountOps(Callback):
                                 if e.key.startswith("aten::") and e.key not in METADATA_OPS})
 
 
-def op_counts(private: bool) -> tuple[collections.Counter[str], int]:
-    """Computing aten op counts of one optimizer step of ``ACCUMULATION`` one-sample micro-batches, and the number of
-    trainable parameters."""
+def op_counts(private: bool) -> tuple[collections.Counter[str], list[torch.nn.Parameter]]:
+    """Computing aten op counts of one optimizer step of ``ACCUMULATION`` one-sample micro-batches, and the trainable
+    parameters."""
     module = make_module(small_config(), optimizer="adamw", learning_rate=1e-3)
     counter = CountOps()
     if private:
@@ -59,23 +60,28 @@ def op_counts(private: bool) -> tuple[collections.Counter[str], int]:
                         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[counter])
     trainer.fit(module, data)
-    return counter.counts, sum(1 for p in module.parameters() if p.requires_grad)
+    return counter.counts, [p for p in module.parameters() if p.requires_grad]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_one_sample_micro_batch_adds_a_bounded_number_of_ops():
     """At micro-batch 1 the DP step adds, per micro-batch, one blocked norm reduction per parameter and one fp64 sum
     of squares over all of their blocks, the clip factor, one scale-and-add per parameter (one foreach call), and once
-    per step the noise and the scaled sum per parameter. Measured on this model (21 parameters): 55 computing ops per
-    micro-batch beyond non-DP (2.6 per parameter); bounded at 3 per parameter + 20. Before: 178 (a cast, a square
+    per step the noise (one keystream for all parameters: its Box-Muller ops once per block of values, then a scale
+    and an add per parameter). Measured on this model (21 parameters): 55 computing ops per micro-batch beyond
+    non-DP (2.6 per parameter) with a draw per parameter; bounded at 3 per parameter + 20. Before: 178 (a cast, a square
     and a sum per parameter after its norm), and before that 399 (19 per parameter), of which FSDP2 on the one-rank
     mesh (its all-gather and reduce-scatter copies, ~74 `aten::copy_` per micro-batch beyond non-DP) and a
     per-tensor `aten::nan_to_num_` pass (23 per micro-batch)."""
-    private, parameters = op_counts(True)
+    private, trainable = op_counts(True)
     baseline, _ = op_counts(False)
+    parameters = len(trainable)
     assert private["aten::mm"] == baseline["aten::mm"] > 0  # the same forward and backward passes
     added = (sum(private.values()) - sum(baseline.values())) / ACCUMULATION
     assert added <= 3 * parameters + 20, (added, parameters)
     assert (private["aten::copy_"] - baseline["aten::copy_"]) / ACCUMULATION <= parameters
     assert private["aten::nan_to_num_"] <= 2 * ACCUMULATION  # the clip factors' own, not one per tensor
-    assert private["aten::normal_"] == parameters  # noise: one draw per parameter per step
+    assert private["aten::normal_"] == 0  # CPU noise: a ChaCha20 keystream, not torch's generator
+    blocks = -(-sum(p.numel() for p in trainable) // BLOCK_VALUES)
+    added_by_noise = [private[op] - baseline[op] for op in ("aten::cos", "aten::sin_", "aten::log_")]
+    assert added_by_noise == [blocks] * 3  # one draw for all parameters: Box-Muller once per block

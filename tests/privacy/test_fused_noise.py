@@ -107,7 +107,7 @@ def test_cpu_noise_takes_the_fused_kernel_only_where_triton_runs():
     noise.start_step(0)
     assert noise._fused_keys is None
     total = torch.ones(10)
-    assert noise.add_to_scaled(total, 0.5, 1.0) is total  # the chunked CPU path, in place
+    assert noise.add_to_scaled(total, 0.5, 1.0) is total  # the keystream CPU path, in place
 
 
 @needs_interpreter_process

@@ -10,6 +10,7 @@ from scipy import stats
 
 from lightning_longshield import CausalLMModule, LongShieldStrategy
 from lightning_longshield.privacy import GaussianNoise
+from lightning_longshield.privacy.keystream_normals import BLOCK_VALUES
 from tests.support.helpers import (
     RandomTokens,
     flat_parameters,
@@ -140,11 +141,11 @@ def test_secure_mode_and_noise_seed_are_exclusive():
         LongShieldStrategy(noise_multiplier=1.0, secure_mode=True, noise_seed=0)
 
 
-@pytest.mark.parametrize("numel", [7, 32768, 100_003])
+@pytest.mark.parametrize("numel", [7, 100_003, BLOCK_VALUES + 3])
 def test_the_release_adds_noise_in_place_on_cpu_with_the_draws_of_a_whole_tensor(numel):
-    """On CPU the noise is drawn a chunk at a time into a small buffer and added to the sum in place: the values are
-    those of one draw of the whole tensor added to the scaled sum (the same stream, the same distribution), and no
-    tensor of noise is allocated."""
+    """On CPU the noise is formed a block at a time and added to the sum in place: the values are those of one draw
+    of the whole tensor added to the scaled sum (the same stream, the same distribution), and no tensor of noise is
+    allocated."""
     from lightning_longshield.privacy.randomness import SecretKey
 
     total = torch.randn(numel, generator=torch.Generator().manual_seed(1))

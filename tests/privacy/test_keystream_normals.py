@@ -1,0 +1,115 @@
+"""The default CPU noise (`privacy.keystream_normals`) against an independent reference: the keystream of the torch
+ChaCha20 block function (checked against RFC 8439 and OpenSSL in test_secret_randomness.py) and Box-Muller in fp64
+NumPy, following the documented layout, for one tensor and for tensors that share blocks; then the statistics of the
+draws and the refusals."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from lightning_longshield.privacy import GaussianNoise
+from lightning_longshield.privacy.chacha20 import chacha20_blocks
+from lightning_longshield.privacy.keystream_normals import BLOCK_VALUES, box_muller, keystream_normals_
+from lightning_longshield.privacy.randomness import SecretKey
+
+CPU = torch.device("cpu")
+KEY = bytes(range(100, 132))
+
+
+def reference_normals(key: bytes, nonce: int, numel: int, std: float) -> np.ndarray:
+    """fp64 values of the layout in `keystream_normals`, written out from its docstring."""
+    block_sizes = [min(BLOCK_VALUES, numel - start) for start in range(0, numel, BLOCK_VALUES)]
+    words_needed = sum(2 * ((size + 1) // 2) for size in block_sizes)
+    stream = chacha20_blocks(key, nonce.to_bytes(12, "little"), 0, -(-words_needed // 16), CPU)
+    words = stream.flatten().numpy().astype(np.uint64)
+    values, position = [], 0
+    for size in block_sizes:
+        pairs = (size + 1) // 2
+        low = words[position:position + 2 * pairs] & np.uint64(2**24 - 1)
+        position += 2 * pairs
+        u = 1.0 - low[:pairs].astype(np.float64) * 2.0**-24
+        v = low[pairs:].astype(np.float64) * 2.0**-24
+        radius = np.sqrt(-2.0 * np.log(u)) * std
+        sines = (radius * np.sin(2 * np.pi * v))[: size - pairs]
+        values.append(np.concatenate([radius * np.cos(2 * np.pi * v), sines]))
+    return np.concatenate(values)
+
+
+@pytest.mark.parametrize("sizes", [[1], [6], [BLOCK_VALUES + 3], [5, 0, 3, BLOCK_VALUES - 7, 2 * BLOCK_VALUES + 1]],
+                         ids=["one", "six", "two-blocks", "tensors-sharing-blocks"])
+def test_normals_equal_the_reference_keystream_and_box_muller(sizes):
+    expected = torch.from_numpy(reference_normals(KEY, 9, sum(sizes), 2.5)).float().split(sizes)
+    outs = [torch.full((size,), float("nan")) for size in sizes]
+    keystream_normals_(outs, KEY, 9, 2.5)
+    for out, values in zip(outs, expected):
+        torch.testing.assert_close(out, values, rtol=1e-5, atol=1e-5)
+    totals = [torch.randn(size, generator=torch.Generator().manual_seed(size)) for size in sizes]
+    summed = [total.clone() for total in totals]
+    keystream_normals_(summed, KEY, 9, 2.5, scale=0.25)
+    for result, total, values in zip(summed, totals, expected):
+        torch.testing.assert_close(result, total * 0.25 + values, rtol=1e-5, atol=1e-5)
+
+
+def test_draws_are_standard_normal_and_keyed_by_key_and_nonce():
+    draws = []
+    for key, nonce in ((KEY, 0), (KEY, 1), (bytes(32), 0)):
+        draws.append(torch.empty(2**20))
+        keystream_normals_([draws[-1]], key, nonce, 1.0)
+    for draw in draws:
+        values = draw.double().numpy()
+        assert stats.kstest(values, "norm").pvalue > 1e-4
+        assert abs(values.std() - 1) < 5 / math.sqrt(2 * values.size)
+        assert abs(values.mean()) < 5 / math.sqrt(values.size)
+        tail = np.mean(np.abs(values) > 3)  # 0.0027 for a standard normal; its standard error here is 5e-5
+        assert abs(tail - 2 * stats.norm.sf(3)) < 5 * math.sqrt(tail / values.size)
+        assert np.abs(values).max() <= math.sqrt(48 * math.log(2)) * (1 + 1e-6)
+    correlations = torch.corrcoef(torch.stack(draws))
+    assert correlations[~torch.eye(3, dtype=torch.bool)].abs().max() < 5 / 2**10
+
+
+def test_the_extreme_words_give_the_largest_radius_and_zero():
+    """Low 24 bits all ones: u = 2^-24, the largest radius sqrt(48 ln 2); all zeros: u = 1, radius 0. High bits are
+    ignored (a negative int32 word masks like any other)."""
+    words = torch.tensor([-1, 0, 0, 0], dtype=torch.int32)  # radii from words 0 and 1, angles from words 2 and 3
+    radius, cosine, sine = box_muller(words, std=1.0)
+    torch.testing.assert_close(radius, torch.tensor([math.sqrt(48 * math.log(2)), 0.0]))
+    torch.testing.assert_close(cosine, torch.ones(2))
+    torch.testing.assert_close(sine, torch.zeros(2))
+
+
+def test_the_release_draws_a_fresh_keystream_per_tensor_and_step():
+    noise = GaussianNoise(CPU, SecretKey.from_seed(4), stream=(1, 0))
+    noise.start_step(7)
+    first, second = noise.sample(torch.Size([1000]), 1.0, CPU), noise.sample(torch.Size([1000]), 1.0, CPU)
+    key = SecretKey.from_seed(4).stream(32, "noise-chacha20", 1, 0, 7)
+    torch.testing.assert_close(first, torch.from_numpy(reference_normals(key, 0, 1000, 1.0)).float())
+    torch.testing.assert_close(second, torch.from_numpy(reference_normals(key, 1, 1000, 1.0)).float())
+    noise.start_step(8)
+    assert not torch.equal(noise.sample(torch.Size([1000]), 1.0, CPU), first)
+
+
+def test_the_release_draws_all_its_tensors_as_one_keystream():
+    noise = GaussianNoise(CPU, SecretKey.from_seed(6))
+    noise.start_step(0)
+    totals = [torch.zeros(3, 5), torch.zeros(7)]
+    released = noise.add_to_scaled_all(totals, 0.5, 1.5)
+    assert all(result is total for result, total in zip(released, totals))
+    key = SecretKey.from_seed(6).stream(32, "noise-chacha20", 0)
+    expected = torch.from_numpy(reference_normals(key, 0, 22, 1.5)).float()
+    torch.testing.assert_close(torch.cat([total.flatten() for total in totals]), expected)
+
+
+def test_refuses_what_it_cannot_fill():
+    with pytest.raises(ValueError, match="32-byte key"):
+        keystream_normals_([torch.empty(4)], bytes(16), 0, 1.0)
+    with pytest.raises(ValueError, match="contiguous fp32 CPU"):
+        keystream_normals_([torch.empty(4), torch.empty(4, 4).t()], KEY, 0, 1.0)
+    with pytest.raises(ValueError, match="contiguous fp32 CPU"):
+        keystream_normals_([torch.empty(4, dtype=torch.float64)], KEY, 0, 1.0)
+    with pytest.raises(ValueError, match="even number of words"):
+        box_muller(torch.zeros(3, dtype=torch.int32), 1.0)
