@@ -24,12 +24,15 @@ Every (loop, micro-batch size) runs in a fresh subprocess, so peak memory is mea
 growth of peak RSS (``ru_maxrss``) from just before training to the end, on CUDA ``max_memory_allocated`` above
 the memory allocated just before training (and ``max_memory_reserved``). The LongShield loops also report the
 most per-sample-gradient bytes the DP engine held at once, ``opacus`` the size of its ``grad_sample`` tensors.
-They also time one step's noise alone (the engine's keyed generators, a tensor per parameter) and report
+They also time one step's noise alone (the engine's keyed draws into a tensor per parameter) and report
 ``<loop>_noise_floor_over_nondp``: non-DP's step plus that noise, over non-DP's step, the ratio no DP-SGD
 implementation can go below on that machine.
 Step time is the median over ``--steps`` optimizer steps after
 ``--warmup`` steps; with ``--repeats`` every configuration runs that many times, interleaved, and the least
-disturbed (minimum) measurement is reported. Example:
+disturbed (minimum) measurement is reported. A machine that runs a whole process faster or slower than another
+makes a ratio of two processes' times unreliable: with ``--same-process`` every DP loop's process then also runs its
+non-DP loop (after the DP loop, so the DP loop's peak memory stays its own), and ``<loop>_over_nondp_same_process``
+is the median over the repeats of the two times' ratio within one process. Example:
 
     python benchmarks/dp_overhead.py --seq-len 256 --micro-batch-sizes 1 4 --steps 5
 """
@@ -74,6 +77,12 @@ STRATEGY_OPTIONS: dict[str, dict[str, Any]] = {
     "longshield_hutchinson": dict(norms=ProjectedNorms("hutchinson", projection_dim=32)),
 }
 PRECISIONS = ("32-true", "bf16-mixed")
+#: The non-DP loop each DP loop is compared with.
+BASELINES = {
+    **{method: "nondp_lightning" for method in LIGHTNING_DP},
+    "opacus": "nondp_torch",
+    "opacus_ghost": "nondp_torch",
+}
 NOTES = (
     "Ratios compare each DP loop with its own non-DP loop: longshield with nondp_lightning (same Lightning loop,"
     " accumulate_grad_batches = micro-batches per step), opacus (hooks, BatchMemoryManager) with nondp_torch (same"
@@ -120,6 +129,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         default=["nondp_lightning", "longshield", "nondp_torch", "opacus"])
     parser.add_argument("--profile-dir", help="Lightning loops: profile one more optimizer step after the timed ones "
                         "(torch.profiler); write its table of kernels by self time and its Chrome trace here")
+    parser.add_argument("--same-process", action="store_true",
+                        help="also time each DP loop's non-DP loop in the DP loop's process (see above)")
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--micro-batch-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -233,15 +244,15 @@ def _lightning_step_ends(
 
 def _noise_draw_seconds(engine: Any, device: str, repeats: int = 5) -> float:
     """Median time of one step's noise alone: the release's keyed draws, as many values as trainable parameters,
-    without adding them to the sums (the part of a DP step no implementation can skip)."""
-    shapes = [local_tensor(param).shape for param in engine.capture.parameters.values()]
+    drawn as the release draws them (into fp32 tensors of the parameters' shapes, allocated beforehand) and added
+    to those tensors: the part of a DP step no implementation can skip."""
+    totals = [torch.zeros(local_tensor(param).shape, device=device) for param in engine.capture.parameters.values()]
     times = []
     for step in range(repeats):
         _synchronize(device)
         start = time.perf_counter()
         engine.noise.start_step(10**9 + step)  # any step number: only the time is kept
-        for shape in shapes:
-            engine.noise.sample(shape, 1.0, torch.device(device))
+        engine.noise.add_to_scaled_all(totals, 1.0, 1.0)
         _synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -323,16 +334,27 @@ def run_worker(args: argparse.Namespace) -> dict[str, float]:
         baseline = torch.cuda.memory_allocated()
     else:
         baseline = _peak_memory_bytes("cpu")
-    dp = args.worker in (*LIGHTNING_DP, "opacus", "opacus_ghost")
-    run = _torch_step_ends if args.worker in ("nondp_torch", "opacus", "opacus_ghost") else _lightning_step_ends
+    dp = args.worker in BASELINES
     held: dict[str, float] = {}
-    ends = run(args, dataset, dp, total_steps, held)[:total_steps]  # a profiled step after these is not timed
-    durations = [b - a for a, b in zip(ends, ends[1:])][args.warmup :]
+    durations = _step_durations(args, dataset, dp, total_steps, held)
     result = {"step_s": statistics.median(durations), "peak_mem_bytes": _peak_memory_bytes(args.device) - baseline,
               **held}
     if args.device == "cuda":
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    if dp and args.same_process:  # after the DP loop: its peak memory is already measured
+        nondp = argparse.Namespace(**{**vars(args), "worker": BASELINES[args.worker], "profile_dir": None})
+        nondp_step = statistics.median(_step_durations(nondp, dataset, False, total_steps, {}))
+        result["same_process_over_nondp"] = result["step_s"] / nondp_step
     return result
+
+
+def _step_durations(
+    args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int, held: dict[str, float]
+) -> list[float]:
+    """Seconds of each timed optimizer step of the loop ``args.worker``."""
+    run = _torch_step_ends if args.worker in ("nondp_torch", "opacus", "opacus_ghost") else _lightning_step_ends
+    ends = run(args, dataset, dp, total_steps, held)[:total_steps]  # a profiled step after these is not timed
+    return [b - a for a, b in zip(ends, ends[1:])][args.warmup :]
 
 
 # ---------------------------------------------------------------------------- driver: one subprocess per config
@@ -378,8 +400,10 @@ def largest_within_budget(
 
 
 def _least_disturbed(runs: list[dict[str, float]]) -> dict[str, float]:
-    """Minimum of each measurement over repeated runs: interference from other work only ever adds time."""
-    return {key: min(run[key] for run in runs) for key in runs[0]}
+    """Minimum of each measurement over repeated runs (interference from other work only ever adds time); the
+    median of a within-process ratio, which interference can move either way."""
+    return {key: (statistics.median if key == "same_process_over_nondp" else min)(run[key] for run in runs)
+            for key in runs[0]}
 
 
 def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
@@ -404,11 +428,9 @@ def _row(micro_batch_size: int, accumulation: int, measured: dict[str, dict[str,
             row[f"{method}_bookkept_mib"] = round(get(method, "bookkept_bytes") / 2**20, 2)
         if method in measured and "noise_s" in measured[method]:
             row[f"{method}_noise_s"] = round(get(method, "noise_s"), 4)  # type: ignore[arg-type]
-    for dp, nondp in (("longshield", "nondp_lightning"), ("longshield_v3", "nondp_lightning"),
-                      ("zero_dp_plus", "nondp_lightning"), ("longshield_per_layer", "nondp_lightning"),
-                      ("longshield_per_layer_fused", "nondp_lightning"), ("longshield_hutchinson", "nondp_lightning"),
-                      ("opacus", "nondp_torch"),
-                      ("opacus_ghost", "nondp_torch")):
+    for dp, nondp in BASELINES.items():
+        if dp in measured and "same_process_over_nondp" in measured[dp]:
+            row[f"{dp}_over_nondp_same_process"] = round(get(dp, "same_process_over_nondp"), 3)  # type: ignore[arg-type]
         if dp not in measured or nondp not in measured:
             continue
         row[f"{dp}_over_nondp"] = ratio(get(dp, "step_s"), get(nondp, "step_s"))
@@ -437,6 +459,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         **({"--profile-dir": args.profile_dir} if args.profile_dir else {}),
     }
     shared = [f"{flag}={value}" for flag, value in forwarded.items()]
+    if args.same_process:
+        shared.append("--same-process")
     runs: dict[tuple[int, str], list[dict[str, float]]] = {}
     for _ in range(args.repeats):
         for micro_batch_size in args.micro_batch_sizes:
@@ -454,6 +478,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
         "repeats": args.repeats,
+        "same_process": args.same_process,
         "device": args.device,
         "precision": args.precision,
         "torch_threads": torch.get_num_threads(),

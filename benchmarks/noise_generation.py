@@ -6,8 +6,9 @@ tensors of at most ``--tensor-elements`` entries (noise is drawn per parameter t
 - ``seeded_32bit``: the old default, ``manual_seed(63-bit hash)`` per step (32 secret bits reach the CPU generator);
 - ``keyed``: the generators' whole state keyed from SHAKE-256 (`SecretKey.generators`) per step, draws alone;
 - ``release``: the whole release of a step, ``sum / B + noise`` over every tensor, as the mechanism forms it
-  (`GaussianNoise.add_to_scaled`: in place on CPU, the fused kernel of `privacy.fused_noise` on CUDA where Triton
-  runs), against ``torch_release``, the keyed generators' draws added by torch ops (what CUDA ran before the kernel);
+  (`GaussianNoise.add_to_scaled_all`: on CPU one ChaCha20 keystream over all tensors, in place; on CUDA the fused
+  kernel of `privacy.fused_noise` where Triton runs), against ``torch_release``, the keyed generators' draws added by
+  torch ops (what ran before: MT19937 on CPU, two Philox streams on CUDA);
 - ``secure``: ChaCha20 keyed per tensor with four-draw hardened Gaussians (``secure_mode``), timed on
   ``--secure-elements`` entries and reported as a throughput and an extrapolated per-step time.
 
@@ -78,8 +79,7 @@ def one_step_keyed(sizes: list[int], device: torch.device, key: SecretKey) -> No
 
 def one_release(totals: list[torch.Tensor], noise: GaussianNoise, step: int) -> None:
     noise.start_step(step)
-    for total in totals:
-        noise.add_to_scaled(total, 0.25, 1.0)
+    noise.add_to_scaled_all(totals, 0.25, 1.0)
 
 
 def one_torch_release(totals: list[torch.Tensor], key: SecretKey) -> None:

@@ -24,10 +24,13 @@ from typing import Optional
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-#: Values formed per block: 1 MiB of keystream and three fp32 temporaries of 512 KiB, large enough that each torch
-#: op runs on every intra-op thread and its call overhead is below 0.1 ns a value.
+from lightning_longshield.privacy.randomness import KEY_BYTES
+
+#: Values formed per block: 1 MiB of keystream, in which the block is formed, and one fp32 temporary of 512 KiB;
+#: large enough that each torch op runs on every intra-op thread and its call overhead is below 0.1 ns a value.
 BLOCK_VALUES = 2**18
-KEY_BYTES = 32
+#: ChaCha20's 32-bit block counter covers 2^32 blocks of 16 words: a draw takes at most that many words.
+_MOST_WORDS = 2**36
 _UNIFORM_BITS = 24
 _LOW_BITS = (1 << _UNIFORM_BITS) - 1
 
@@ -47,16 +50,18 @@ def keystream_normals_(
     values = sum(flat.numel() for flat in flats)
     if not values:
         return
+    if values + 1 > _MOST_WORDS:
+        raise ValueError(f"One keystream draw covers at most {_MOST_WORDS - 1} values; draw {values} in parts.")
     # cryptography's 16-byte ChaCha20 nonce: the 32-bit block counter (0), then RFC 8439's 96-bit nonce.
     encryptor = Cipher(algorithms.ChaCha20(key, bytes(4) + nonce.to_bytes(12, "little")), mode=None).encryptor()
-    largest = 2 * _pairs(min(BLOCK_VALUES, values))
-    zeros, stream = bytes(4 * largest), bytearray(4 * largest)
-    words = torch.frombuffer(stream, dtype=torch.int32)
+    stream = bytearray(4 * 2 * _pairs(min(BLOCK_VALUES, values)))
+    words, view = torch.frombuffer(stream, dtype=torch.int32), memoryview(stream)
     segments = _Segments(flats)
     for start in range(0, values, BLOCK_VALUES):
         size = min(BLOCK_VALUES, values - start)
         count = 2 * _pairs(size)
-        encryptor.update_into(memoryview(zeros)[: 4 * count], stream)
+        words[:count].zero_()
+        encryptor.update_into(view[: 4 * count], stream)  # in place: the keystream itself (zeros encrypted)
         radius, cosine, sine = box_muller(words[:count], std)
         filled = 0
         while filled < size:
@@ -66,17 +71,20 @@ def keystream_normals_(
 
 
 def box_muller(words: torch.Tensor, std: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block of the layout above from its ``2 p`` int32 ``words`` (low 24 bits used; ``words`` is overwritten):
-    ``(radius, cos, sin)``, ``p`` fp32 values each; the block's values are ``radius * cos`` then ``radius * sin``."""
+    """One block of the layout above from its ``2 p`` int32 ``words`` (low 24 bits used): ``(radius, cos, sin)``, ``p``
+    fp32 values each; the block's values are ``radius * cos`` then ``radius * sin``. Formed in ``words``' memory
+    (radius and sine are fp32 views of it), so a block holds one temporary beside its keystream, the cosine."""
     if words.numel() % 2:
         raise ValueError(f"A block takes an even number of words, not {words.numel()}.")
     pairs = words.numel() // 2
     words.bitwise_and_(_LOW_BITS)
+    values = words.view(torch.float32)
+    values.copy_(words)  # each word's k as fp32 (exact below 2^24), element by element in place
+    radius, angle = values[:pairs], values[pairs:]
     # u = 1 - k 2^-24 in (0, 1], exactly (k 2^-24 and 1 - k 2^-24 are fp32 numbers), so ln u <= 0 and the square
     # root's argument is never negative.
-    radius = words[:pairs].to(torch.float32).mul_(-(2.0**-_UNIFORM_BITS)).add_(1.0)
-    radius.log_().mul_(-2.0 * std * std).sqrt_()
-    angle = words[pairs:].to(torch.float32).mul_(2 * math.pi * 2.0**-_UNIFORM_BITS)
+    radius.mul_(-(2.0**-_UNIFORM_BITS)).add_(1.0).log_().mul_(-2.0 * std * std).sqrt_()
+    angle.mul_(2 * math.pi * 2.0**-_UNIFORM_BITS)
     cosine = torch.cos(angle)
     return radius, cosine, angle.sin_()
 

@@ -11,8 +11,8 @@ What is cryptographic and what is not:
 
 - Poisson masks: SHAKE-256 output itself, turned into 53-bit uniforms: a cryptographically secure stream.
 - Default noise on CPU: a ChaCha20 keystream (OpenSSL) per draw, keyed by 256 bits of SHAKE-256 output for the
-  (step, process), turned into fp32 normals by Box-Muller (`keystream_normals`): a cryptographically secure stream, converted to
-  Gaussians the usual way (not hardened against floating-point attacks; ``secure_mode`` is).
+  (step, process): a cryptographically secure stream, turned into fp32 normals by Box-Muller the usual way
+  (`keystream_normals`; not hardened against floating-point attacks, as ``secure_mode`` is).
 - Projections, and the default noise on other devices, come from torch's generators, whose *whole* state is set from
   SHAKE-256 for each (step, process or parameter): on CPU all 19,937 bits of MT19937's state (never
   ``manual_seed``, which keeps 32 bits of a seed on CPU); on CUDA Philox's 64-bit seed and 64-bit offset (a multiple

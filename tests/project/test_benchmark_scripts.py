@@ -107,11 +107,13 @@ def test_per_layer_clipping_benchmark_reports_flat_per_layer_and_opacus_against_
 @pytest.mark.slow
 def test_dp_overhead_reports_each_loop_against_non_dp_and_the_noise_floor():
     command = [sys.executable, str(BENCHMARKS / "dp_overhead.py"), "--micro-batch-sizes", "1", "--seq-len", "32",
-               "--methods", "nondp_lightning", "longshield", "--repeats", "1", "--warmup", "1", "--steps", "1"]
+               "--methods", "nondp_lightning", "longshield", "--repeats", "1", "--warmup", "1", "--steps", "1",
+               "--same-process"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = json.loads(result.stdout)["results"]
     assert row["longshield_over_nondp"] > 0 and row["longshield_peak_mem_over_nondp"] > 0
+    assert row["longshield_over_nondp_same_process"] > 0 and "nondp_lightning_over_nondp_same_process" not in row
     assert row["longshield_noise_s"] > 0 and row["longshield_noise_floor_over_nondp"] > 1
     assert "nondp_lightning_noise_s" not in row
 
