@@ -20,9 +20,10 @@ class GaussianNoise:
     Three sources, from the default to the explicit opt-in:
 
     - default: a 256-bit `SecretKey` from OS entropy when the object is built (per process, never stored); step
-      ``k``'s draws are keyed by ``(key, stream, k)``. On CPU each tensor drawn is a ChaCha20 keystream keyed by
-      256 bits of that stream, its nonce the tensor's index among the step's draws, turned into fp32 normals by
-      `keystream_normals`: a cryptographically secure stream, faster than torch's MT19937. Where Triton runs
+      ``k``'s draws are keyed by ``(key, stream, k)``. On CPU each draw (a tensor, or all of a release's tensors
+      together: `add_to_scaled_all`) is a ChaCha20 keystream keyed by 256 bits of that stream, its nonce the draw's
+      index in the step, turned into fp32 normals by `keystream_normals`: a cryptographically secure stream, faster
+      than torch's MT19937. Where Triton runs
       (CUDA), the draws come from the fused kernel of `fused_noise`, keyed by 256 bits of the same stream per step,
       and are added to the sum in the same pass; elsewhere from torch generators whose whole state is keyed
       (`SecretKey.generators`: 2 x 126 bits of Philox state). Philox is not a cryptographic generator: keyed far
@@ -56,14 +57,19 @@ class GaussianNoise:
         self._fused = not secure_mode and triton_runs_on(self._device)
         self._fused_keys: Optional[torch.Tensor] = None
         self._cpu_key: Optional[bytes] = None
-        self._draws = 0  # tensors drawn in this step: the nonce of the next CPU keystream, the fused kernel's index
+        self._draws = 0  # draws in this step: the nonce of the next CPU keystream, the fused kernel's draw index
+
+    @property
+    def keystream(self) -> bool:
+        """Whether the default draws are ChaCha20 keystreams (on CPU), not Philox generators or the fused kernel."""
+        return not self.secure_mode and self._device.type == "cpu" and not self._fused
 
     def start_step(self, step: int) -> None:
         """Key the draws of DP step ``step`` (secure mode keys each tensor instead)."""
         if self.secure_mode:
             return
         self._draws = 0
-        if self._device.type == "cpu" and not self._fused:  # fused on CPU: Triton's interpreter, in tests
+        if self.keystream:  # not fused on CPU: Triton's interpreter, in tests
             self._cpu_key = self._key.stream(KEY_BYTES, "noise-chacha20", *self._stream, step)
             return
         self._generators = self._key.generators(self._device, "noise", *self._stream, step)

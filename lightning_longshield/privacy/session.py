@@ -300,9 +300,12 @@ class PrivacySession:
                      " four-draw hardened, not proven against floating-point attacks)")
         elif self.noise_seed is not None:
             noise = "noise: reproducible from noise_seed (private only while that seed is secret)"
+        elif self.noise is not None and self.noise.keystream:
+            noise = ("noise: ChaCha20 keystreams keyed by 256 OS-entropy bits (cryptographic stream; Gaussians by"
+                     " Box-Muller, not hardened against floating-point attacks: secure_mode=True hardens them)")
         else:
-            noise = ("noise: torch generators with their whole state keyed by 256 OS-entropy bits (hardened, not"
-                     " cryptographic; secure_mode=True for a cryptographic stream)")
+            noise = ("noise: Philox generators keyed by 256 OS-entropy bits (hardened, not cryptographic;"
+                     " secure_mode=True for a cryptographic stream)")
         return f"Randomness: {sampling}; {noise}."
 
     # ------------------------------------------------------------------ checkpoints
