@@ -47,33 +47,37 @@ def keystream_normals_(
         if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError(f"Keystream normals fill contiguous fp32 CPU tensors, not {out.dtype} on {out.device}.")
     flats = [out.view(-1) for out in outs if out.numel()]
-    values = sum(flat.numel() for flat in flats)
-    if not values:
+    total = sum(flat.numel() for flat in flats)
+    if not total:
         return
-    if values + 1 > _MOST_WORDS:
-        raise ValueError(f"One keystream draw covers at most {_MOST_WORDS - 1} values; draw {values} in parts.")
+    if total + 1 > _MOST_WORDS:
+        raise ValueError(f"One keystream draw covers at most {_MOST_WORDS - 1} values; draw {total} in parts.")
     # cryptography's 16-byte ChaCha20 nonce: the 32-bit block counter (0), then RFC 8439's 96-bit nonce.
     encryptor = Cipher(algorithms.ChaCha20(key, bytes(4) + nonce.to_bytes(12, "little")), mode=None).encryptor()
-    stream = bytearray(4 * 2 * _pairs(min(BLOCK_VALUES, values)))
+    stream = bytearray(4 * 2 * _pairs(min(BLOCK_VALUES, total)))
     words, view = torch.frombuffer(stream, dtype=torch.int32), memoryview(stream)
     segments = _Segments(flats)
-    for start in range(0, values, BLOCK_VALUES):
-        size = min(BLOCK_VALUES, values - start)
+    for start in range(0, total, BLOCK_VALUES):
+        size = min(BLOCK_VALUES, total - start)
         count = 2 * _pairs(size)
         words[:count].zero_()
         encryptor.update_into(view[: 4 * count], stream)  # in place: the keystream itself (zeros encrypted)
-        radius, cosine, sine = box_muller(words[:count], std)
+        values = box_muller(words[:count], std)
         filled = 0
         while filled < size:
             segment = segments.take(size - filled)
-            _write(segment, filled, radius, cosine, sine, scale)
+            noise = values[filled:filled + segment.numel()]
+            if scale is None:
+                segment.copy_(noise)
+            else:
+                torch.add(noise, segment, alpha=scale, out=segment)
             filled += segment.numel()
 
 
-def box_muller(words: torch.Tensor, std: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block of the layout above from its ``2 p`` int32 ``words`` (low 24 bits used): ``(radius, cos, sin)``, ``p``
-    fp32 values each; the block's values are ``radius * cos`` then ``radius * sin``. Formed in ``words``' memory
-    (radius and sine are fp32 views of it), so a block holds one temporary beside its keystream, the cosine."""
+def box_muller(words: torch.Tensor, std: float) -> torch.Tensor:
+    """One block of the layout above from its ``2 p`` int32 ``words`` (low 24 bits used): its ``2 p`` fp32 values,
+    ``radius * cos`` then ``radius * sin``, formed in ``words``' memory (an fp32 view of it), so a block holds one
+    temporary beside its keystream, the cosine."""
     if words.numel() % 2:
         raise ValueError(f"A block takes an even number of words, not {words.numel()}.")
     pairs = words.numel() // 2
@@ -86,7 +90,9 @@ def box_muller(words: torch.Tensor, std: float) -> tuple[torch.Tensor, torch.Ten
     radius.mul_(-(2.0**-_UNIFORM_BITS)).add_(1.0).log_().mul_(-2.0 * std * std).sqrt_()
     angle.mul_(2 * math.pi * 2.0**-_UNIFORM_BITS)
     cosine = torch.cos(angle)
-    return radius, cosine, angle.sin_()
+    angle.sin_().mul_(radius)
+    radius.mul_(cosine)
+    return values
 
 
 class _Segments:
@@ -103,25 +109,6 @@ class _Segments:
         if self._offset == flat.numel():
             self._index, self._offset = self._index + 1, 0
         return piece
-
-
-def _write(segment: torch.Tensor, start: int, radius: torch.Tensor, cosine: torch.Tensor, sine: torch.Tensor,
-           scale: Optional[float]) -> None:
-    """Values ``start ...`` of a block into ``segment``: those below ``p`` are ``radius * cos``, the rest
-    ``radius * sin``."""
-    pairs = radius.numel()
-    end = start + segment.numel()
-    if scale is not None:
-        segment.mul_(scale)
-    for low, high, trig, offset in ((start, min(end, pairs), cosine, 0), (max(start, pairs), end, sine, pairs)):
-        if low >= high:
-            continue
-        part = segment[low - start:high - start]
-        factors, radii = trig[low - offset:high - offset], radius[low - offset:high - offset]
-        if scale is None:
-            torch.mul(factors, radii, out=part)
-        else:
-            part.addcmul_(factors, radii)
 
 
 def _pairs(values: int) -> int:

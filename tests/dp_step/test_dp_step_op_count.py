@@ -67,12 +67,12 @@ def op_counts(private: bool) -> tuple[collections.Counter[str], list[torch.nn.Pa
 def test_a_one_sample_micro_batch_adds_a_bounded_number_of_ops():
     """At micro-batch 1 the DP step adds, per micro-batch, one blocked norm reduction per parameter and one fp64 sum
     of squares over all of their blocks, the clip factor, one scale-and-add per parameter (one foreach call), and once
-    per step the noise (one keystream for all parameters: its Box-Muller ops once per block of values, then a scale
-    and an add per parameter). Measured on this model (21 parameters): 55 computing ops per micro-batch beyond
-    non-DP (2.6 per parameter) with a draw per parameter; bounded at 3 per parameter + 20. Before: 178 (a cast, a square
-    and a sum per parameter after its norm), and before that 399 (19 per parameter), of which FSDP2 on the one-rank
-    mesh (its all-gather and reduce-scatter copies, ~74 `aten::copy_` per micro-batch beyond non-DP) and a
-    per-tensor `aten::nan_to_num_` pass (23 per micro-batch)."""
+    per step the noise (one keystream for all parameters: its Box-Muller ops once per block of values, then one
+    scaled add per parameter). Measured on this model (21 parameters): 49 computing ops per micro-batch beyond
+    non-DP (2.3 per parameter; 55 with torch's generator, a draw per parameter); bounded at 3 per parameter + 20.
+    Before: 178 (a cast, a square and a sum per parameter after its norm), and before that 399 (19 per parameter), of
+    which FSDP2 on the one-rank mesh (its all-gather and reduce-scatter copies, ~74 `aten::copy_` per micro-batch
+    beyond non-DP) and a per-tensor `aten::nan_to_num_` pass (23 per micro-batch)."""
     private, trainable = op_counts(True)
     baseline, _ = op_counts(False)
     parameters = len(trainable)
