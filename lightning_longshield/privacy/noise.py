@@ -23,11 +23,10 @@ class GaussianNoise:
       ``k``'s draws are keyed by ``(key, stream, k)``. On CPU each draw (a tensor, or all of a release's tensors
       together: `add_to_scaled_all`) is a ChaCha20 keystream keyed by 256 bits of that stream, its nonce the draw's
       index in the step, turned into fp32 normals by `keystream_normals`: a cryptographically secure stream, faster
-      than torch's MT19937. Where Triton runs
-      (CUDA), the draws come from the fused kernel of `fused_noise`, keyed by 256 bits of the same stream per step,
-      and are added to the sum in the same pass; elsewhere from torch generators whose whole state is keyed
-      (`SecretKey.generators`: 2 x 126 bits of Philox state). Philox is not a cryptographic generator: keyed far
-      beyond any search, not proven.
+      than torch's MT19937. Where Triton runs (CUDA), the draws come from the fused kernel of `fused_noise`, keyed
+      by 256 bits of the same stream per step, and are added to the sum in the same pass; elsewhere from torch
+      generators whose whole state is keyed (`SecretKey.generators`: 2 x 126 bits of Philox state). Philox is not
+      a cryptographic generator: keyed far beyond any search, not proven.
     - ``secure_mode``: every tensor drawn is ChaCha20 keyed by 256 fresh bits of OS entropy (`privacy.chacha20`), a
       cryptographically secure stream, turned into Gaussians with the four-draw hardening (sum of four Box-Muller
       normals over two), as Opacus hardens its sampler against Mironov's (2012) attack. That hardening is not a
@@ -61,7 +60,8 @@ class GaussianNoise:
 
     @property
     def keystream(self) -> bool:
-        """Whether the default draws are ChaCha20 keystreams (on CPU), not Philox generators or the fused kernel."""
+        """Whether the default draws are ChaCha20 keystreams (on CPU), not Philox generators or the fused kernel
+        (which Triton's interpreter runs on CPU, in tests)."""
         return not self.secure_mode and self._device.type == "cpu" and not self._fused
 
     def start_step(self, step: int) -> None:
@@ -69,7 +69,7 @@ class GaussianNoise:
         if self.secure_mode:
             return
         self._draws = 0
-        if self.keystream:  # not fused on CPU: Triton's interpreter, in tests
+        if self.keystream:
             self._cpu_key = self._key.stream(KEY_BYTES, "noise-chacha20", *self._stream, step)
             return
         self._generators = self._key.generators(self._device, "noise", *self._stream, step)
@@ -117,16 +117,13 @@ class GaussianNoise:
     def _add_to_scaled_apart(self, total: torch.Tensor, scale: float, std: float) -> torch.Tensor:
         if isinstance(total, FakeTensor) and total.dtype == torch.float32 and total.is_contiguous():
             return total.mul_(scale)
-        in_place = (not self.secure_mode and type(total) is torch.Tensor and total.dtype == torch.float32
-                    and total.is_contiguous())
-        if in_place and self._fused_on(total):
+        if _fillable_in_place(total) and self._fused_on(total):  # never in secure mode: no fused keys
             return self._fused_draw(total, std, total, scale)
         return self.sample(total.shape, std, total.device).add_(total, alpha=scale)
 
     def _keystream_on(self, tensor: torch.Tensor) -> bool:
         """Whether draws into ``tensor`` come from the CPU keystream (a real fp32 contiguous CPU tensor)."""
-        return (self._cpu_key is not None and type(tensor) is torch.Tensor and tensor.device.type == "cpu"
-                and tensor.dtype == torch.float32 and tensor.is_contiguous())
+        return self._cpu_key is not None and tensor.device.type == "cpu" and _fillable_in_place(tensor)
 
     def _keystream_draw(self, outs: list[torch.Tensor], std: float, scale: Optional[float] = None) -> None:
         assert self._cpu_key is not None
@@ -155,3 +152,8 @@ class GaussianNoise:
     def __repr__(self) -> str:
         source = "secure" if self.secure_mode else "seeded (reproducible)" if self.reproducible else "secret"
         return f"{type(self).__name__}({source})"
+
+
+def _fillable_in_place(tensor: torch.Tensor) -> bool:
+    """A real (not fake) contiguous fp32 tensor: what the keystream and the fused kernel draw into in place."""
+    return type(tensor) is torch.Tensor and tensor.dtype == torch.float32 and tensor.is_contiguous()
