@@ -20,13 +20,16 @@ These loops train the same model on the same micro-batches, ``--accumulation`` m
 - ``longshield_hutchinson``: the ``longshield`` loop with randomized clipping, ``ProjectedNorms("hutchinson",
   projection_dim=32)`` (estimated norms of linear weights, book-kept clipped sums).
 
-Every (loop, micro-batch size) runs in a fresh subprocess, so peak memory is measured in isolation: on CPU the
-growth of peak RSS (``ru_maxrss``) from just before training to the end, on CUDA ``max_memory_allocated`` above
-the memory allocated just before training (and ``max_memory_reserved``). The LongShield loops also report the
-most per-sample-gradient bytes the DP engine held at once, ``opacus`` the size of its ``grad_sample`` tensors.
-They also time one step's noise alone (the engine's keyed draws into a tensor per parameter) and report
-``<loop>_noise_floor_over_nondp``: non-DP's step plus that noise, over non-DP's step, the ratio no DP-SGD
-implementation can go below on that machine.
+Every (loop, micro-batch size) runs in a fresh subprocess, so peak memory is measured in isolation: the most bytes
+of tensors alive at once during training, on CUDA ``max_memory_allocated`` above the memory allocated just before
+training (and ``max_memory_reserved``), on CPU the peak of what the CPU allocator reports to the profiler over a
+separate, untimed run of two optimizer steps (the same quantity). On CPU the growth of peak RSS (``ru_maxrss``) from
+just before training is reported too, as ``peak_rss``: it also counts what the C allocator keeps after a free and
+the pages of libraries first used during training, so it says little about what a loop holds. The LongShield loops
+also report the most per-sample-gradient bytes the DP engine held at once, ``opacus`` the size of its
+``grad_sample`` tensors. They also time one step's noise alone (the engine's keyed draws into a tensor per
+parameter) and report ``<loop>_noise_floor_over_nondp``: non-DP's step plus that noise, over non-DP's step, the
+ratio no DP-SGD implementation can go below on that machine.
 Step time is the median over ``--steps`` optimizer steps after
 ``--warmup`` steps; with ``--repeats`` every configuration runs that many times, interleaved, and the least
 disturbed (minimum) measurement is reported. A machine that runs a whole process faster or slower than another
@@ -55,6 +58,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from opacus import PrivacyEngine
 from opacus.utils.batch_memory_manager import wrap_data_loader
+from torch._C._profiler import _EventType
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_longshield import CausalLMModule, LongShieldStrategy, PerLayerClipping, ProjectedNorms
@@ -90,12 +94,13 @@ NOTES = (
     " over the same samples: logical batch = accumulation x micro_batch_size, fixed batches (no Poisson"
     " sampling), noise_multiplier=1, max_grad_norm=1, AdamW, the given precision. Step time: median seconds per"
     " optimizer step"
-    " after warm-up. Peak memory: each run in a fresh subprocess; on CPU the growth of peak RSS during training"
-    " (optimizer states, activations, gradients, per-sample gradients, loop overheads), on CUDA"
-    " max_memory_allocated above the pre-training allocation. Every configuration runs `repeats` times,"
-    " interleaved, and the minimum of each measurement is reported. With micro_batch_size=1 LongShield needs no"
-    " per-sample-gradient buffer (the micro-batch gradient is the per-sample gradient); Opacus always"
-    " materialises grad_sample."
+    " after warm-up. Peak memory: each run in a fresh subprocess, the most bytes of tensors alive at once during"
+    " training (optimizer states, activations, gradients, per-sample gradients): on CUDA max_memory_allocated above"
+    " the pre-training allocation, on CPU the CPU allocator's peak over two profiled optimizer steps; peak_rss (CPU)"
+    " is the growth of peak RSS, which also counts what the C allocator keeps after frees. Every configuration"
+    " runs `repeats` times, interleaved, and the minimum of each measurement is reported. With micro_batch_size=1"
+    " LongShield needs no per-sample-gradient buffer (the micro-batch gradient is the per-sample gradient);"
+    " Opacus always materialises grad_sample."
 )
 
 
@@ -318,10 +323,24 @@ def _torch_step_ends(
     return ends
 
 
-def _peak_memory_bytes(device: str) -> int:
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated()
+def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def _peak_tensor_bytes_on_cpu(args: argparse.Namespace, dataset: Dataset, dp: bool) -> int:
+    """The most bytes of CPU tensors alive at once over two optimizer steps of the loop (the second has the
+    optimizer's states), as the CPU allocator reports them to the profiler: only allocations made while it records
+    count, so the run is a fresh one, built under it. Not timed."""
+    args = argparse.Namespace(**{**vars(args), "profile_dir": None})
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        _loop(args)(args, dataset, dp, 2, {})
+    peak, pending = 0, list(profiler.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        if event.tag == _EventType.Allocation:
+            peak = max(peak, event.extra_fields.total_allocated)
+        pending.extend(event.children)
+    return peak
 
 
 def run_worker(args: argparse.Namespace) -> dict[str, float]:
@@ -333,18 +352,22 @@ def run_worker(args: argparse.Namespace) -> dict[str, float]:
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
     else:
-        baseline = _peak_memory_bytes("cpu")
+        baseline = _peak_rss_bytes()
     dp = args.worker in BASELINES
     held: dict[str, float] = {}
     durations = _step_durations(args, dataset, dp, total_steps, held)
-    result = {"step_s": statistics.median(durations), "peak_mem_bytes": _peak_memory_bytes(args.device) - baseline,
-              **held}
+    result = {"step_s": statistics.median(durations), **held}
     if args.device == "cuda":
+        result["peak_mem_bytes"] = torch.cuda.max_memory_allocated() - baseline
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    else:
+        result["peak_rss_bytes"] = _peak_rss_bytes() - baseline
     if dp and args.same_process:  # after the DP loop: its peak memory is already measured
         nondp = argparse.Namespace(**{**vars(args), "worker": BASELINES[args.worker], "profile_dir": None})
         nondp_step = statistics.median(_step_durations(nondp, dataset, False, total_steps, {}))
         result["same_process_over_nondp"] = result["step_s"] / nondp_step
+    if args.device == "cpu":  # last: the profiler's records would add to the peak RSS
+        result["peak_mem_bytes"] = _peak_tensor_bytes_on_cpu(args, dataset, dp)
     return result
 
 
@@ -352,9 +375,13 @@ def _step_durations(
     args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int, held: dict[str, float]
 ) -> list[float]:
     """Seconds of each timed optimizer step of the loop ``args.worker``."""
-    run = _torch_step_ends if args.worker in ("nondp_torch", "opacus", "opacus_ghost") else _lightning_step_ends
-    ends = run(args, dataset, dp, total_steps, held)[:total_steps]  # a profiled step after these is not timed
+    ends = _loop(args)(args, dataset, dp, total_steps, held)[:total_steps]  # a profiled step after these: not timed
     return [b - a for a, b in zip(ends, ends[1:])][args.warmup :]
+
+
+def _loop(args: argparse.Namespace) -> Callable[..., list[float]]:
+    """The function that runs ``args.worker``'s training loop and returns its optimizer steps' end times."""
+    return _torch_step_ends if args.worker in ("nondp_torch", "opacus", "opacus_ghost") else _lightning_step_ends
 
 
 # ---------------------------------------------------------------------------- driver: one subprocess per config
@@ -421,6 +448,8 @@ def _row(micro_batch_size: int, accumulation: int, measured: dict[str, dict[str,
         if method in measured:
             row[f"{method}_step_s"] = round(get(method, "step_s"), 4)  # type: ignore[arg-type]
             row[f"{method}_peak_mem_mib"] = round(get(method, "peak_mem_bytes") / 2**20, 1)  # type: ignore[operator]
+            if "peak_rss_bytes" in measured[method]:
+                row[f"{method}_peak_rss_mib"] = round(get(method, "peak_rss_bytes") / 2**20, 1)  # type: ignore[operator]
     for method in METHODS:
         if method in measured and "per_sample_grad_bytes" in measured[method]:
             row[f"{method}_per_sample_grad_mib"] = round(get(method, "per_sample_grad_bytes") / 2**20, 2)
@@ -435,6 +464,8 @@ def _row(micro_batch_size: int, accumulation: int, measured: dict[str, dict[str,
             continue
         row[f"{dp}_over_nondp"] = ratio(get(dp, "step_s"), get(nondp, "step_s"))
         row[f"{dp}_peak_mem_over_nondp"] = ratio(get(dp, "peak_mem_bytes"), get(nondp, "peak_mem_bytes"))
+        if "peak_rss_bytes" in measured[dp]:
+            row[f"{dp}_peak_rss_over_nondp"] = ratio(get(dp, "peak_rss_bytes"), get(nondp, "peak_rss_bytes"))
         if "noise_s" in measured[dp]:  # the floor: non-DP plus the noise alone
             row[f"{dp}_noise_floor_over_nondp"] = ratio(
                 get(nondp, "step_s") + get(dp, "noise_s"), get(nondp, "step_s"))  # type: ignore[operator]

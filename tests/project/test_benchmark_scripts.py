@@ -113,6 +113,9 @@ def test_dp_overhead_reports_each_loop_against_non_dp_and_the_noise_floor():
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = json.loads(result.stdout)["results"]
     assert row["longshield_over_nondp"] > 0 and row["longshield_peak_mem_over_nondp"] > 0
+    # peak tensor memory holds at least the parameters, their gradients and AdamW's two states (tiny: 12.5 MiB each)
+    assert row["nondp_lightning_peak_mem_mib"] > 4 * 12.5 and row["longshield_peak_mem_mib"] > 4 * 12.5
+    assert row["longshield_peak_rss_over_nondp"] > 0  # CPU: the peak RSS growth too
     assert row["longshield_over_nondp_same_process"] > 0 and "nondp_lightning_over_nondp_same_process" not in row
     assert row["longshield_noise_s"] > 0 and row["longshield_noise_floor_over_nondp"] > 1
     assert "nondp_lightning_noise_s" not in row
