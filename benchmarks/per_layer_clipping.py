@@ -14,7 +14,8 @@ materialised, clipped and freed one layer at a time), ``longshield_per_layer_fus
 Opacus's ``grad_sample_mode="hooks"`` (flat clipping, every layer's ``grad_sample`` held). Step-time and peak-memory
 ratios are against the matching non-DP loop (``nondp_lightning``, or ``nondp_torch`` for Opacus); per-sample MiB is
 the most per-sample-gradient memory held at once. Largest micro-batch: the largest of
-``--budget-micro-batch-sizes`` whose peak memory growth (dp_overhead's measurement) stays within ``--budget-mib``.
+``--budget-micro-batch-sizes`` whose peak memory (dp_overhead's measurement: the most bytes of tensors alive at
+once) stays within ``--budget-mib``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def methods(device: str) -> tuple[str, ...]:
 
 
 def largest_micro_batch_within_budget(args: argparse.Namespace, method: str) -> dict[str, Any]:
-    """The largest micro-batch whose peak memory growth stays within the budget (sizes tried in increasing order)."""
+    """The largest micro-batch whose peak memory stays within the budget (sizes tried in increasing order)."""
     largest, peaks = largest_within_budget(
         args.budget_micro_batch_sizes, args.budget_mib,
         lambda size: measure(method, size, _flags(args, args.seq_len, steps=1))["peak_mem_bytes"],

@@ -9,7 +9,8 @@ Every configuration is one fresh process of ``benchmarks/dp_overhead.py`` (the s
 ghost norms, book-keeping), ``longshield`` materialises per-sample gradients (V2's path at CP 1), ``longshield_v3``
 adds DP-safe activation checkpointing, ``opacus_ghost`` is Opacus's ``grad_sample_mode="ghost"``; step-time ratios
 are against the matching non-DP loop. Max sequence length: the longest of ``--budget-seq-lens`` whose peak memory
-growth (dp_overhead's measurement) stays within ``--budget-mib`` at micro-batch ``--budget-micro-batch-size``.
+(dp_overhead's measurement: the most bytes of tensors alive at once) stays within ``--budget-mib`` at micro-batch
+``--budget-micro-batch-size``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def step_times(args: argparse.Namespace, methods: tuple[str, ...] = METHODS) -> 
 
 
 def longest_within_budget(args: argparse.Namespace, method: str) -> dict[str, Any]:
-    """The longest sequence whose peak memory growth stays within the budget (lengths tried in increasing order)."""
+    """The longest sequence whose peak memory stays within the budget (lengths tried in increasing order)."""
     longest, peaks = largest_within_budget(
         args.budget_seq_lens, args.budget_mib,
         lambda seq_len: measure(method, args.budget_micro_batch_size, _flags(args, seq_len, steps=1))["peak_mem_bytes"],
