@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Iterable
 from typing import Optional
 
@@ -37,7 +39,8 @@ def per_sample_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: i
 def per_parameter_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: int) -> torch.Tensor:
     """Squared L2 norm (fp64, shape (P, B)) of each sample's gradient in each of the P given per-sample tensors,
     blocked as `per_sample_squared_norms`."""
-    return torch.stack([_sum_of_squares(blocks) for blocks in _block_norms_of(grad_samples, batch_size)])
+    rows = [_sum_of_squares(blocks) for blocks in _block_norms_of(grad_samples, batch_size)]
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)  # one tensor (per-layer clipping): a view
 
 
 def _block_norms_of(grad_samples: Iterable[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
@@ -126,6 +129,29 @@ def clip_factors(
     quotients = torch.nextafter(quotients, torch.zeros_like(quotients))  # toward zero: at most the exact quotient
     factors = torch.where(norms <= bound, torch.ones_like(norms), quotients)  # a NaN norm is not <= bound: 0
     return factors if dtype == torch.float64 else factors_toward_zero(factors)
+
+
+def clip_factor(norm: float, max_grad_norm: float, margin: float = CLIP_MARGIN) -> float:
+    """`clip_factors` of one sample, on the host: the same fp64 operations in Python's floats, so the same fp32
+    factor bit for bit (tested). ``norm`` is the sample's norm as torch computes it from the fp64 squared norm
+    (``squared_norms.sqrt()``: torch's fp64 square root is not always correctly rounded, `math.sqrt` is, so they can
+    differ in the last place). For CPU tensors of a few samples, where a dozen tensor ops on them cost more than the
+    arithmetic (per-layer clipping computes factors once per parameter and micro-batch)."""
+    bound = max_grad_norm * (1 - margin)
+    if norm <= bound:
+        return 1.0
+    if math.isnan(norm):
+        return 0.0
+    return _fp32_toward_zero(math.nextafter(bound / norm, 0.0))  # norm > bound >= 0: no division by zero
+
+
+def _fp32_toward_zero(value: float) -> float:
+    """The largest fp32 value at most ``value`` (>= 0), as `factors_toward_zero` rounds."""
+    rounded = struct.unpack("<f", struct.pack("<f", value))[0]  # to nearest, as a conversion to fp32
+    if rounded <= value:
+        return rounded
+    bits = struct.unpack("<I", struct.pack("<f", rounded))[0]
+    return struct.unpack("<f", struct.pack("<I", bits - 1))[0]  # one fp32 step toward zero (rounded > 0)
 
 
 def factors_toward_zero(factors: torch.Tensor) -> torch.Tensor:

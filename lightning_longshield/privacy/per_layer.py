@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
-from lightning_longshield.privacy.clipping import CLIP_MARGIN, clip_factors, per_parameter_squared_norms
+from lightning_longshield.privacy.clipping import CLIP_MARGIN, clip_factor, clip_factors, per_parameter_squared_norms
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.triton_support import triton_runs_on
 from simulate.strategy_config import PerLayerClipping, ThresholdSpec
@@ -90,20 +90,37 @@ class PerLayerClipper:
         self.thresholds = thresholds
         self.accumulator = accumulator
         self.exchange = exchange
-        self.squared_norms = torch.zeros(0, dtype=torch.float64)
+        self._squared_norms = torch.zeros(0, dtype=torch.float64)
+        self._host_squared_norms: list[float] = []  # the part summed on the host (CPU tensors)
 
     def start_microbatch(self, batch_size: int, device: torch.device) -> None:
-        self.squared_norms = torch.zeros(batch_size, dtype=torch.float64, device=device)
+        self._squared_norms = torch.zeros(batch_size, dtype=torch.float64, device=device)
+        self._host_squared_norms = [0.0] * batch_size
+
+    @property
+    def squared_norms(self) -> torch.Tensor:
+        """Each sample's unclipped squared norm (fp64, ``(B,)``) over the layers clipped so far in this micro-batch."""
+        return self._squared_norms + self._squared_norms.new_tensor(self._host_squared_norms)
 
     @torch.no_grad()
     def clip(self, grad_samples: dict[str, torch.Tensor]) -> None:
-        """Clip and add the complete per-sample gradients ``(B, *shape)`` of some parameters; they are consumed."""
+        """Clip and add the complete per-sample gradients ``(B, *shape)`` of some parameters; they are consumed.
+
+        On CPU the factors (and the running norms) are computed on the host from the ``P x B`` squared norms, bit
+        for bit as `clip_factors` computes them: once per parameter and micro-batch, a dozen tensor ops on a few
+        values cost more than the arithmetic.
+        """
         names = list(grad_samples)
-        local = per_parameter_squared_norms(grad_samples.values(), self.squared_norms.shape[0])
+        local = per_parameter_squared_norms(grad_samples.values(), len(self._host_squared_norms))
         squared = self.exchange.complete_squared_norms(local)
-        self.squared_norms += squared.sum(0)
-        bounds = squared.new_tensor([self.thresholds[name] for name in names]).unsqueeze(1)
-        factors = clip_factors(squared, bounds)
+        if squared.device.type == "cpu":
+            for row in squared.tolist():
+                self._host_squared_norms = [total + value for total, value in zip(self._host_squared_norms, row)]
+            factors = torch.tensor([[clip_factor(norm, self.thresholds[name]) for norm in row]
+                                    for name, row in zip(names, squared.sqrt().tolist())], dtype=torch.float32)
+        else:
+            self._squared_norms += squared.sum(0)
+            factors = clip_factors(squared, squared.new_tensor([self.thresholds[name] for name in names]).unsqueeze(1))
         parts = self.exchange.local_part(grad_samples)
         self.accumulator.add({name: parts[name] for name in names}, factors)  # one batched add, a row per layer
         del parts
@@ -115,7 +132,7 @@ class PerLayerClipper:
         from lightning_longshield.privacy.fused_linear_clip import add_clipped_linear_sum, linear_squared_norms
 
         squared = linear_squared_norms(activation, grad_output)
-        self.squared_norms += squared
+        self._squared_norms += squared
         # The norm and the sum are two fp32 reductions over the tokens: each off by at most T 2^-24 relative.
         tokens = activation.numel() // (activation.shape[0] * activation.shape[-1])
         factors = clip_factors(squared, self.thresholds[name], max(CLIP_MARGIN, 2 * tokens * 2.0**-24))

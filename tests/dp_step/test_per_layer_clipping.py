@@ -17,6 +17,7 @@ from lightning_longshield.loss import per_sample_token_loss
 from lightning_longshield.models import Llama
 from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
+from lightning_longshield.privacy.clipping import clip_factors, per_parameter_squared_norms
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.per_layer import PerLayerClipper, per_layer_thresholds
 from simulate.strategy_config import PerLayerClipping, StrategyConfig
@@ -229,6 +230,34 @@ def test_every_contribution_is_at_most_c_after_rounding(dtype, rule):
     assert (norms <= max_grad_norm).all(), (norms.max() - max_grad_norm).item()
     slack = 1e-4 if dtype == torch.float32 else 1e-2  # a 3-element bf16 gradient's norm moves by up to ~2^-9
     assert (norms[:half] >= max_grad_norm * (1 - slack)).all()
+
+
+def test_the_cpu_clipper_adds_what_the_tensor_factors_add():
+    """On CPU the clipper computes its factors (and running norms) on the host: the clipped sums and norms equal
+    those of `clip_factors` and tensor sums (every other device's path) bit for bit, a non-finite sample included."""
+    generator = torch.Generator().manual_seed(0)
+    shapes, bounds, batch = {"a": (257,), "b": (31, 17), "c": (4096,)}, {"a": 0.1, "b": 0.2, "c": 0.05}, 8
+    params = {name: nn.Parameter(torch.zeros(shape)) for name, shape in shapes.items()}
+    grads = {}
+    for name, shape in shapes.items():
+        scale = bounds[name] * torch.logspace(-2, 2, batch) / math.sqrt(math.prod(shape))
+        grads[name] = torch.randn((batch, *shape), generator=generator) * scale.view(-1, *[1] * len(shape))
+    grads["b"][3, 0, 0] = math.inf
+    clipped, reference = ClippedGradientSum(params), ClippedGradientSum(params)
+    clipper = PerLayerClipper(bounds, clipped, LocalExchange())
+    clipper.start_microbatch(batch, torch.device("cpu"))
+    expected_norms = torch.zeros(batch, dtype=torch.float64)
+    factors = {}
+    for name, grad in grads.items():  # a layer at a time, as backward delivers them
+        squared = per_parameter_squared_norms([grad], batch)
+        expected_norms += squared.sum(0)
+        factors[name] = clip_factors(squared, torch.tensor([[bounds[name]]], dtype=torch.float64))
+        reference.add({name: grad.clone()}, factors[name])
+        clipper.clip({name: grad.clone()})
+    assert all(torch.equal(clipped.sums[name], reference.sums[name]) for name in shapes)
+    assert torch.equal(clipper.squared_norms, expected_norms)
+    every = torch.cat(list(factors.values()), dim=1)
+    assert (every == 1).any() and ((every > 0) & (every < 1)).any() and factors["b"][0, 3] == 0
 
 
 # ------------------------------------------------------------------------------------------- memory

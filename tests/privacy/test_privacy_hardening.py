@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 from lightning_longshield import CausalLMModule, LongShieldStrategy
 from lightning_longshield.privacy import clipping
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
-from lightning_longshield.privacy.clipping import CLIP_MARGIN, clip_factors, per_sample_squared_norms
+from lightning_longshield.privacy.clipping import CLIP_MARGIN, clip_factor, clip_factors, per_sample_squared_norms
 from lightning_longshield.privacy.randomness import SecretKey
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
@@ -221,6 +221,25 @@ def test_clip_factors_never_round_up_in_the_subnormal_range():
     per_layer = clip_factors(squared.expand(2, -1), torch.tensor([[max_grad_norm], [2 * max_grad_norm]],
                                                                  dtype=torch.float64))
     assert (per_layer[0].double() <= exact).all() and (per_layer[1].double() <= 2 * exact).all()
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 1e-3, 0.3, 7.5])
+def test_the_host_clip_factor_is_clip_factors_bit_for_bit(max_grad_norm):
+    """`clip_factor` (Python floats, per-layer clipping on CPU) and `clip_factors` (tensor ops) give the same fp32
+    factor for squared norms from 0 to fp64's largest, subnormal factors, the bound itself, inf and NaN."""
+    generator = torch.Generator().manual_seed(0)
+    bound = max_grad_norm * (1 - CLIP_MARGIN)
+    squared = torch.cat([
+        torch.logspace(-300, 308, 20001, dtype=torch.float64) * torch.rand(20001, generator=generator,
+                                                                           dtype=torch.float64),
+        torch.tensor([0.0, bound**2, math.nextafter(bound**2, 0), math.nextafter(bound**2, math.inf), (1.5 * bound)**2,
+                      math.inf, math.nan], dtype=torch.float64),
+    ])
+    expected = clip_factors(squared, max_grad_norm)
+    host = torch.tensor([clip_factor(norm, max_grad_norm) for norm in squared.sqrt().tolist()], dtype=torch.float32)
+    assert torch.equal(host, expected)
+    assert (host < torch.finfo(torch.float32).tiny).logical_and(host > 0).sum() > 100  # subnormal factors
+    assert (host == 1).sum() > 100 and (host == 0).sum() >= 2 and ((host > 0) & (host < 1)).sum() > 1000
 
 
 def test_materialised_contributions_with_subnormal_factors_are_at_most_c():
