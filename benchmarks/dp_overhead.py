@@ -344,8 +344,8 @@ def _peak_tensor_bytes_on_cpu(args: argparse.Namespace, dataset: Dataset, dp: bo
 
 
 def run_worker(args: argparse.Namespace) -> dict[str, float]:
-    """Train with one loop for warmup + steps + 1 optimizer steps; median step time and peak memory growth (on
-    CUDA also the peak reserved by the caching allocator)."""
+    """Train with one loop for warmup + steps + 1 optimizer steps; median step time and peak tensor memory (on CUDA
+    also the peak reserved by the caching allocator, on CPU also the growth of peak RSS)."""
     total_steps = args.warmup + args.steps + 1
     dataset = _dataset(args, total_steps * args.accumulation * args.micro_batch_size)
     if args.device == "cuda":
