@@ -100,7 +100,9 @@ class PerLayerClipper:
     @property
     def squared_norms(self) -> torch.Tensor:
         """Each sample's unclipped squared norm (fp64, ``(B,)``) over the layers clipped so far in this micro-batch."""
-        return self._squared_norms + self._squared_norms.new_tensor(self._host_squared_norms)
+        if self._squared_norms.device.type == "cpu":  # `clip` sums them on the host there
+            return self._squared_norms + torch.tensor(self._host_squared_norms, dtype=torch.float64)
+        return self._squared_norms  # no host-to-device copy (a sync) per micro-batch
 
     @torch.no_grad()
     def clip(self, grad_samples: dict[str, torch.Tensor]) -> None:
@@ -113,7 +115,7 @@ class PerLayerClipper:
         names = list(grad_samples)
         local = per_parameter_squared_norms(grad_samples.values(), len(self._host_squared_norms))
         squared = self.exchange.complete_squared_norms(local)
-        if squared.device.type == "cpu":
+        if type(squared) is torch.Tensor and squared.device.type == "cpu":  # a fake one (a traced step): tensor ops
             for row in squared.tolist():
                 self._host_squared_norms = [total + value for total, value in zip(self._host_squared_norms, row)]
             factors = torch.tensor([[clip_factor(norm, self.thresholds[name]) for norm in row]
