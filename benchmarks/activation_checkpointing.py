@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
+
+from resident_memory import peak_rss_bytes
 
 WORKER_FLAG = "--worker"
 
@@ -53,7 +54,7 @@ def worker(seq_len: int, checkpointing: bool, layers: int, dim: int, micro_batch
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if not self.start_rss:
-                self.start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                self.start_rss = peak_rss_bytes()
             self.started = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -69,8 +70,7 @@ def worker(seq_len: int, checkpointing: bool, layers: int, dim: int, micro_batch
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[probe])
     trainer.fit(CausalLMModule(config, optimizer="adamw"), DataLoader(data, batch_size=micro_batch_size))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_growth_mib": (peak - probe.start_rss) / 1024,
+    print(json.dumps({"peak_growth_mib": (peak_rss_bytes() - probe.start_rss) / 2**20,
                       "step_s": statistics.median(probe.times[1:] or probe.times)}))
 
 

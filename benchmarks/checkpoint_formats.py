@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
+from resident_memory import current_rss_bytes
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_longshield import CausalLMModule, LongShieldStrategy
@@ -55,12 +56,6 @@ class Tokens(Dataset):
         return {"input_ids": self.rows[index, :-1], "labels": self.rows[index, 1:]}
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now (Linux)."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def return_free_memory() -> None:
     """Hand the C allocator's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing), so that what a
     measured call allocates shows in the resident memory even where it reuses blocks that training freed."""
@@ -77,7 +72,7 @@ class PeakGrowth:
     def __enter__(self) -> PeakGrowth:
         gc.collect()
         return_free_memory()
-        self.start = self.peak = resident_bytes()
+        self.start = self.peak = current_rss_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -85,12 +80,12 @@ class PeakGrowth:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.001):
-            self.peak = max(self.peak, resident_bytes())
+            self.peak = max(self.peak, current_rss_bytes())
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, resident_bytes())
+        self.peak = max(self.peak, current_rss_bytes())
 
     @property
     def growth(self) -> int:

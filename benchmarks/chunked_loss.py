@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from typing import Any
+
+from resident_memory import peak_rss_bytes
 
 WORKER_FLAG = "--worker"
 
@@ -30,10 +31,6 @@ def run_worker(kind: str, chunk_tokens: int, args: argparse.Namespace) -> dict[s
     if result.returncode:
         raise RuntimeError(result.stderr[-2000:])
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def loss_phase(chunk_tokens: int, seq_len: int, vocab: int, micro_batch_size: int, repeats: int) -> dict[str, Any]:
@@ -49,7 +46,7 @@ def loss_phase(chunk_tokens: int, seq_len: int, vocab: int, micro_batch_size: in
     head = nn.Linear(dim, vocab, bias=False)
     hidden = torch.randn(micro_batch_size, seq_len, dim, requires_grad=True)
     labels = torch.randint(0, vocab, (micro_batch_size, seq_len))
-    start = _peak_rss_bytes()
+    start = peak_rss_bytes()
     times = []
     for _ in range(repeats):
         began = time.perf_counter()
@@ -60,7 +57,7 @@ def loss_phase(chunk_tokens: int, seq_len: int, vocab: int, micro_batch_size: in
         loss.sum().backward()
         times.append(time.perf_counter() - began)
         hidden.grad = head.weight.grad = None
-    return {"seconds": min(times), "peak_growth_bytes": _peak_rss_bytes() - start}
+    return {"seconds": min(times), "peak_growth_bytes": peak_rss_bytes() - start}
 
 
 def dp_step(chunk_tokens: int, seq_len: int, vocab: int, micro_batch_size: int, repeats: int) -> dict[str, Any]:
@@ -89,7 +86,7 @@ def dp_step(chunk_tokens: int, seq_len: int, vocab: int, micro_batch_size: int, 
             self.start = 0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            self.start = self.start or _peak_rss_bytes()
+            self.start = self.start or peak_rss_bytes()
             self.began = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -104,7 +101,7 @@ def dp_step(chunk_tokens: int, seq_len: int, vocab: int, micro_batch_size: int, 
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[probe])
     trainer.fit(module, DataLoader(Tokens(), batch_size=micro_batch_size))
-    return {"seconds": min(probe.times[1:] or probe.times), "peak_growth_bytes": _peak_rss_bytes() - probe.start}
+    return {"seconds": min(probe.times[1:] or probe.times), "peak_growth_bytes": peak_rss_bytes() - probe.start}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -40,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
+from resident_memory import current_rss_bytes, peak_rss_bytes
 from torch.distributed import ProcessGroup
 from torch.utils.data import DataLoader, Dataset
 
@@ -177,17 +176,6 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _current_rss() -> int:
-    """Resident set size of this process now, in bytes (Linux)."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss() -> int:
-    """Peak resident set size of this process so far, in bytes."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
-
 class StepProbe(Callback):
     """The RSS after setup; time and communication at the start of every optimizer step's first micro-batch and
     at the end of its last (so the loop's work between steps, e.g. logging epsilon, is not counted)."""
@@ -199,7 +187,7 @@ class StepProbe(Callback):
         self.ends: list[tuple[float, dict[str, int]]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.setup_rss = _current_rss()
+        self.setup_rss = current_rss_bytes()
 
     def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
         if trainer.global_step == len(self.starts):
@@ -295,8 +283,8 @@ def train(run: Run, counter: CommunicationCounter) -> dict[str, Any]:
     durations, communicated = probe.timed(run.warmup)
     return {
         "step_s": statistics.median(durations),
-        "peak_rss": _peak_rss(),
-        "peak_rss_growth": _peak_rss() - probe.setup_rss,
+        "peak_rss": peak_rss_bytes(),
+        "peak_rss_growth": peak_rss_bytes() - probe.setup_rss,
         "per_sample_grad_bytes": strategy.dp_engine.last_held_bytes if dp else 0,
         "comm_bytes_per_step": communicated,
     }

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from opacus import PrivacyEngine
 from opacus.utils.batch_memory_manager import wrap_data_loader
+from resident_memory import peak_rss_bytes
 from torch._C._profiler import _EventType
 from torch.utils.data import DataLoader, Dataset
 
@@ -323,10 +323,6 @@ def _torch_step_ends(
     return ends
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
-
 def _peak_tensor_bytes_on_cpu(args: argparse.Namespace, dataset: Dataset, dp: bool) -> int:
     """The most bytes of CPU tensors alive at once over two optimizer steps of the loop (the second has the
     optimizer's states), as the CPU allocator reports them to the profiler: only allocations made while it records
@@ -352,7 +348,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, float]:
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
     else:
-        baseline = _peak_rss_bytes()
+        baseline = peak_rss_bytes()
     dp = args.worker in BASELINES
     held: dict[str, float] = {}
     durations = _step_durations(args, dataset, dp, total_steps, held)
@@ -361,7 +357,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, float]:
         result["peak_mem_bytes"] = torch.cuda.max_memory_allocated() - baseline
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     else:
-        result["peak_rss_bytes"] = _peak_rss_bytes() - baseline
+        result["peak_rss_bytes"] = peak_rss_bytes() - baseline
     if dp and args.same_process:  # after the DP loop: its peak memory is already measured
         nondp = argparse.Namespace(**{**vars(args), "worker": BASELINES[args.worker], "profile_dir": None})
         nondp_step = statistics.median(_step_durations(nondp, dataset, False, total_steps, {}))
