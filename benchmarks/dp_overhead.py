@@ -34,8 +34,9 @@ Step time is the median over ``--steps`` optimizer steps after
 ``--warmup`` steps; with ``--repeats`` every configuration runs that many times, interleaved, and the least
 disturbed (minimum) measurement is reported. A machine that runs a whole process faster or slower than another
 makes a ratio of two processes' times unreliable: with ``--same-process`` every DP loop's process then also runs its
-non-DP loop (after the DP loop, so the DP loop's peak memory stays its own), and ``<loop>_over_nondp_same_process``
-is the median over the repeats of the two times' ratio within one process. Example:
+non-DP loop twice and itself once more (DP, non-DP, non-DP, DP: a drift of the process's speed weighs on both; the
+DP loop's peak memory is measured in its first run, before the others), and ``<loop>_over_nondp_same_process`` is the
+median over the repeats of the ratio of the two loops' median step times within one process. Example:
 
     python benchmarks/dp_overhead.py --seq-len 256 --micro-batch-sizes 1 4 --steps 5
 """
@@ -359,12 +360,23 @@ def run_worker(args: argparse.Namespace) -> dict[str, float]:
     else:
         result["peak_rss_bytes"] = peak_rss_bytes() - baseline
     if dp and args.same_process:  # after the DP loop: its peak memory is already measured
-        nondp = argparse.Namespace(**{**vars(args), "worker": BASELINES[args.worker], "profile_dir": None})
-        nondp_step = statistics.median(_step_durations(nondp, dataset, False, total_steps, {}))
-        result["same_process_over_nondp"] = result["step_s"] / nondp_step
+        result["same_process_over_nondp"] = _same_process_ratio(args, dataset, total_steps, durations)
     if args.device == "cpu":  # last: the profiler's records would add to the peak RSS
         result["peak_mem_bytes"] = _peak_tensor_bytes_on_cpu(args, dataset, dp)
     return result
+
+
+def _same_process_ratio(
+    args: argparse.Namespace, dataset: Dataset, total_steps: int, dp_durations: list[float]
+) -> float:
+    """The DP loop's median step time over its non-DP loop's, both timed in this process in the order DP (already
+    run: ``dp_durations``), non-DP, non-DP, DP, so that a drift of this process's speed, or what one loop leaves
+    behind for the next, weighs on both alike."""
+    again = argparse.Namespace(**{**vars(args), "profile_dir": None})
+    nondp = argparse.Namespace(**{**vars(again), "worker": BASELINES[args.worker]})
+    nondp_durations = [step for _ in range(2) for step in _step_durations(nondp, dataset, False, total_steps, {})]
+    dp_durations = [*dp_durations, *_step_durations(again, dataset, True, total_steps, {})]
+    return statistics.median(dp_durations) / statistics.median(nondp_durations)
 
 
 def _step_durations(
