@@ -165,7 +165,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         self._engine: Optional[DPSGDEngine] = None
         self._padding = ZeroWeightPadding()  # its mesh: FSDP2's with shard_over="all" and data parallelism
         self._metric_guard = SampledBatchMetricGuard()
-        self._submeshes: dict[str, tuple[DeviceMesh, DeviceMesh]] = {}
+        self._submeshes: dict[str, DeviceMesh] = {}  # the device mesh's named dimensions, sliced as it is built
 
     # ------------------------------------------------------------------ topology and launch
 
@@ -183,13 +183,9 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         return self._submesh(CONTEXT_PARALLEL)
 
     def _submesh(self, name: str) -> DeviceMesh:
-        """One named dimension of the device mesh, sliced once per mesh: a slice takes about 0.25 ms, and every
-        micro-batch asks whether the run is context-parallel."""
-        mesh = self.device_mesh
-        cached = self._submeshes.get(name)
-        if cached is None or cached[0] is not mesh:
-            cached = self._submeshes[name] = (mesh, mesh[name])
-        return cached[1]
+        """One named dimension of the device mesh, sliced when the mesh is built: a slice takes about 0.25 ms, and
+        every micro-batch asks whether the run is context-parallel. Before set-up, `device_mesh`'s error."""
+        return self._submeshes[name] if self._submeshes else self.device_mesh[name]
 
     @property
     def is_context_parallel(self) -> bool:
@@ -211,6 +207,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
             seed_everything(self.seed, verbose=False)
         sizes = resolve_parallel_sizes(self.world_size, self.config.context_parallel_size)
         self._device_mesh = build_device_mesh(self.root_device.type, *sizes)
+        self._submeshes = {name: self._device_mesh[name] for name in (DATA_PARALLEL, CONTEXT_PARALLEL)}
         sharded_over_all = self.config.shard_over == "all" and sizes[0] > 1
         self._padding.mesh = build_all_ranks_mesh(self.root_device.type, self.world_size) if sharded_over_all else None
         assert self.lightning_module is not None
