@@ -58,8 +58,10 @@ def test_canaries_are_inserted_with_probability_one_half_and_collate_with_the_re
 @pytest.mark.parametrize("micro_batch_size", [1, 4])
 def test_without_noise_the_white_box_audit_is_strong(micro_batch_size):
     """sigma 0 (epsilon infinite): 2000 gradient canaries, 40 steps of a tiny model, lower bound >= 4 at 95%, at one
-    sample per micro-batch and at four (where per-sample gradients come from the layers' captured calls)."""
-    report = _audit(2000, 40, noise_multiplier=0.0, micro_batch_size=micro_batch_size)
+    sample per micro-batch and at four (where per-sample gradients come from the layers' captured calls). Seeded like
+    the soundness runs: with fresh sampling a canary not inserted was, once in some runs, among the guesses (799 of
+    800 right)."""
+    report = _audit(2000, 40, noise_multiplier=0.0, micro_batch_size=micro_batch_size, noise_seed=micro_batch_size)
     assert report.claimed_epsilon == float("inf")
     assert report.epsilon_lower_bound >= 4.0, report
     assert report.correct == report.guesses
