@@ -6,7 +6,7 @@ tensors of at most ``--tensor-elements`` entries (noise is drawn per parameter t
 - ``seeded_32bit``: the old default, ``manual_seed(63-bit hash)`` per step (32 secret bits reach the CPU generator);
 - ``keyed``: the generators' whole state keyed from SHAKE-256 (`SecretKey.generators`) per step, draws alone;
 - ``release``: the whole release of a step, ``sum / B + noise`` over every tensor, as the mechanism forms it
-  (`GaussianNoise.add_to_scaled_all`: on CPU one ChaCha20 keystream over all tensors, in place; on CUDA the fused
+  (`GaussianNoise.add_to_scaled_all`: on CPU one AES-256-CTR keystream over all tensors, in place; on CUDA the fused
   kernel of `privacy.fused_noise` where Triton runs), against ``torch_release``, the keyed generators' draws added by
   torch ops (what ran before: MT19937 on CPU, two Philox streams on CUDA);
 - ``secure``: ChaCha20 keyed per tensor with four-draw hardened Gaussians (``secure_mode``), timed on

@@ -21,7 +21,7 @@ class GaussianNoise:
 
     - default: a 256-bit `SecretKey` from OS entropy when the object is built (per process, never stored); step
       ``k``'s draws are keyed by ``(key, stream, k)``. On CPU each draw (a tensor, or all of a release's tensors
-      together: `add_to_scaled_all`) is a ChaCha20 keystream keyed by 256 bits of that stream, its nonce the draw's
+      together: `add_to_scaled_all`) is an AES-256-CTR keystream keyed by 256 bits of that stream, its nonce the draw's
       index in the step, turned into fp32 normals by `keystream_normals`: a cryptographically secure stream, faster
       than torch's MT19937. Where Triton runs (CUDA), the draws come from the fused kernel of `fused_noise`, keyed
       by 256 bits of the same stream per step, and are added to the sum in the same pass; elsewhere from torch
@@ -60,7 +60,7 @@ class GaussianNoise:
 
     @property
     def keystream(self) -> bool:
-        """Whether the default draws are ChaCha20 keystreams (on CPU), not Philox generators or the fused kernel
+        """Whether the default draws are AES-256-CTR keystreams (on CPU), not Philox generators or the fused kernel
         (which Triton's interpreter runs on CPU, in tests)."""
         return not self.secure_mode and self._device.type == "cpu" and not self._fused
 
@@ -70,7 +70,7 @@ class GaussianNoise:
             return
         self._draws = 0
         if self.keystream:
-            self._cpu_key = self._key.stream(KEY_BYTES, "noise-chacha20", *self._stream, step)
+            self._cpu_key = self._key.stream(KEY_BYTES, "noise-aes256-ctr", *self._stream, step)
             return
         self._generators = self._key.generators(self._device, "noise", *self._stream, step)
         if self._fused:

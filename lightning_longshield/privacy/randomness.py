@@ -10,7 +10,7 @@ process from its labels, and none reveals the key or another draw.
 What is cryptographic and what is not:
 
 - Poisson masks: SHAKE-256 output itself, turned into 53-bit uniforms: a cryptographically secure stream.
-- Default noise on CPU: a ChaCha20 keystream (OpenSSL) per draw, keyed by 256 bits of SHAKE-256 output for the
+- Default noise on CPU: an AES-256-CTR keystream (OpenSSL) per draw, keyed by 256 bits of SHAKE-256 output for the
   (step, process): a cryptographically secure stream, turned into fp32 normals by Box-Muller the usual way
   (`keystream_normals`; not hardened against floating-point attacks, as ``secure_mode`` is).
 - Projections, and the default noise on other devices, come from torch's generators, whose *whole* state is set from

@@ -301,7 +301,7 @@ class PrivacySession:
         elif self.noise_seed is not None:
             noise = "noise: reproducible from noise_seed (private only while that seed is secret)"
         elif self.noise is not None and self.noise.keystream:
-            noise = ("noise: ChaCha20 keystreams keyed by 256 OS-entropy bits (cryptographic stream; Gaussians by"
+            noise = ("noise: AES-256-CTR keystreams keyed by 256 OS-entropy bits (cryptographic stream; Gaussians by"
                      " Box-Muller, not hardened against floating-point attacks: secure_mode=True hardens them)")
         else:
             noise = ("noise: Philox generators keyed by 256 OS-entropy bits (hardened, not cryptographic;"

@@ -81,7 +81,7 @@ def test_a_one_sample_micro_batch_adds_a_bounded_number_of_ops():
     assert added <= 3 * parameters + 20, (added, parameters)
     assert (private["aten::copy_"] - baseline["aten::copy_"]) / ACCUMULATION <= parameters
     assert private["aten::nan_to_num_"] <= 2 * ACCUMULATION  # the clip factors' own, not one per tensor
-    assert private["aten::normal_"] == 0  # CPU noise: a ChaCha20 keystream, not torch's generator
+    assert private["aten::normal_"] == 0  # CPU noise: an AES-256-CTR keystream, not torch's generator
     blocks = -(-sum(p.numel() for p in trainable) // BLOCK_VALUES)
     added_by_noise = [private[op] - baseline[op] for op in ("aten::cos", "aten::sin_", "aten::log_")]
     assert added_by_noise == [blocks] * 3  # one draw for all parameters: Box-Muller once per block

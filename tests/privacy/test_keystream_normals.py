@@ -1,7 +1,7 @@
-"""The default CPU noise (`privacy.keystream_normals`) against an independent reference: the keystream of the torch
-ChaCha20 block function (checked against RFC 8439 and OpenSSL in test_secret_randomness.py) and Box-Muller in fp64
-NumPy, following the documented layout, for one tensor and for tensors that share blocks; then the statistics of the
-draws and the refusals."""
+"""The default CPU noise (`privacy.keystream_normals`) against an independent reference: AES-256 applied block by block
+to the documented counters (the raw block cipher, in ECB mode; checked against NIST SP 800-38A's CTR-AES256 vectors)
+and Box-Muller in fp64 NumPy, following the documented layout, for one tensor and for tensors that share blocks; then
+the statistics of the draws and the refusals."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from scipy import stats
 
 from lightning_longshield.privacy import GaussianNoise
-from lightning_longshield.privacy.chacha20 import chacha20_blocks
 from lightning_longshield.privacy.keystream_normals import BLOCK_VALUES, box_muller, keystream_normals_
 from lightning_longshield.privacy.randomness import SecretKey
 
@@ -21,12 +21,33 @@ CPU = torch.device("cpu")
 KEY = bytes(range(100, 132))
 
 
+def counter_mode_keystream(key: bytes, first_counter: int, size: int) -> bytes:
+    """``size`` bytes of AES's encryptions of the 128-bit big-endian counters ``first_counter``, ``+ 1``, ...: counter
+    mode written out over the raw block cipher."""
+    counters = b"".join(((first_counter + i) % 2**128).to_bytes(16, "big") for i in range(-(-size // 16)))
+    block_cipher = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
+    return (block_cipher.update(counters) + block_cipher.finalize())[:size]
+
+
+def test_the_reference_counter_mode_matches_nist_sp800_38a_ctr_aes256():
+    """SP 800-38A, F.5.5 (CTR-AES256.Encrypt): ciphertext = plaintext XOR keystream, over four blocks whose counters
+    carry within the low byte."""
+    key = bytes.fromhex("603deb1015ca71be2b73aef0857d77811f352c073b6108d72d9810a30914dff4")
+    counter = int("f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff", 16)
+    plaintext = bytes.fromhex("6bc1bee22e409f96e93d7e117393172a" "ae2d8a571e03ac9c9eb76fac45af8e51"
+                              "30c81c46a35ce411e5fbc1191a0a52ef" "f69f2445df4f9b17ad2b417be66c3710")
+    ciphertext = bytes.fromhex("601ec313775789a5b7a7f504bbf3d228" "f443e3ca4d62b59aca84e990cacaf5c5"
+                               "2b0930daa23de94ce87017ba2d84988d" "dfc9c58db67aada613c2dd08457941a6")
+    keystream = counter_mode_keystream(key, counter, len(plaintext))
+    assert bytes(p ^ k for p, k in zip(plaintext, keystream)) == ciphertext
+
+
 def reference_normals(key: bytes, nonce: int, numel: int, std: float) -> np.ndarray:
     """fp64 values of the layout in `keystream_normals`, written out from its docstring."""
     block_sizes = [min(BLOCK_VALUES, numel - start) for start in range(0, numel, BLOCK_VALUES)]
     words_needed = sum(2 * ((size + 1) // 2) for size in block_sizes)
-    stream = chacha20_blocks(key, nonce.to_bytes(12, "little"), 0, -(-words_needed // 16), CPU)
-    words = stream.flatten().numpy().astype(np.uint64)
+    stream = counter_mode_keystream(key, nonce * 2**64, 4 * words_needed)
+    words = np.frombuffer(stream, dtype="<u4").astype(np.uint64)
     values, position = [], 0
     for size in block_sizes:
         pairs = (size + 1) // 2
@@ -42,15 +63,16 @@ def reference_normals(key: bytes, nonce: int, numel: int, std: float) -> np.ndar
 
 @pytest.mark.parametrize("sizes", [[1], [6], [BLOCK_VALUES + 3], [5, 0, 3, BLOCK_VALUES - 7, 2 * BLOCK_VALUES + 1]],
                          ids=["one", "six", "two-blocks", "tensors-sharing-blocks"])
-def test_normals_equal_the_reference_keystream_and_box_muller(sizes):
-    expected = torch.from_numpy(reference_normals(KEY, 9, sum(sizes), 2.5)).float().split(sizes)
+@pytest.mark.parametrize("nonce", [9, 2**64 - 1])
+def test_normals_equal_the_reference_keystream_and_box_muller(sizes, nonce):
+    expected = torch.from_numpy(reference_normals(KEY, nonce, sum(sizes), 2.5)).float().split(sizes)
     outs = [torch.full((size,), float("nan")) for size in sizes]
-    keystream_normals_(outs, KEY, 9, 2.5)
+    keystream_normals_(outs, KEY, nonce, 2.5)
     for out, values in zip(outs, expected):
         torch.testing.assert_close(out, values, rtol=1e-5, atol=1e-5)
     totals = [torch.randn(size, generator=torch.Generator().manual_seed(size)) for size in sizes]
     summed = [total.clone() for total in totals]
-    keystream_normals_(summed, KEY, 9, 2.5, scale=0.25)
+    keystream_normals_(summed, KEY, nonce, 2.5, scale=0.25)
     for result, total, values in zip(summed, totals, expected):
         torch.testing.assert_close(result, total * 0.25 + values, rtol=1e-5, atol=1e-5)
 
@@ -85,7 +107,7 @@ def test_the_release_draws_a_fresh_keystream_per_tensor_and_step():
     noise = GaussianNoise(CPU, SecretKey.from_seed(4), stream=(1, 0))
     noise.start_step(7)
     first, second = noise.sample(torch.Size([1000]), 1.0, CPU), noise.sample(torch.Size([1000]), 1.0, CPU)
-    key = SecretKey.from_seed(4).stream(32, "noise-chacha20", 1, 0, 7)
+    key = SecretKey.from_seed(4).stream(32, "noise-aes256-ctr", 1, 0, 7)
     torch.testing.assert_close(first, torch.from_numpy(reference_normals(key, 0, 1000, 1.0)).float())
     torch.testing.assert_close(second, torch.from_numpy(reference_normals(key, 1, 1000, 1.0)).float())
     noise.start_step(8)
@@ -98,7 +120,7 @@ def test_the_release_draws_all_its_tensors_as_one_keystream():
     totals = [torch.zeros(3, 5), torch.zeros(7)]
     released = noise.add_to_scaled_all(totals, 0.5, 1.5)
     assert all(result is total for result, total in zip(released, totals))
-    key = SecretKey.from_seed(6).stream(32, "noise-chacha20", 0)
+    key = SecretKey.from_seed(6).stream(32, "noise-aes256-ctr", 0)
     expected = torch.from_numpy(reference_normals(key, 0, 22, 1.5)).float()
     torch.testing.assert_close(torch.cat([total.flatten() for total in totals]), expected)
 
@@ -106,6 +128,8 @@ def test_the_release_draws_all_its_tensors_as_one_keystream():
 def test_refuses_what_it_cannot_fill():
     with pytest.raises(ValueError, match="32-byte key"):
         keystream_normals_([torch.empty(4)], bytes(16), 0, 1.0)
+    with pytest.raises(ValueError, match=r"nonce is in \[0, 2\^64\)"):
+        keystream_normals_([torch.empty(4)], KEY, 2**64, 1.0)
     with pytest.raises(ValueError, match="contiguous fp32 CPU"):
         keystream_normals_([torch.empty(4), torch.empty(4, 4).t()], KEY, 0, 1.0)
     with pytest.raises(ValueError, match="contiguous fp32 CPU"):

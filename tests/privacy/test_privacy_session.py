@@ -62,7 +62,7 @@ def test_the_sampling_key_is_broadcast_and_secure_mode_keeps_it():
 def test_the_printed_randomness_names_the_noise_source():
     privacy = session(noise_multiplier=1.0)
     privacy.open_fit(CPU, (0, 0), broadcast=lambda value: value)
-    assert privacy.noise.keystream and "noise: ChaCha20 keystreams" in privacy.describe_randomness()
+    assert privacy.noise.keystream and "noise: AES-256-CTR keystreams" in privacy.describe_randomness()
     secure = session(noise_multiplier=1.0, secure_mode=True)
     secure.open_fit(CPU, (0, 0), broadcast=lambda value: value)
     assert not secure.noise.keystream and "four-draw hardened" in secure.describe_randomness()

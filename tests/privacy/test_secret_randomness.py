@@ -1,6 +1,6 @@
 """The mechanism's secret randomness carries its whole key: no search over torch seeds finds a step's noise, secrets
 that share their low 32 bits give unrelated streams, every MT19937 state word of the keyed generators (projections)
-is keyed, and ChaCha20 (the default CPU noise and secure mode) matches RFC 8439 and OpenSSL bit for bit and secure
+is keyed, and ChaCha20 (secure mode's stream) matches RFC 8439 and OpenSSL bit for bit and secure
 mode's Gaussians are standard normal."""
 
 from __future__ import annotations
