@@ -83,10 +83,11 @@ def _block_norms_fp32(rows: torch.Tensor) -> torch.Tensor:
     whole = numel - numel % NORM_BLOCK
     parts = []
     if whole:
+        whole_rows = rows if whole == numel else rows[:, :whole]  # no slice op where none is needed (the usual case)
         if strided_blocks(rows.device):
-            blocks, within = rows[:, :whole].reshape(batch, NORM_BLOCK, whole // NORM_BLOCK), 1
+            blocks, within = whole_rows.reshape(batch, NORM_BLOCK, whole // NORM_BLOCK), 1
         else:
-            blocks, within = rows[:, :whole].reshape(batch, whole // NORM_BLOCK, NORM_BLOCK), 2
+            blocks, within = whole_rows.reshape(batch, whole // NORM_BLOCK, NORM_BLOCK), 2
         parts.append(torch.linalg.vector_norm(blocks, dim=within, dtype=torch.float32))
     if whole < numel:
         parts.append(torch.linalg.vector_norm(rows[:, whole:], dim=1, keepdim=True, dtype=torch.float32))
