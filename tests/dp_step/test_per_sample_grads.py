@@ -119,3 +119,30 @@ def test_normalization_samplers_equal_torch_func_and_opacus(layer, shape):
     if getattr(layer, "bias", True) is not None:
         opacus = GradSampleModule.GRAD_SAMPLERS[type(layer)](layer, [activation], grad_output.clone())
         assert all(torch.equal(ours[param], opacus[param]) for param in layer.parameters())
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["weight", "weight_and_bias"])
+@pytest.mark.parametrize("shape", [(3, 5, 8), (3, 8), (3, 2, 4, 8)], ids=["tokens", "no_token_dims", "two_token_dims"])
+def test_linear_sampler_equals_torch_func_and_opacus(bias, shape):
+    """The linear layer's own sampler (one bmm over the tokens) gives torch.func's per-sample gradients and Opacus's
+    values (an einsum) to fp32 rounding, contiguous, in the output gradient's dtype."""
+    from opacus.grad_sample import GradSampleModule
+
+    from lightning_longshield.privacy.grad_sample.layers import linear_gradients
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 6, bias=bias)
+    activation, grad_output = torch.randn(shape), torch.randn(*shape[:-1], 6)
+    params = {name: p.detach() for name, p in layer.named_parameters()}
+
+    def sample_output(params, x, g):
+        return (functional_call(layer, params, (x[None],)) * g[None]).sum()
+
+    expected = vmap(grad(sample_output), in_dims=(None, 0, 0))(params, activation, grad_output)
+    ours = linear_gradients(layer, activation, grad_output)
+    opacus = GradSampleModule.GRAD_SAMPLERS[torch.nn.Linear](layer, [activation], grad_output)
+    assert set(ours) == set(layer.parameters())
+    for name, param in layer.named_parameters():
+        assert ours[param].is_contiguous() and ours[param].shape == (3, *param.shape)
+        torch.testing.assert_close(ours[param], expected[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours[param], opacus[param], rtol=1e-6, atol=1e-6)

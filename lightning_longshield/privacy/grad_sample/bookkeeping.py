@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_longshield.privacy.clipping import zero_non_finite_
-from lightning_longshield.privacy.grad_sample.layers import without_padding
+from lightning_longshield.privacy.grad_sample.layers import token_outer_products, without_padding
 from lightning_longshield.privacy.shards import ParamShard, reduce_scatter_to_shard
 from simulate.memory import BOOKKEEPING_BLOCK
 
@@ -128,7 +128,7 @@ class Use:
             batch, _, width = self.right.shape
             out = torch.zeros(batch, self.rows, width, dtype=self.right.dtype, device=self.right.device)
             return out.scatter_add_(1, self.left[..., None].expand(-1, -1, width), self.right)
-        return torch.einsum("btp,btd->bpd", self.left, self.right.to(self.left.dtype))
+        return token_outer_products(self.left, self.right.to(self.left.dtype))
 
     def clipped_sum(self, factors: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``sum_i factors[i] * left_i^T right_i`` added into ``out`` (fp32, the weight's shape; zeros when not given).

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_longshield.privacy.grad_sample.bookkeeping import gather_tokens
-from lightning_longshield.privacy.grad_sample.layers import per_sample_gradients
+from lightning_longshield.privacy.grad_sample.layers import per_sample_gradients, token_outer_products
 from lightning_longshield.privacy.observer import DPStepObserver
 from lightning_longshield.privacy.shards import ParamShard, local_tensor
 from simulate.strategy_config import DEFAULT_BUCKET_MB
@@ -301,7 +301,7 @@ class OutputStationaryExchange(ReduceScatterExchange):
         else:  # input features sharded: all-to-all the input, all-gather the output gradient
             activation = _all_to_all_features(activation, shard, self.group)
             grad_output = gather_tokens(grad_output, self.group)
-        weight = torch.einsum("b...o,b...i->boi", grad_output, activation)
+        weight = token_outer_products(grad_output, activation)
         LocalExchange._store(self, name, shard.from_chunk(weight.movedim(shard.dim + 1, -1), offset=1))
         self._deliver()
 

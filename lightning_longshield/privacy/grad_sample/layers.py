@@ -29,8 +29,33 @@ def per_sample_gradients(
         grad_output = without_padding(layer, activation, grad_output)
     if type(layer) in (nn.RMSNorm, nn.LayerNorm):
         return normalization_gradients(layer, activation, grad_output)
+    if type(layer) is nn.Linear:
+        return linear_gradients(layer, activation, grad_output)
     sampler: GradSampler = GradSampleModule.GRAD_SAMPLERS[type(layer)]
     return sampler(layer, [activation], grad_output)
+
+
+def linear_gradients(
+    layer: nn.Linear, activation: torch.Tensor, grad_output: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of a linear layer's weight and bias: the values of Opacus's sampler (the output gradient's
+    outer product with the input, summed over the tokens; the bias's, the output gradient summed), the weight's as one
+    `token_outer_products` (``bmm``) rather than an ``einsum``, which costs a few percent more on CPU here."""
+    grads: dict[nn.Parameter, torch.Tensor] = {}
+    if layer.weight.requires_grad:
+        grads[layer.weight] = token_outer_products(grad_output, activation.to(grad_output.dtype))
+    if layer.bias is not None and layer.bias.requires_grad:
+        grads[layer.bias] = grad_output.reshape(grad_output.shape[0], -1, grad_output.shape[-1]).sum(1)
+    return grads
+
+
+def token_outer_products(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``(B, p, d)``: for each sample, the sum over its tokens of ``left_t right_t^T``, from ``left`` ``(B, ..., p)``
+    and ``right`` ``(B, ..., d)`` (any token dimensions, or none), as one batched matrix product."""
+    batch = left.shape[0]
+    left = left.reshape(batch, -1, left.shape[-1])
+    right = right.reshape(batch, -1, right.shape[-1])
+    return torch.bmm(left.transpose(1, 2), right)
 
 
 def normalization_gradients(
