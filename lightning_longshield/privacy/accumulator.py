@@ -63,12 +63,30 @@ class ClippedGradientSum:
         rows = factors.expand(len(grad_samples), -1) if factors.dim() == 1 else factors
         if rows.shape[0] != len(grad_samples):
             raise ValueError(f"{rows.shape[0]} rows of factors for {len(grad_samples)} per-sample gradients.")
-        if 2 * len(grad_samples) < rows.shape[1] and all(
-            grad.dtype == torch.float32 for grad in grad_samples.values()
-        ):
+        fp32 = all(grad.dtype == torch.float32 for grad in grad_samples.values())
+        if fp32 and rows.shape[1] > 1 and _exact_cpu_matrix_vector(grad_samples.values()):
+            self._add_by_matrix_vector(grad_samples, rows)
+        elif 2 * len(grad_samples) < rows.shape[1] and fp32:
             self._add_each_parameter(grad_samples, rows)
         else:
             self._add_each_sample(grad_samples, rows)
+
+    def _add_by_matrix_vector(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
+        """fp32 CPU gradients: each parameter's ``sum_i factors[i] g_i`` added by one fp32 matrix-vector product
+        (``addmv_``; ``mv`` for a first sum), which reads the per-sample gradients once, where the per-sample
+        `torch._foreach_addcmul_` reads and writes the sums once per sample (3.1 against 4.9 ms a micro-batch of 4 at
+        the tiny preset). Every product ``factors[i] g_i`` is formed in fp32 (or exactly, in a fused multiply-add)
+        and summed in fp32, as by the per-sample path. Inf and NaN are zeroed first if any factor is 0."""
+        if _any_zero(factors):
+            for grad in grad_samples.values():
+                zero_non_finite_(grad)
+        for (name, grad), row in zip(grad_samples.items(), factors):
+            columns = grad.view(grad.shape[0], -1).t()  # (numel, B): one column per sample
+            total = self.sums.get(name)
+            if total is None:
+                self.sums[name] = torch.mv(columns, row).view(grad.shape[1:])
+            else:
+                total.view(-1).addmv_(columns, row)
 
     def _add_each_parameter(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
         """fp32 gradients scaled in place by their row of factors and summed over the samples, a parameter at a
@@ -189,6 +207,17 @@ class ClippedGradientSum:
         chunk = torch.empty_like(chunks[:1])
         dist.reduce_scatter_tensor(chunk, chunks, group=self.data_parallel_group)
         return chunk[0].narrow(shard.dim, 0, local.shape[shard.dim]).contiguous()
+
+
+def _exact_cpu_matrix_vector(grads: Iterable[torch.Tensor]) -> bool:
+    """Whether the clipped sums may be formed by fp32 matrix-vector products: contiguous CPU tensors, with fp32
+    matrix products at full precision (``torch.set_float32_matmul_precision("high")`` or lower lets oneDNN run fp32
+    products in bf16 on CPUs with AMX, which could round a clipped contribution above ``C``)."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return False
+    if getattr(torch.backends.mkldnn.matmul, "fp32_precision", "none") not in ("none", "ieee"):
+        return False
+    return all(grad.device.type == "cpu" and grad.is_contiguous() for grad in grads)
 
 
 def _any_zero(factors: torch.Tensor) -> bool:

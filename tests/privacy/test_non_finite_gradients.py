@@ -31,10 +31,13 @@ def test_a_non_finite_norm_gets_factor_zero():
     assert per_layer[:, :2].eq(0).all() and per_layer[1, 3] == 1.0
 
 
+@pytest.mark.parametrize("precision", ["highest", "high"], ids=["cpu_matrix_vector", "batched_forms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["many samples, one tensor", "few samples, many tensors"])
-def test_the_accumulator_adds_nothing_for_a_non_finite_sample(layout, dtype):
-    """Both batched forms of `ClippedGradientSum.add`: the sum equals the other samples' clipped sum, and is finite."""
+def test_the_accumulator_adds_nothing_for_a_non_finite_sample(layout, dtype, precision, monkeypatch):
+    """Every form of `ClippedGradientSum.add` (on CPU at full fp32 precision, fp32 sums by matrix-vector products;
+    else the two batched forms): the sum equals the other samples' clipped sum, and is finite."""
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: precision)
     batch, count = (8, 1) if layout.startswith("many") else (2, 4)
     generator = torch.Generator().manual_seed(0)
     grads = {f"p{k}": torch.randn(batch, 3, 5, generator=generator).to(dtype) for k in range(count)}
