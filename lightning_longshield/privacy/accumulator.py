@@ -50,12 +50,13 @@ class ClippedGradientSum:
         (per-layer clipping: each layer has its own).
 
         Every sample's scaled gradient is formed in fp32 (a bf16 product or sum could round a clipped contribution
-        above ``C``), never by a GEMM, whose TF32 or bf16 rounding could do the same. In whichever of two batched
-        forms issues fewer ops: a sample at a time over all parameters (1 op per sample: many parameters, as in flat
-        clipping), or a parameter at a time over all samples (2 ops per fp32 parameter: few parameters). The
-        per-sample buffers are consumed: they belong to this micro-batch and die here. A sample with factor 0 adds
-        exactly zero even where its gradient holds inf or NaN (`clip_factors`). fp64 factors are rounded to fp32
-        toward zero, never up (`factors_toward_zero`).
+        above ``C``), never by a GEMM, whose TF32 or bf16 rounding could do the same. fp32 CPU gradients of several
+        samples take one fp32 matrix-vector product per parameter, at full fp32 matmul precision only
+        (`_add_by_matrix_vector`); otherwise whichever of two batched forms issues fewer ops: a sample at a time over
+        all parameters (1 op per sample: many parameters, as in flat clipping), or a parameter at a time over all
+        samples (2 ops per fp32 parameter: few parameters). The per-sample buffers are consumed: they belong to this
+        micro-batch and die here. A sample with factor 0 adds exactly zero even where its gradient holds inf or NaN
+        (`clip_factors`). fp64 factors are rounded to fp32 toward zero, never up (`factors_toward_zero`).
         """
         if not grad_samples:
             return
