@@ -212,13 +212,22 @@ class ClippedGradientSum:
 
 def _exact_cpu_matrix_vector(grads: Iterable[torch.Tensor]) -> bool:
     """Whether the clipped sums may be formed by fp32 matrix-vector products: contiguous CPU tensors, with fp32
-    matrix products at full precision (``torch.set_float32_matmul_precision("high")`` or lower lets oneDNN run fp32
-    products in bf16 on CPUs with AMX, which could round a clipped contribution above ``C``)."""
-    if torch.get_float32_matmul_precision() != "highest":
-        return False
-    if getattr(torch.backends.mkldnn.matmul, "fp32_precision", "none") not in ("none", "ieee"):
-        return False
-    return all(grad.device.type == "cpu" and grad.is_contiguous() for grad in grads)
+    matrix products at full precision (``torch.set_float32_matmul_precision("high")`` or lower, or
+    ``torch.backends.fp32_precision = "bf16"``, lets oneDNN run fp32 products in bf16 on CPUs with AMX, which could
+    round a clipped contribution above ``C``)."""
+    return _full_precision_cpu_matmuls() and all(grad.device.type == "cpu" and grad.is_contiguous() for grad in grads)
+
+
+def _full_precision_cpu_matmuls() -> bool:
+    """Whether CPU fp32 matrix products run in fp32. Read from ``torch.backends.mkldnn.matmul.fp32_precision``, which
+    every setting reaches (the legacy `torch.set_float32_matmul_precision` and the global and oneDNN
+    ``fp32_precision`` alike; ``"none"`` inherits the default), and never `torch.get_float32_matmul_precision`
+    where it exists: that raises once the newer API has been used. torch releases without it have only the legacy
+    setting."""
+    precision = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", None)
+    if precision is None:
+        return torch.get_float32_matmul_precision() == "highest"
+    return precision in ("none", "ieee")
 
 
 def _any_zero(factors: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_longshield.loss import causal_lm_loss
 from lightning_longshield.models import Llama
 from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
-from tests.support.helpers import small_config
+from tests.support.helpers import cpu_matmul_precision, small_config
 
 # Ops that only make views or allocate (no kernel, no memory traffic).
 METADATA_OPS = {"aten::select", "aten::unsqueeze", "aten::view", "aten::empty", "aten::as_strided", "aten::slice",
@@ -76,3 +76,17 @@ def test_cpu_fold_adds_each_parameter_by_one_matrix_vector_product():
             assert fold.count("aten::mv") == params  # the first micro-batch: the product is the sum
             assert not {"aten::_foreach_addcmul_", "aten::_foreach_mul_", "aten::mm", "aten::bmm"} & set(fold)
         assert len(ops[layers, 3][0]) == len(ops[layers, 5][0])
+
+
+def test_newer_precision_api_selects_the_batched_forms(monkeypatch):
+    """``torch.backends.*.fp32_precision`` (the newer API, after which `torch.get_float32_matmul_precision` raises)
+    set to bf16 keeps the clipped sums off matrix products, and the step does not fail on the legacy query."""
+
+    def legacy_query_raises() -> str:
+        raise RuntimeError("mix of the legacy and new APIs")
+
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", legacy_query_raises)
+    with cpu_matmul_precision("bf16"):
+        fold, _ = compute_ops_of_one_fold(1, 3)
+    assert fold.count("aten::_foreach_addcmul_") + fold.count("aten::_foreach_mul_") == 3
+    assert not {"aten::mv", "aten::addmv_", "aten::mm", "aten::bmm"} & set(fold)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 import gc
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import lightning as L
@@ -189,3 +190,16 @@ class CountLiveTensors(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step in self.steps:
             self.counts[trainer.global_step] = live_tensor_count()
+
+
+@contextmanager
+def cpu_matmul_precision(precision: str) -> Iterator[None]:
+    """CPU fp32 matrix products at ``precision`` (``torch.backends.mkldnn.matmul.fp32_precision``: "ieee", "tf32",
+    "bf16") inside the block, restored after it."""
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = precision
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
