@@ -38,10 +38,11 @@ NCCL_BUS_EFFICIENCY = 0.8
 # (through the paper) on NVLink only; CP groups that span nodes apply the same fraction to the NIC, untested.
 CP_KV_EXCHANGE_EFFICIENCY = 0.133
 
-# The fused per-layer clipping kernels (Triton, tiles formed in registers) are taken to reach the matmuls' MFU
-# (``MFU_MATMUL``) of their peak: the tensor cores' bf16 peak, or the CUDA cores' fp32 peak for fp32 inputs, which
-# they multiply in IEEE fp32. Not measured yet (no GPU run of the kernels).
-FUSED_CLIP_MFU = MFU_MATMUL
+# The fused per-layer clipping kernels (Triton, tiles formed in registers): the fraction of their peak they reach
+# (the tensor cores' bf16 peak, or the CUDA cores' fp32 peak for fp32 inputs, which they multiply in IEEE fp32).
+# Fitted to one H100 measurement (llama3.2-1b, bf16-mixed, T 4096, MBS 2: per-layer clipping's step 1.503x
+# non-DP's), which puts the kernels at 0.62 of the matmuls' efficiency (``MFU_MATMUL``); fp32 is not measured.
+FUSED_CLIP_MFU = 0.22
 
 # Ghost norm: the final (MBS, T, T) x (MBS, T, T) dot product takes about as long as building the two Gram
 # matrices (the paper's profiling, section 2), so the ghost norm costs (1 + this) x its Gram-matrix time.

@@ -137,9 +137,10 @@ class RunConfig:
 
     @property
     def fused_linear_weights(self) -> bool:
-        """Whether per-layer clipping takes linear weights through the fused kernels (`PER_LAYER_KERNELS`)."""
+        """Whether per-layer clipping takes linear weights through the fused kernels (`PER_LAYER_KERNELS`). Not at
+        micro-batch 1: there the summed gradient is the sample's, and the strategy clips it after backward."""
         return (self.clipping == "per_layer" and self.per_layer_kernel != "torch" and self.cp_size == 1
-                and self.num_gpus == 1)
+                and self.num_gpus == 1 and self.micro_batch_size > 1)
 
     @property
     def trainable(self) -> TrainableParams:
