@@ -186,7 +186,7 @@ def predict(
     precision: str,
     capacity_bytes: float,
     gpu_name: str = "",
-    per_layer_kernel: str = "auto",
+    per_layer_kernel: str = "torch",
     private_length: bool = False,
     loss_chunk_tokens: LossChunking = "auto",
 ) -> PreflightResult:

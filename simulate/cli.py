@@ -410,10 +410,10 @@ def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
                    help="LoRA rank on every block projection (only the adapters train); 0: full fine-tuning")
     p.add_argument("--clipping", choices=list(CLIPPINGS), default="flat",
                    help="flat (one norm per sample) or per-layer (each layer clipped and freed as it completes)")
-    p.add_argument("--per-layer-kernel", choices=list(PER_LAYER_KERNELS), default="auto",
-                   help="per-layer clipping of linear weights: auto (the fused kernels, no per-sample gradient, where"
-                        " the model is whole on one GPU: CP 1, --gpus 1) or torch (per-sample gradients, one layer"
-                        " at a time)")
+    p.add_argument("--per-layer-kernel", choices=list(PER_LAYER_KERNELS), default="torch",
+                   help="per-layer clipping of linear weights: torch (the strategy's default: per-sample gradients,"
+                        " one layer at a time) or auto (the fused kernels, no per-sample gradient, where the model is"
+                        " whole on one GPU: CP 1, --gpus 1, micro-batches above 1)")
     p.add_argument("--loss-chunk-tokens", type=loss_chunking, default="auto",
                    help="CausalLMModule's chunked loss: auto (its default: chunks once the whole logits would take"
                         " over 1 GiB), none (the whole logits at once) or positions per chunk")

@@ -111,7 +111,7 @@ class RunConfig:
     precision: Precision
     lora_rank: int = 0  # > 0: only LoRA adapters of this rank on every block projection train
     clipping: str = "flat"  # "per_layer": each layer's per-sample gradients clipped and freed as they complete
-    per_layer_kernel: str = "auto"  # the strategy's PerLayerClipping.kernel: "auto"/"triton" fused where it runs
+    per_layer_kernel: str = "torch"  # the strategy's PerLayerClipping.kernel: "auto"/"triton" fused where it runs
     loss_chunk_tokens: LossChunking = "auto"  # CausalLMModule's: "auto", None (the whole logits) or positions
 
     @property
@@ -215,7 +215,7 @@ def make_config(
     precision: str = "bf16-mixed",
     lora_rank: int = 0,
     clipping: str = "flat",
-    per_layer_kernel: str = "auto",
+    per_layer_kernel: str = "torch",
     loss_chunk_tokens: LossChunking = "auto",
 ) -> RunConfig:
     """Validate raw inputs into a :class:`RunConfig`; every error says how to fix the input.
@@ -291,7 +291,7 @@ def longshield_config(
     lora_rank: int = 0,
     data_parallel: int = 1,
     clipping: str = "flat",
-    per_layer_kernel: str = "auto",
+    per_layer_kernel: str = "torch",
     loss_chunk_tokens: LossChunking = "auto",
 ) -> RunConfig:
     """One context-parallel group of `LongShieldStrategy` as the planner sees it: ``cp`` GPUs (the strategy shards
@@ -337,7 +337,7 @@ def plan_strategy(
     seq_len: int,
     precision: str = "bf16-mixed",
     gpu: str | GPUSpec = "h100",
-    per_layer_kernel: str = "auto",
+    per_layer_kernel: str = "torch",
     loss_chunk_tokens: LossChunking = "auto",
     lora_rank: int = 0,
 ) -> tuple[RunConfig, tuple[str, ...]]:

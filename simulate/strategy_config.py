@@ -25,7 +25,8 @@ EXACT_NORMS = ("materialize", "ghost", "mixed")
 NORM_ESTIMATORS = ("hutchinson", "hutchpp")
 CLIPPING_MODES = ("flat", "per_layer")
 THRESHOLD_RULES = ("equal", "proportional")
-#: Per-layer clipping of linear weights: the fused kernel where it runs (``"auto"``), always (``"triton"``) or never.
+#: Per-layer clipping of linear weights: the fused kernel where it runs (``"auto"``), always (``"triton"``) or never
+#: (``"torch"``, the default: faster wherever one layer's per-sample gradients fit).
 PER_LAYER_KERNELS = ("auto", "triton", "torch")
 SHARD_OVER = ("context_parallel", "all")
 DEFAULT_PROJECTION_DIM = 32
@@ -64,11 +65,13 @@ class PerLayerClipping:
     ``thresholds``: ``"equal"`` (``C / sqrt(L)``), ``"proportional"`` (``C sqrt(n_l / sum n)``) or ``{name: C_l}``
     over every trainable parameter (names as in ``named_parameters()``). ``kernel``: linear weights through the fused
     kernel that never writes their per-sample gradients (``"auto"``: where it runs, CUDA with Triton and one rank per
-    model; ``"triton"``: required; ``"torch"``: never). ``clipping="per_layer"`` is this with its defaults.
+    model; ``"triton"``: required) or through the PyTorch path (``"torch"``, the default), which forms one layer's
+    per-sample gradients at a time and was faster on an H100 (the fused kernels' step 1.50x non-DP's at 1B, T 4096,
+    micro-batch 2). ``clipping="per_layer"`` is this with its defaults.
     """
 
     thresholds: ThresholdSpec = "equal"
-    kernel: str = "auto"
+    kernel: str = "torch"
 
     def __post_init__(self) -> None:
         if self.kernel not in PER_LAYER_KERNELS:

@@ -114,7 +114,7 @@ def test_per_layer_clipping_is_planned_with_the_kernel_the_strategy_runs(monkeyp
     from lightning_longshield.privacy import per_layer
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    auto = StrategyConfig(clipping="per_layer")
+    auto = StrategyConfig(clipping=PerLayerClipping(kernel="auto"))
     forced = StrategyConfig(clipping=PerLayerClipping(kernel="torch"))
     everywhere = StrategyConfig(clipping="per_layer", shard_over="all")
     monkeypatch.setattr(per_layer, "triton_runs_on", lambda device: True)

@@ -33,16 +33,16 @@ def test_fit_reports_oom_and_infinite_gpus(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_fit_per_layer_kernel(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--per-layer-kernel``: echoed; the fused plan (one GPU, CP 1) does more compute and holds fewer per-sample
-    bytes than the PyTorch path; the title says which one ran."""
+    """``--per-layer-kernel`` (default torch, as the strategy's): echoed; the fused plan (one GPU, CP 1) does more
+    compute and holds fewer per-sample bytes than the PyTorch path; the title says which one ran."""
     argv = ("fit", "--model", "llama3.2-1b", "--gpus", "1", "--method", "v2", "--mbs", "2", "--seq-len", "1024",
             "--clipping", "per_layer")
     fused, torch_path = (_json(capsys, *argv, "--per-layer-kernel", kernel) for kernel in ("auto", "torch"))
     assert (fused["per_layer_kernel"], torch_path["per_layer_kernel"]) == ("auto", "torch")
     assert fused["tokens_per_second_per_gpu"] < torch_path["tokens_per_second_per_gpu"]
-    assert main([*argv]) == 0 and "per_layer clipping (fused kernels)" in capsys.readouterr().out
-    assert main([*argv, "--per-layer-kernel", "torch"]) == 0
-    assert "per_layer clipping |" in capsys.readouterr().out
+    assert main([*argv, "--per-layer-kernel", "auto"]) == 0
+    assert "per_layer clipping (fused kernels)" in capsys.readouterr().out
+    assert main([*argv]) == 0 and "per_layer clipping |" in capsys.readouterr().out  # the strategy's default
 
 
 def test_max_seq_json(capsys: pytest.CaptureFixture[str]) -> None:

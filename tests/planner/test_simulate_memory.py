@@ -150,7 +150,8 @@ def test_fused_per_layer_kernels_hold_no_linear_per_sample_gradient(tied) -> Non
     """On one GPU at CP 1 the fused kernels take every linear weight used once: what per-sample gradients are formed
     are the RMSNorm weights' and the embedding's (a tied one from the head's backward to the embedding's)."""
     model = replace(get_model_spec("tiny"), tie_embeddings=tied)
-    fused = make_config(model=model, gpus=1, method="v2", mbs=8, seq_len=256, clipping="per_layer")
+    fused = make_config(model=model, gpus=1, method="v2", mbs=8, seq_len=256, clipping="per_layer",
+                        per_layer_kernel="auto")
     torch_path = fused.replace(per_layer_kernel="torch")
     assert fused.fused_linear_weights and not torch_path.fused_linear_weights
     most = {cfg.per_layer_kernel: max(p.get("per_sample_grads", 0.0) for _, p in memory._phases(cfg))
@@ -166,13 +167,16 @@ def test_fused_per_layer_kernels_hold_no_linear_per_sample_gradient(tied) -> Non
 
 def test_fused_per_layer_kernels_only_where_the_strategy_runs_them() -> None:
     """Not under CP, not with the model sharded over several GPUs, not with flat clipping or the PyTorch path."""
-    per_layer = dict(model="tiny", mbs=2, seq_len=256, clipping="per_layer")
+    per_layer = dict(model="tiny", mbs=2, seq_len=256, clipping="per_layer", per_layer_kernel="auto")
     assert make_config(gpus=1, method="v1", **per_layer).fused_linear_weights
     assert not make_config(gpus=2, method="v2", **per_layer).fused_linear_weights  # CP 2
     assert not make_config(gpus=4, method="v2", cp=1, **per_layer).fused_linear_weights  # FSDP over 4 GPUs
     assert not make_config(gpus=1, method="v2", mbs=2, seq_len=256, model="tiny").fused_linear_weights
+    assert not make_config(gpus=1, method="v1", **{**per_layer, "per_layer_kernel": "torch"}).fused_linear_weights
+    default = make_config(gpus=1, method="v1", model="tiny", mbs=2, seq_len=256, clipping="per_layer")
+    assert default.per_layer_kernel == "torch" and not default.fused_linear_weights  # the strategy's default
     with pytest.raises(ValueError, match="Unknown per-layer kernel"):
-        make_config(gpus=1, method="v2", per_layer_kernel="cuda", **per_layer)
+        make_config(gpus=1, method="v2", **{**per_layer, "per_layer_kernel": "cuda"})
 
 
 def test_per_layer_clipping_is_refused_where_it_is_not_modelled() -> None:

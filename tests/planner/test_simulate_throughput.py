@@ -69,7 +69,7 @@ def test_fused_per_layer_kernels_form_each_linear_weight_gradient_twice(precisio
     """The fused kernels replace a linear weight's gradient (``2 p d`` per token) by two passes of it, at the bf16
     tensor-core rate or, for fp32 inputs (IEEE products), the CUDA cores' fp32 rate; no per-sample gradient is read."""
     fused = make_config(model="llama3.2-1b", gpus=1, method="v2", mbs=4, seq_len=4096, precision=precision,
-                        clipping="per_layer")
+                        clipping="per_layer", per_layer_kernel="auto")
     torch_path = fused.replace(per_layer_kernel="torch")
     gradients = 2 * fused.trainable.linear_weights * fused.tokens_per_rank
     f, g = microbatch_flops(fused), microbatch_flops(torch_path)
@@ -94,16 +94,17 @@ def test_dp_over_nondp_step_time_matches_the_h100_measurements(point) -> None:
     efficiency is fitted to that point), V2 and V3 within 5% (nothing of theirs is fitted to these runs)."""
     method, mbs = point
     nondp = estimate_step_time(make_config(model="llama3.2-1b", gpus=1, method="nondp-cp", mbs=mbs, seq_len=4096))
-    clipping = "per_layer" if method == "per_layer" else "flat"
+    per_layer = dict(clipping="per_layer", per_layer_kernel="auto") if method == "per_layer" else {}
     dp = estimate_step_time(make_config(model="llama3.2-1b", gpus=1, method="v3" if method == "v3" else "v2", mbs=mbs,
-                                        seq_len=4096, clipping=clipping))
+                                        seq_len=4096, **per_layer))
     tolerance = 0.02 if method == "per_layer" else 0.05
     assert dp.total / nondp.total == pytest.approx(H100_STEP_OVER_NONDP[point], rel=tolerance)
 
 
 def test_per_layer_clipping_at_micro_batch_1_plans_no_fused_kernels() -> None:
     """At micro-batch 1 the strategy clips the summed gradient (the sample's) after backward, fused kernel or not."""
-    one = make_config(model="llama3.2-1b", gpus=1, method="v2", mbs=1, seq_len=4096, clipping="per_layer")
+    one = make_config(model="llama3.2-1b", gpus=1, method="v2", mbs=1, seq_len=4096, clipping="per_layer",
+                      per_layer_kernel="auto")
     assert not one.fused_linear_weights and microbatch_flops(one).fused_clip == 0.0
     assert one.replace(mbs=2).fused_linear_weights
     torch_path = one.replace(per_layer_kernel="torch")

@@ -60,7 +60,7 @@ def test_typed_choices_carry_their_parameters() -> None:
     config = StrategyConfig(norms="hutchpp", clipping="flat")
     assert config.projected_norms == ProjectedNorms("hutchpp", 32) and config.per_sample == "materialize"
     assert StrategyConfig(norms=ProjectedNorms("hutchinson", 8)).projected_norms.projection_dim == 8
-    assert StrategyConfig(clipping="per_layer").per_layer == PerLayerClipping("equal", "auto")
+    assert StrategyConfig(clipping="per_layer").per_layer == PerLayerClipping("equal", "torch")
     assert StrategyConfig().per_layer is None and StrategyConfig().projected_norms is None
     with pytest.raises(ValueError, match="k >= 3"):
         ProjectedNorms("hutchpp", 2)
