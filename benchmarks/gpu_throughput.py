@@ -50,8 +50,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="SEQ_LENxMBS configurations")
     parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per logical batch")
     parser.add_argument("--precision", choices=("bf16-mixed", "32-true"), default="bf16-mixed")
-    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps not timed")
-    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=1, help="optimizer steps not timed")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--profile-dir", help="also profile one step of every Lightning run (after the timed ones) "
