@@ -18,20 +18,50 @@ rounding could lift a clipped contribution above its bound. The two kernels comp
 the same inputs; should a compiler order their fp32 reductions over the ``T`` tokens differently, each is within
 ``T 2^-24`` of the exact sum for inputs without cancellation, which the caller's clipping margin also covers.
 FLOPs: twice a weight gradient's (the tile is recomputed), as in FlashDP; memory: ``(B,)`` norms. Needs CUDA, or
-``TRITON_INTERPRET=1`` (CPU tensors, for tests).
+``TRITON_INTERPRET=1`` (CPU tensors, for tests). The tile's output rows, token block and launch settings are a
+`FusedTiles`, which a caller passes to both kernels alike; its input columns stay ``NORM_BLOCK``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from lightning_longshield.privacy.clipping import factors_toward_zero
+from lightning_longshield.privacy.clipping import NORM_BLOCK, factors_toward_zero
 
-BLOCK_OUT = 64
-BLOCK_IN = 64  # = clipping.NORM_BLOCK: the fp32 row sums of squares are that long
-BLOCK_TOKENS = 32
+BLOCK_IN = NORM_BLOCK  # the fp32 row sums of squares are that long
+
+
+@dataclass(frozen=True)
+class FusedTiles:
+    """The two kernels' tile: ``block_out`` output rows by ``BLOCK_IN`` input columns, formed ``block_tokens``
+    tokens at a time, launched with ``num_warps`` and ``num_stages``. Pass the same one to both kernels: the norm
+    and the clipped sum then form each tile with the same code, hence the same rounding."""
+
+    block_out: int = 64
+    block_tokens: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_out", "block_tokens"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"FusedTiles({name}={value}): a power of two >= 16 (a tensor-core product's side).")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32) or self.num_stages < 1:
+            raise ValueError(f"FusedTiles(num_warps={self.num_warps}, num_stages={self.num_stages}): num_warps a"
+                             " power of two up to 32, num_stages >= 1.")
+
+    def launch(self) -> dict[str, int]:
+        """The kernels' tile constants and launch settings."""
+        return dict(BLOCK_OUT=self.block_out, BLOCK_IN=BLOCK_IN, BLOCK_TOKENS=self.block_tokens,
+                    num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+DEFAULT_TILES = FusedTiles()
 
 
 @triton.jit
@@ -99,29 +129,36 @@ def _operands(activation: torch.Tensor, grad_output: torch.Tensor) -> tuple[torc
     return a, g, "ieee" if g.dtype == torch.float32 else "tf32"
 
 
-def linear_squared_norms(activation: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+def linear_squared_norms(
+    activation: torch.Tensor, grad_output: torch.Tensor, tiles: FusedTiles = DEFAULT_TILES
+) -> torch.Tensor:
     """``(B,)`` fp64 squared Frobenius norms of the per-sample weight gradients ``G_i^T A_i``, none materialised."""
     a, g, precision = _operands(activation, grad_output)
     batch, tokens, n_in = a.shape
     n_out = g.shape[-1]
     norms = torch.zeros(batch, dtype=torch.float64, device=g.device)
-    grid = (batch, triton.cdiv(n_out, BLOCK_OUT), triton.cdiv(n_in, BLOCK_IN))
-    _squared_norms_kernel[grid](a, g, norms, tokens, n_out, n_in, *a.stride(), *g.stride(),
-                                BLOCK_OUT=BLOCK_OUT, BLOCK_IN=BLOCK_IN, BLOCK_TOKENS=BLOCK_TOKENS, PRECISION=precision)
+    grid = (batch, triton.cdiv(n_out, tiles.block_out), triton.cdiv(n_in, BLOCK_IN))
+    _squared_norms_kernel[grid](a, g, norms, tokens, n_out, n_in, *a.stride(), *g.stride(), PRECISION=precision,
+                                **tiles.launch())
     return norms
 
 
 def add_clipped_linear_sum(
-    out: torch.Tensor, activation: torch.Tensor, grad_output: torch.Tensor, factors: torch.Tensor
+    out: torch.Tensor,
+    activation: torch.Tensor,
+    grad_output: torch.Tensor,
+    factors: torch.Tensor,
+    tiles: FusedTiles = DEFAULT_TILES,
 ) -> torch.Tensor:
-    """``out += sum_i factors[i] G_i^T A_i`` (``out``: fp32 ``(out, in)``), no per-sample gradient in memory."""
+    """``out += sum_i factors[i] G_i^T A_i`` (``out``: fp32 ``(out, in)``), no per-sample gradient in memory; with
+    the ``tiles`` the norms were taken with."""
     if out.dtype != torch.float32:
         raise TypeError(f"The clipped sum must be fp32, got {out.dtype}.")
     a, g, precision = _operands(activation, grad_output)
     batch, tokens, n_in = a.shape
     n_out = g.shape[-1]
     factors = factors_toward_zero(factors).to(device=g.device).contiguous()  # fp32, never rounded up
-    grid = (triton.cdiv(n_out, BLOCK_OUT), triton.cdiv(n_in, BLOCK_IN))
+    grid = (triton.cdiv(n_out, tiles.block_out), triton.cdiv(n_in, BLOCK_IN))
     _clipped_sum_kernel[grid](a, g, factors, out, batch, tokens, n_out, n_in, *a.stride(), *g.stride(), *out.stride(),
-                              BLOCK_OUT=BLOCK_OUT, BLOCK_IN=BLOCK_IN, BLOCK_TOKENS=BLOCK_TOKENS, PRECISION=precision)
+                              PRECISION=precision, **tiles.launch())
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from lightning_longshield.privacy.clipping import CLIP_MARGIN, clip_factor, clip
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.triton_support import triton_runs_on
 from simulate.strategy_config import PerLayerClipping, ThresholdSpec
+
+if TYPE_CHECKING:  # the kernels' module imports Triton
+    from lightning_longshield.privacy.fused_linear_clip import FusedTiles
 
 # Explicit bounds may exceed C^2 in the sum of squares by this relative amount (decimal rounding of user values);
 # the clipping margin (2^-18) of every layer keeps the clipped contribution below C regardless.
@@ -130,16 +134,24 @@ class PerLayerClipper:
         del parts
 
     @torch.no_grad()
-    def clip_linear(self, name: str, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
+    def clip_linear(
+        self, name: str, activation: torch.Tensor, grad_output: torch.Tensor, tiles: Optional[FusedTiles] = None
+    ) -> None:
         """Clip and add a linear weight's per-sample gradients ``G_i^T A_i`` with the fused kernels (context-parallel
-        size 1: the inputs hold every token), never forming them."""
-        from lightning_longshield.privacy.fused_linear_clip import add_clipped_linear_sum, linear_squared_norms
+        size 1: the inputs hold every token), never forming them; both kernels with ``tiles`` (default: the
+        kernels')."""
+        from lightning_longshield.privacy.fused_linear_clip import (
+            DEFAULT_TILES,
+            add_clipped_linear_sum,
+            linear_squared_norms,
+        )
 
-        squared = linear_squared_norms(activation, grad_output)
+        tiles = tiles or DEFAULT_TILES
+        squared = linear_squared_norms(activation, grad_output, tiles)
         self._squared_norms += squared
         # The norm and the sum are two fp32 reductions over the tokens: each off by at most T 2^-24 relative.
         tokens = activation.numel() // (activation.shape[0] * activation.shape[-1])
         factors = clip_factors(squared, self.thresholds[name], max(CLIP_MARGIN, 2 * tokens * 2.0**-24))
         shape = (grad_output.shape[-1], activation.shape[-1])
         add_clipped_linear_sum(self.accumulator.running_sum(name, shape, grad_output.device), activation, grad_output,
-                               factors)
+                               factors, tiles)

@@ -52,9 +52,11 @@ def per_sample_weights(activation: torch.Tensor, grad_output: torch.Tensor) -> t
     return torch.einsum("bto,bti->boi", g, a)
 
 
+@pytest.mark.parametrize("tiles", [(64, 32), (16, 16), (128, 64)], ids=lambda t: f"out{t[0]}-tokens{t[1]}")
 @pytest.mark.parametrize("shape", [(3, 37, 70, 90), (2, 64, 64, 128), (1, 5, 3, 200)], ids=str)
-def test_norms_and_clipped_sum_equal_the_per_sample_einsum(kernel_device, shape):
-    from lightning_longshield.privacy.fused_linear_clip import add_clipped_linear_sum, linear_squared_norms
+def test_norms_and_clipped_sum_equal_the_per_sample_einsum(kernel_device, shape, tiles):
+    """For the default tile and others (partial tiles and token blocks included): `FusedTiles` only moves work."""
+    from lightning_longshield.privacy.fused_linear_clip import FusedTiles, add_clipped_linear_sum, linear_squared_norms
 
     batch, tokens, n_in, n_out = shape
     generator = torch.Generator().manual_seed(sum(shape))
@@ -62,11 +64,13 @@ def test_norms_and_clipped_sum_equal_the_per_sample_einsum(kernel_device, shape)
     grad_output = torch.randn(batch, tokens, n_out, generator=generator).to(kernel_device)
     weights = per_sample_weights(activation, grad_output)
     expected_norms = weights.flatten(1).square().sum(1)
-    torch.testing.assert_close(linear_squared_norms(activation, grad_output).cpu(), expected_norms.cpu(),
+    block_out, block_tokens = tiles
+    tiles = FusedTiles(block_out=block_out, block_tokens=block_tokens, num_warps=8 if block_out == 128 else 4)
+    torch.testing.assert_close(linear_squared_norms(activation, grad_output, tiles).cpu(), expected_norms.cpu(),
                                rtol=1e-5, atol=0)
     factors = torch.rand(batch, generator=generator).to(kernel_device)
     start = torch.randn(n_out, n_in, generator=generator).to(kernel_device)
-    out = add_clipped_linear_sum(start.clone(), activation, grad_output, factors)
+    out = add_clipped_linear_sum(start.clone(), activation, grad_output, factors, tiles)
     expected = start.double() + torch.einsum("b,boi->oi", factors.double(), weights)
     torch.testing.assert_close(out.double().cpu(), expected.cpu(), rtol=1e-5, atol=1e-4)
 
@@ -134,6 +138,16 @@ def test_fused_step_equals_the_pytorch_path_and_the_reference(kernel_device, mic
     batches = [samples(dataset, range(k * BATCH, (k + 1) * BATCH)) for k in range(2)]
     expected = reference_dp_sgd(initial, batches, CLIP, BATCH, layer_thresholds=layer_bounds(initial, CLIP))
     assert_models_close(updated["triton"], expected)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_tiles_are_validated():
+    from lightning_longshield.privacy.fused_linear_clip import FusedTiles
+
+    for bad in (dict(block_out=48), dict(block_tokens=8), dict(num_warps=3), dict(num_stages=0)):
+        with pytest.raises(ValueError, match="FusedTiles"):
+            FusedTiles(**bad)
+    assert FusedTiles().launch() == dict(BLOCK_OUT=64, BLOCK_IN=64, BLOCK_TOKENS=32, num_warps=4, num_stages=3)
 
 
 def test_when_the_fused_kernel_is_used(monkeypatch):

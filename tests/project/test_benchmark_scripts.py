@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,24 @@ def test_noise_generation_benchmark_reports_the_keyed_and_secure_costs():
     for row in report["per_step"].values():
         assert row["keyed_over_seeded"] == row["keyed_s"] / row["seeded_32bit_s"]
         assert row["release_over_torch_release"] == row["release_s"] / row["torch_release_s"]
+
+
+def test_fused_linear_clip_benchmark_times_each_projection_and_sums_the_model():
+    command = [sys.executable, str(BENCHMARKS / "fused_linear_clip.py"), "--device", "cpu", "--preset", "tiny",
+               "--seq-len", "16", "--dtype", "fp32", "--repeats", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    shapes = [(row["in_features"], row["out_features"]) for row in report["projections"]]
+    assert shapes == [(256, 128), (256, 256), (256, 768), (768, 256)]  # the tiny preset: k / v, q / o, w1 / w3, w2
+    assert all(row["nondp_ms"] > 0 and row["torch_path_ms"] > 0 and row["fused_ms"] == {}
+               for row in report["projections"])
+    assert not report["config"]["fused_kernels"] and "fused_ms" not in report["model"]
+    per_model = {(256, 128): 8, (256, 256): 8, (256, 768): 8, (768, 256): 4}  # per block x 4 layers
+    for path in ("nondp_ms", "torch_path_ms"):
+        expected = sum(row[path] * per_model[row["in_features"], row["out_features"]] for row in report["projections"])
+        assert report["model"][path] == pytest.approx(expected, abs=1e-3)
 
 
 def test_gpu_throughput_benchmark_refuses_without_cuda():
