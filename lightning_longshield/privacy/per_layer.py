@@ -98,6 +98,7 @@ class PerLayerClipper:
         self.exchange = exchange
         self._squared_norms = torch.zeros(0, dtype=torch.float64)
         self._host_squared_norms: list[float] = []  # the part summed on the host (CPU tensors)
+        self._threshold_columns: dict[tuple[str, ...], torch.Tensor] = {}  # on the gradients' device, per group
 
     def start_microbatch(self, batch_size: int, device: torch.device) -> None:
         self._squared_norms = torch.zeros(batch_size, dtype=torch.float64, device=device)
@@ -116,22 +117,33 @@ class PerLayerClipper:
 
         On CPU the factors (and the running norms) are computed on the host from the ``P x B`` squared norms, bit
         for bit as `clip_factors` computes them: once per parameter and micro-batch, a dozen tensor ops on a few
-        values cost more than the arithmetic.
+        values cost more than the arithmetic. Elsewhere they are tensor ops, with the group's bounds kept on the
+        device.
         """
         names = list(grad_samples)
         local = per_parameter_squared_norms(grad_samples.values(), len(self._host_squared_norms))
         squared = self.exchange.complete_squared_norms(local)
-        if type(squared) is torch.Tensor and squared.device.type == "cpu":  # a fake one (a traced step): tensor ops
+        if _factors_on_host(squared):
             for row in squared.tolist():
                 self._host_squared_norms = [total + value for total, value in zip(self._host_squared_norms, row)]
             factors = torch.tensor([[clip_factor(norm, self.thresholds[name]) for norm in row]
                                     for name, row in zip(names, squared.sqrt().tolist())], dtype=torch.float32)
         else:
             self._squared_norms += squared.sum(0)
-            factors = clip_factors(squared, squared.new_tensor([self.thresholds[name] for name in names]).unsqueeze(1))
+            factors = clip_factors(squared, self._threshold_column(names, squared))
         parts = self.exchange.local_part(grad_samples)
         self.accumulator.add({name: parts[name] for name in names}, factors)  # one batched add, a row per layer
         del parts
+
+    def _threshold_column(self, names: list[str], squared: torch.Tensor) -> torch.Tensor:
+        """The ``(P, 1)`` bounds of ``names`` on ``squared``'s device, made once per group and device: a fresh
+        host-to-device copy at every layer and micro-batch would stall backward on a GPU (a host sync each)."""
+        column = self._threshold_columns.get(tuple(names))
+        if column is None or column.device != squared.device or type(squared) is not torch.Tensor:
+            column = squared.new_tensor([self.thresholds[name] for name in names]).unsqueeze(1)
+            if type(squared) is torch.Tensor:  # not the fake tensors of a traced step
+                self._threshold_columns[tuple(names)] = column
+        return column
 
     @torch.no_grad()
     def clip_linear(
@@ -155,3 +167,9 @@ class PerLayerClipper:
         shape = (grad_output.shape[-1], activation.shape[-1])
         add_clipped_linear_sum(self.accumulator.running_sum(name, shape, grad_output.device), activation, grad_output,
                                factors, tiles)
+
+
+def _factors_on_host(squared: torch.Tensor) -> bool:
+    """Whether a group's clip factors are computed on the host: for CPU tensors; not for a GPU's (no sync in
+    backward) nor for the fake tensors of a traced step."""
+    return type(squared) is torch.Tensor and squared.device.type == "cpu"

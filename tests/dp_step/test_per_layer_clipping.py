@@ -260,6 +260,33 @@ def test_the_cpu_clipper_adds_what_the_tensor_factors_add():
     assert (every == 1).any() and ((every > 0) & (every < 1)).any() and factors["b"][0, 3] == 0
 
 
+def test_the_tensor_path_keeps_each_groups_bounds_on_the_device(monkeypatch):
+    """Where factors are tensor ops (a GPU), each group's bounds are made once, not copied to the device at every
+    layer and micro-batch (a host sync each in backward); the sums equal `clip_factors`' over two micro-batches."""
+    from lightning_longshield.privacy import per_layer
+
+    monkeypatch.setattr(per_layer, "_factors_on_host", lambda squared: False)
+    generator = torch.Generator().manual_seed(1)
+    shapes, bounds, batch = {"a": (257,), "b": (31, 17)}, {"a": 0.1, "b": 0.2}, 4
+    params = {name: nn.Parameter(torch.zeros(shape)) for name, shape in shapes.items()}
+    clipped, reference = ClippedGradientSum(params), ClippedGradientSum(params)
+    clipper = PerLayerClipper(bounds, clipped, LocalExchange())
+    columns = []
+    for _ in range(2):
+        clipper.start_microbatch(batch, torch.device("cpu"))
+        for name, shape in shapes.items():
+            scale = bounds[name] * torch.logspace(-1, 1, batch) / math.sqrt(math.prod(shape))  # some clipped
+            grad = torch.randn((batch, *shape), generator=generator) * scale.view(-1, *[1] * len(shape))
+            factors = clip_factors(per_parameter_squared_norms([grad], batch),
+                                   torch.tensor([[bounds[name]]], dtype=torch.float64))
+            reference.add({name: grad.clone()}, factors)
+            clipper.clip({name: grad.clone()})
+        columns.append(dict(clipper._threshold_columns))
+    assert set(columns[0]) == {("a",), ("b",)}
+    assert all(columns[1][key] is column for key, column in columns[0].items())  # made once
+    assert all(torch.equal(clipped.sums[name], reference.sums[name]) for name in shapes)
+
+
 # ------------------------------------------------------------------------------------------- memory
 
 
