@@ -26,7 +26,7 @@ NORM_ESTIMATORS = ("hutchinson", "hutchpp")
 CLIPPING_MODES = ("flat", "per_layer")
 THRESHOLD_RULES = ("equal", "proportional")
 #: Per-layer clipping of linear weights: the fused kernel where it runs (``"auto"``), always (``"triton"``) or never
-#: (``"torch"``, the default: faster wherever one layer's per-sample gradients fit).
+#: (``"torch"``, the default; see `PerLayerClipping`).
 PER_LAYER_KERNELS = ("auto", "triton", "torch")
 SHARD_OVER = ("context_parallel", "all")
 DEFAULT_PROJECTION_DIM = 32

@@ -6,8 +6,8 @@ are clipped and added to the clipped sum as soon as they are complete, during ba
 one layer's (or one reduce-scatter bucket's) per-sample gradients are held at a time. With ``kernel="auto"`` or
 ``"triton"``, on CUDA at context-parallel size 1, a linear layer's weight skips even that: a fused Triton kernel
 (`fused_linear_clip`) computes its per-sample norms and its clipped sum from the layer's inputs and output gradients
-without a per-sample gradient in memory. It forms every weight gradient twice in tiles, which cost more than the one
-layer's memory saved (on an H100, 1B, T 4096, micro-batch 2: a step 1.50x non-DP's), so it is opt-in.
+without a per-sample gradient in memory. It forms every weight gradient twice, in tiles: on an H100 (1B, T 4096,
+micro-batch 2) a step took 1.50x non-DP's to save one layer's per-sample gradients, so it is opt-in.
 """
 
 from __future__ import annotations
