@@ -211,7 +211,8 @@ def _exact_cpu_matrix_vector(grads: Iterable[torch.Tensor]) -> bool:
     matrix products at full precision (``torch.set_float32_matmul_precision("high")`` or lower, or
     ``torch.backends.fp32_precision = "bf16"``, lets oneDNN run fp32 products in bf16 on CPUs with AMX, which could
     round a clipped contribution above ``C``)."""
-    return _full_precision_cpu_matmuls() and all(grad.device.type == "cpu" and grad.is_contiguous() for grad in grads)
+    # The tensors first: the precision setting is a slower query, and moot off CPU.
+    return all(grad.device.type == "cpu" and grad.is_contiguous() for grad in grads) and _full_precision_cpu_matmuls()
 
 
 def _full_precision_cpu_matmuls() -> bool:
