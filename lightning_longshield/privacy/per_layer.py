@@ -138,10 +138,11 @@ class PerLayerClipper:
     def _threshold_column(self, names: list[str], squared: torch.Tensor) -> torch.Tensor:
         """The ``(P, 1)`` bounds of ``names`` on ``squared``'s device, made once per group and device: a fresh
         host-to-device copy at every layer and micro-batch would stall backward on a GPU (a host sync each)."""
-        column = self._threshold_columns.get(tuple(names))
-        if column is None or column.device != squared.device or type(squared) is not torch.Tensor:
+        kept = type(squared) is torch.Tensor  # not the fake tensors of a traced step
+        column = self._threshold_columns.get(tuple(names)) if kept else None
+        if column is None or column.device != squared.device:
             column = squared.new_tensor([self.thresholds[name] for name in names]).unsqueeze(1)
-            if type(squared) is torch.Tensor:  # not the fake tensors of a traced step
+            if kept:
                 self._threshold_columns[tuple(names)] = column
         return column
 
