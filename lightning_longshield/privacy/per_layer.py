@@ -123,16 +123,18 @@ class PerLayerClipper:
         names = list(grad_samples)
         local = per_parameter_squared_norms(grad_samples.values(), len(self._host_squared_norms))
         squared = self.exchange.complete_squared_norms(local)
-        if _factors_on_host(squared):
+        on_host = _factors_on_host(squared)
+        if on_host:
             for row in squared.tolist():
                 self._host_squared_norms = [total + value for total, value in zip(self._host_squared_norms, row)]
             factors = torch.tensor([[clip_factor(norm, self.thresholds[name]) for norm in row]
                                     for name, row in zip(names, squared.sqrt().tolist())], dtype=torch.float32)
         else:
-            self._squared_norms += squared.sum(0)
+            self._squared_norms += squared.view(-1) if len(names) == 1 else squared.sum(0)  # one layer: no launch
             factors = clip_factors(squared, self._threshold_column(names, squared))
         parts = self.exchange.local_part(grad_samples)
-        self.accumulator.add({name: parts[name] for name in names}, factors)  # one batched add, a row per layer
+        # One batched add, a row per layer; off CPU with no host sync (this runs in backward).
+        self.accumulator.add({name: parts[name] for name in names}, factors, sync_free=not on_host)
         del parts
 
     def _threshold_column(self, names: list[str], squared: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.per_layer import PerLayerClipper, per_layer_thresholds
 from simulate.strategy_config import PerLayerClipping, StrategyConfig
 from tests.support.helpers import (
+    AtenOpCounts,
     RandomTokens,
     assert_models_close,
     full_state,
@@ -191,7 +192,8 @@ def test_missing_threshold_stops_fit_before_any_step():
 
 
 def contribution_norms(grad_samples: dict[str, torch.Tensor], bounds: dict[str, float]) -> torch.Tensor:
-    """The fp64 norm of each sample's clipped contribution over all layers, as the accumulator adds it."""
+    """The fp64 norm of each sample's clipped contribution over all layers, as the accumulator adds it (through the
+    factors' host or tensor path, whichever `_factors_on_host` picks)."""
     params = {name: nn.Parameter(g[0].float()) for name, g in grad_samples.items()}
     norms = []
     for i in range(next(iter(grad_samples.values())).shape[0]):
@@ -203,13 +205,19 @@ def contribution_norms(grad_samples: dict[str, torch.Tensor], bounds: dict[str, 
     return torch.tensor(norms, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("factors", ["host", "tensor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rule", ["equal", "proportional", "explicit"])
-def test_every_contribution_is_at_most_c_after_rounding(dtype, rule):
+def test_every_contribution_is_at_most_c_after_rounding(dtype, rule, factors, monkeypatch):
     """Random per-sample gradients (values spanning many binades): in the first half of the samples every layer's
     norm is from 1 + 1e-7 to 1e3 times its bound, in the second half from 1e-3 to 1e3 times, independently per
     layer. Every sample's clipped contribution over all layers has norm <= C, and is C (to within the rounding of the
-    gradients) where every layer was clipped."""
+    gradients) where every layer was clipped: with the factors on the host (CPU) and as tensor ops with the
+    sync-free sums (every other device)."""
+    if factors == "tensor":
+        from lightning_longshield.privacy import per_layer
+
+        monkeypatch.setattr(per_layer, "_factors_on_host", lambda squared: False)
     generator = torch.Generator().manual_seed(0)
     shapes = {"a": (257,), "b": (31, 17), "c": (4096,), "d": (3,)}
     batch, max_grad_norm = 64, 0.3
@@ -262,7 +270,8 @@ def test_the_cpu_clipper_adds_what_the_tensor_factors_add():
 
 def test_the_tensor_path_keeps_each_groups_bounds_on_the_device(monkeypatch):
     """Where factors are tensor ops (a GPU), each group's bounds are made once, not copied to the device at every
-    layer and micro-batch (a host sync each in backward); the sums equal `clip_factors`' over two micro-batches."""
+    layer and micro-batch (a host sync each in backward), and no value is read on the host (before, one per layer:
+    whether a factor was 0); the sums equal those of `clip_factors`' factors over two micro-batches."""
     from lightning_longshield.privacy import per_layer
 
     monkeypatch.setattr(per_layer, "_factors_on_host", lambda squared: False)
@@ -279,8 +288,10 @@ def test_the_tensor_path_keeps_each_groups_bounds_on_the_device(monkeypatch):
             grad = torch.randn((batch, *shape), generator=generator) * scale.view(-1, *[1] * len(shape))
             factors = clip_factors(per_parameter_squared_norms([grad], batch),
                                    torch.tensor([[bounds[name]]], dtype=torch.float64))
-            reference.add({name: grad.clone()}, factors)
-            clipper.clip({name: grad.clone()})
+            reference.add({name: grad.clone()}, factors, sync_free=True)
+            with AtenOpCounts() as ops:
+                clipper.clip({name: grad.clone()})
+            assert ops.counts["_local_scalar_dense"] + ops.counts["item"] == 0  # no value read on the host
         columns.append(dict(clipper._threshold_columns))
     assert set(columns[0]) == {("a",), ("b",)}
     assert all(columns[1][key] is column for key, column in columns[0].items())  # made once

@@ -39,12 +39,14 @@ def test_a_non_finite_norm_gets_factor_zero():
     assert per_layer[:, :2].eq(0).all() and per_layer[1, 3] == 1.0
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32"], ids=["cpu_matrix_vector", "batched_forms"])
+@pytest.mark.parametrize(("precision", "sync_free"), [("ieee", False), ("tf32", False), ("ieee", True)],
+                         ids=["cpu_matrix_vector", "batched_forms", "sync_free"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["many samples, one tensor", "few samples, many tensors"])
-def test_the_accumulator_adds_nothing_for_a_non_finite_sample(layout, dtype, precision):
+def test_the_accumulator_adds_nothing_for_a_non_finite_sample(layout, dtype, precision, sync_free):
     """Every form of `ClippedGradientSum.add` (on CPU at full fp32 precision, fp32 sums by matrix-vector products;
-    else the two batched forms): the sum equals the other samples' clipped sum, and is finite."""
+    else the two batched forms; the sync-free form of clipping in backward on a GPU): the sum equals the other
+    samples' clipped sum, and is finite."""
     batch, count = (8, 1) if layout.startswith("many") else (2, 4)
     generator = torch.Generator().manual_seed(0)
     grads = {f"p{k}": torch.randn(batch, 3, 5, generator=generator).to(dtype) for k in range(count)}
@@ -55,7 +57,7 @@ def test_the_accumulator_adds_nothing_for_a_non_finite_sample(layout, dtype, pre
     expected = {name: sum(factors[i] * grad[i].float() for i in range(batch) if i != 1) for name, grad in grads.items()}
     accumulator = ClippedGradientSum({})
     with cpu_matmul_precision(precision):
-        accumulator.add({name: grad.clone() for name, grad in grads.items()}, factors)
+        accumulator.add({name: grad.clone() for name, grad in grads.items()}, factors, sync_free=sync_free)
     for name, total in accumulator.sums.items():
         assert total.isfinite().all()
         torch.testing.assert_close(total, expected[name], rtol=1e-5, atol=1e-6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import tempfile
@@ -13,6 +14,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_longshield import CausalLMModule, LongShieldStrategy
@@ -203,3 +205,15 @@ def cpu_matmul_precision(precision: str) -> Iterator[None]:
         yield
     finally:
         matmul.fp32_precision = before
+
+
+class AtenOpCounts(TorchDispatchMode):
+    """Counts the aten ops run under it by name (``counts["linalg_vector_norm"]``), fake tensors included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
