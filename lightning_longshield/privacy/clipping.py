@@ -61,11 +61,17 @@ def _sum_of_squares(block_norms: torch.Tensor) -> torch.Tensor:
 
 
 def _block_norms(rows: torch.Tensor) -> torch.Tensor:
-    """fp32 norms ``(B, K)`` of the rows' blocks; lower-precision rows one at a time (the kernel upcasts its input:
-    an fp32 copy of one sample, not of all)."""
-    if rows.dtype != torch.float32:
+    """fp32 norms ``(B, K)`` of the rows' blocks; lower-precision rows one at a time where the reduction copies its
+    input to fp32 first (a copy of one sample, not of all), else all at once (a launch per sample fewer)."""
+    if rows.dtype != torch.float32 and not reads_low_precision_directly(rows.device):
         return torch.cat([_block_norms_fp32(row.unsqueeze(0)) for row in rows])
     return _block_norms_fp32(rows)
+
+
+def reads_low_precision_directly(device: torch.device) -> bool:
+    """Whether an fp32 reduction of bf16 or fp16 values reads them as they are: CUDA's accumulates them in fp32
+    directly, other devices' first copy the whole input to fp32."""
+    return device.type == "cuda"
 
 
 def strided_blocks(device: torch.device) -> bool:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.data import Dataset
 
 from lightning_longshield import CausalLMModule, LongShieldStrategy
@@ -18,7 +19,7 @@ from lightning_longshield.privacy import clipping
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
 from lightning_longshield.privacy.clipping import CLIP_MARGIN, clip_factor, clip_factors, per_sample_squared_norms
 from lightning_longshield.privacy.randomness import SecretKey
-from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
+from tests.support.helpers import AtenOpCounts, RandomTokens, loader, make_module, make_trainer, small_config
 
 # ----------------------------------------------------------------------------------------------- checkpoints
 
@@ -201,6 +202,23 @@ def test_norms_of_large_gradients_are_within_the_clip_margin(dtype, strided, mon
     if dtype == torch.float32:  # not vacuous: the single reduction breaks the margin (CPU, this torch)
         whole = torch.stack(torch._foreach_norm(list(grad), 2)).double().square()
         assert ((whole - reference).abs() / reference).max() > 2.0**-18
+
+
+def test_low_precision_samples_are_reduced_in_one_call_on_cuda(monkeypatch):
+    """bf16 per-sample gradients: one norm reduction for all samples on CUDA (fake tensors: counted, not run), where
+    the reduction reads bf16 directly, and one per sample elsewhere, where it copies its input to fp32 first. Both
+    give the same squared norms (checked on CPU)."""
+    counts = {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for device in ("cuda", "cpu"):
+            with AtenOpCounts() as ops:
+                per_sample_squared_norms([torch.empty(4, 33, 64, dtype=torch.bfloat16, device=device)], 4)
+            counts[device] = ops.counts["linalg_vector_norm"]
+    assert counts == {"cuda": 1, "cpu": 4}
+    grad = torch.randn(4, 33, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    per_sample = per_sample_squared_norms([grad], 4)
+    monkeypatch.setattr(clipping, "reads_low_precision_directly", lambda device: True)
+    torch.testing.assert_close(per_sample_squared_norms([grad], 4), per_sample, rtol=2.0**-20, atol=0.0)
 
 
 def test_clip_factors_never_round_up_in_the_subnormal_range():
