@@ -5,8 +5,9 @@
 * compute (:mod:`simulate.flops`): matmul and ghost-norm Gram FLOPs at ``MFU_MATMUL``, attention FLOPs at
   ``MFU_ATTENTION``, and the ghost norm's final reduction as ``GHOST_REDUCTION_TIME_RATIO`` times its Gram time;
 * DP memory-bound passes (LongShield): per-sample norms, clipping and the fp32 accumulate read the kept
-  per-sample gradients and the accumulator once more at HBM bandwidth; linear weights that go through the fused
-  per-layer kernels keep no per-sample gradient, and their two passes are compute (``Flops.fused_clip``) at
+  per-sample gradients and the accumulator once more at HBM bandwidth (per-layer clipping above micro-batch 1 also
+  zeroes inf and NaN in them, a read and a write, instead of a host sync per layer); linear weights that go through
+  the fused per-layer kernels keep no per-sample gradient, and their two passes are compute (``Flops.fused_clip``) at
   ``FUSED_CLIP_MFU`` of the bf16 peak, or of the CUDA cores' fp32 peak for fp32 inputs;
 * communication (:mod:`simulate.comm`): FSDP all-gathers (and, without DP, the gradient reduce-scatter) are
   prefetched and hidden behind compute except for any excess; ZeRO-DP+'s reduce-scatter of the clipped sum can
@@ -96,6 +97,8 @@ def _dp_memory_bound(cfg: RunConfig) -> float:
     accumulator = kept  # each data-parallel group accumulates what its ranks keep
     per_sample = kept - (cfg.trainable.linear_weights if cfg.fused_linear_weights else 0)
     passes = 2 * cfg.micro_batch_size * per_sample * a + 3 * accumulator * FP32  # norm, clip reads; acc r/w + temp
+    if cfg.clipping == "per_layer" and cfg.micro_batch_size > 1:
+        passes += 2 * cfg.micro_batch_size * per_sample * a  # inf and NaN zeroed in place: no host sync in backward
     return passes / cfg.gpu.hbm_bytes_per_s
 
 

@@ -79,22 +79,27 @@ def test_fused_per_layer_kernels_form_each_linear_weight_gradient_twice(precisio
     peak = fused.gpu.fp32_flops if precision == "fp32" else fused.gpu.bf16_flops
     fused_seconds = 2 * gradients / (peak * calibration.FUSED_CLIP_MFU)
     assert slow.compute - fast.compute == pytest.approx(fused_seconds - gradients / (peak_flops(fused) * MFU))
-    unread = 2 * 4 * fused.trainable.linear_weights * fused.precision.activation_bytes  # norm and clip reads, MBS 4
+    # Norm and clip reads, and the zeroing pass's read and write, at MBS 4.
+    unread = 4 * 4 * fused.trainable.linear_weights * fused.precision.activation_bytes
     assert fast.dp_memory_bound - slow.dp_memory_bound == pytest.approx(unread / fused.gpu.hbm_bytes_per_s)
 
 
 # Measured on one H100 (benchmarks/dp_overhead.py, llama3.2-1b, bf16-mixed, T 4096, 4 micro-batches, 2026-11-27):
-# step time over non-DP's, V2 and V3 from benchmarks/gpu_throughput.py in the same session.
-H100_STEP_OVER_NONDP = {("per_layer", 2): 1.503, ("v2", 2): 1.050, ("v3", 2): 1.277, ("v2", 1): 1.045}
+# step time over non-DP's, V2 and V3 from benchmarks/gpu_throughput.py in the same session; per-layer clipping's
+# PyTorch path from a later run, with no host sync in backward.
+H100_STEP_OVER_NONDP = {("per_layer", 2): 1.503, ("per_layer_torch", 2): 1.072, ("v2", 2): 1.050, ("v3", 2): 1.277,
+                        ("v2", 1): 1.045}
 
 
 @pytest.mark.parametrize("point", sorted(H100_STEP_OVER_NONDP), ids=str)
 def test_dp_over_nondp_step_time_matches_the_h100_measurements(point) -> None:
     """The planner's DP / non-DP step time at the measured H100 points: the fused per-layer kernels within 2% (their
-    efficiency is fitted to that point), V2 and V3 within 5% (nothing of theirs is fitted to these runs)."""
+    efficiency is fitted to that point), per-layer clipping's PyTorch path, V2 and V3 within 5% (nothing of theirs is
+    fitted to these runs)."""
     method, mbs = point
     nondp = estimate_step_time(make_config(model="llama3.2-1b", gpus=1, method="nondp-cp", mbs=mbs, seq_len=4096))
-    per_layer = dict(clipping="per_layer", per_layer_kernel="auto") if method == "per_layer" else {}
+    kernel = {"per_layer": "auto", "per_layer_torch": "torch"}.get(method)
+    per_layer = dict(clipping="per_layer", per_layer_kernel=kernel) if kernel else {}
     dp = estimate_step_time(make_config(model="llama3.2-1b", gpus=1, method="v3" if method == "v3" else "v2", mbs=mbs,
                                         seq_len=4096, **per_layer))
     tolerance = 0.02 if method == "per_layer" else 0.05
