@@ -50,9 +50,10 @@ class ClippedGradientSum:
         (per-layer clipping: each layer has its own).
 
         ``sync_free``: read no value on the host, for clipping during backward on a GPU, where a host sync per layer
-        leaves the GPU idle until the next launches (a fifth of a step at 1B, T 4096, micro-batch 2 on an H100).
-        Every tensor's inf and NaN are then zeroed unconditionally, one in-place pass each, instead of after a check
-        for a factor 0, and the samples are added one at a time (`_add_each_sample`).
+        leaves the GPU idle until the next launches (1B, T 4096, micro-batch 2 on an H100: per-layer clipping took
+        1.290x non-DP's step with one, against V2's 1.040x). Every tensor's inf and NaN are then zeroed
+        unconditionally, one in-place pass each, instead of after a check for a factor 0, and the samples are added
+        one at a time (`_add_each_sample`).
 
         Every sample's scaled gradient is formed in fp32 (a bf16 product or sum could round a clipped contribution
         above ``C``), never by a GEMM, whose TF32 or bf16 rounding could do the same. fp32 CPU gradients of several
