@@ -298,6 +298,27 @@ def test_the_tensor_path_keeps_each_groups_bounds_on_the_device(monkeypatch):
     assert all(torch.equal(clipped.sums[name], reference.sums[name]) for name in shapes)
 
 
+def test_a_backward_with_per_layer_clipping_reads_nothing_on_the_host(monkeypatch):
+    """Where the factors are tensor ops (a GPU), a whole micro-batch's backward, in which every layer is clipped,
+    reads no tensor value on the host: each such read would be a sync that leaves the GPU idle until the next launch
+    (584 of them a step made per-layer clipping 1.290x non-DP's step on an H100, against V2's 1.040x)."""
+    from lightning_longshield.privacy import per_layer
+
+    monkeypatch.setattr(per_layer, "_factors_on_host", lambda squared: False)
+    torch.manual_seed(0)
+    model = Llama(small_config())
+    engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
+                         config=StrategyConfig(clipping=PerLayerClipping()))
+    ids = torch.randint(0, 64, (BATCH, 16), generator=torch.Generator().manual_seed(0))
+    engine.begin_logical_batch()
+    engine.prepare_microbatch(BATCH)
+    loss = per_sample_token_loss(model(ids), ids).mean() * BATCH
+    with AtenOpCounts() as ops:
+        loss.backward()
+    assert ops.counts["bmm"] > 0 and ops.counts["linalg_vector_norm"] > 0  # every layer was clipped in backward
+    assert ops.counts["_local_scalar_dense"] + ops.counts["item"] == 0
+
+
 # ------------------------------------------------------------------------------------------- memory
 
 
