@@ -167,20 +167,20 @@ class DPSGDEngine:
         grad_samples = self.capture.collect()
         if grad_samples:
             self.last_held_bytes = sum(g.numel() * g.element_size() for g in grad_samples.values())
-            self._clip_layers(grad_samples)
+            self._clip_layers(grad_samples, in_backward=False)
         else:
             self.last_held_bytes = self.exchange.peak_held_bytes
         assert self.per_layer is not None
         if not self.padding:
             self.last_per_sample_norms = self.per_layer.squared_norms.sqrt()
 
-    def _clip_layers(self, grad_samples: dict[str, torch.Tensor]) -> None:
+    def _clip_layers(self, grad_samples: dict[str, torch.Tensor], in_backward: bool = True) -> None:
         assert self.per_layer is not None
         self.observer.microbatch_gradients(grad_samples.values())
         if self.padding:  # norms 0, factors 1: adds exactly zero, through every collective of a real micro-batch
             for grad in grad_samples.values():
                 grad.zero_()
-        self.per_layer.clip(grad_samples)
+        self.per_layer.clip(grad_samples, in_backward)
         self.observer.clipped_sums(self.accumulator.sums.values())
 
     def _clip_linear(self, name: str, activation: torch.Tensor, grad_output: torch.Tensor) -> None:

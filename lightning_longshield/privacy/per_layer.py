@@ -112,13 +112,15 @@ class PerLayerClipper:
         return self._squared_norms  # no host-to-device copy (a sync) per micro-batch
 
     @torch.no_grad()
-    def clip(self, grad_samples: dict[str, torch.Tensor]) -> None:
+    def clip(self, grad_samples: dict[str, torch.Tensor], in_backward: bool = True) -> None:
         """Clip and add the complete per-sample gradients ``(B, *shape)`` of some parameters; they are consumed.
 
         On CPU the factors (and the running norms) are computed on the host from the ``P x B`` squared norms, bit
         for bit as `clip_factors` computes them: once per parameter and micro-batch, a dozen tensor ops on a few
         values cost more than the arithmetic. Elsewhere they are tensor ops, with the group's bounds kept on the
-        device.
+        device, and ``in_backward`` the sums read nothing on the host (`ClippedGradientSum.add`'s ``sync_free``):
+        after backward (a one-sample micro-batch's ``.grad``, all layers at once) one check is cheaper than zeroing
+        inf and NaN in every gradient.
         """
         names = list(grad_samples)
         local = per_parameter_squared_norms(grad_samples.values(), len(self._host_squared_norms))
@@ -133,8 +135,8 @@ class PerLayerClipper:
             self._squared_norms += squared.view(-1) if len(names) == 1 else squared.sum(0)  # one layer: no launch
             factors = clip_factors(squared, self._threshold_column(names, squared))
         parts = self.exchange.local_part(grad_samples)
-        # One batched add, a row per layer; off CPU with no host sync (this runs in backward).
-        self.accumulator.add({name: parts[name] for name in names}, factors, sync_free=not on_host)
+        # One batched add, a row per layer.
+        self.accumulator.add({name: parts[name] for name in names}, factors, sync_free=in_backward and not on_host)
         del parts
 
     def _threshold_column(self, names: list[str], squared: torch.Tensor) -> torch.Tensor:

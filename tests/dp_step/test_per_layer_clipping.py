@@ -319,6 +319,26 @@ def test_a_backward_with_per_layer_clipping_reads_nothing_on_the_host(monkeypatc
     assert ops.counts["_local_scalar_dense"] + ops.counts["item"] == 0
 
 
+def test_a_one_sample_micro_batch_is_clipped_after_backward_with_one_check(monkeypatch):
+    """At micro-batch 1 every layer's ``.grad`` is clipped after backward, all at once: there one host check (is some
+    factor 0?) costs less than zeroing inf and NaN in every gradient, which clipping in backward does instead."""
+    from lightning_longshield.privacy import per_layer
+
+    monkeypatch.setattr(per_layer, "_factors_on_host", lambda squared: False)
+    torch.manual_seed(0)
+    model = Llama(small_config())
+    engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
+                         config=StrategyConfig(clipping=PerLayerClipping()))
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    engine.begin_logical_batch()
+    engine.prepare_microbatch(1)
+    per_sample_token_loss(model(ids), ids).sum().backward()
+    with AtenOpCounts() as ops:
+        engine.accumulate_microbatch(1)
+    assert ops.counts["_local_scalar_dense"] == 1
+    assert ops.counts["nan_to_num_"] == 1  # the quotients' in `clip_factors`; no pass over the gradients
+
+
 # ------------------------------------------------------------------------------------------- memory
 
 
