@@ -72,9 +72,7 @@ class ClippedGradientSum:
             raise ValueError(f"{rows.shape[0]} rows of factors for {len(grad_samples)} per-sample gradients.")
         fp32 = all(grad.dtype == torch.float32 for grad in grad_samples.values())
         if sync_free:
-            for grad in grad_samples.values():
-                zero_non_finite_(grad)
-            self._add_each_sample(grad_samples, rows, non_finite_zeroed=True)
+            self._add_each_sample(grad_samples, rows, sync_free=True)
         elif fp32 and rows.shape[1] > 1 and _exact_cpu_matrix_vector(grad_samples.values()):
             self._add_by_matrix_vector(grad_samples, rows)
         elif 2 * len(grad_samples) < rows.shape[1] and fp32:
@@ -109,14 +107,14 @@ class ClippedGradientSum:
                 self.sums[name] = total
 
     def _add_each_sample(
-        self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor, non_finite_zeroed: bool = False
+        self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor, sync_free: bool = False
     ) -> None:
         """A sample at a time over all parameters: each sample's gradients are scaled by their factors (column ``i``
         of ``factors``, one per tensor) and added by one `torch._foreach_addcmul_` (one pass over each tensor),
         computed in fp32 (the sums' dtype) without an fp32 copy of a lower-precision gradient. Before the loop, inf
         and NaN are zeroed in each tensor if any factor is 0 (only such samples can hold them; one host sync per call
-        decides, instead of a pass over every tensor), unless the caller did (``non_finite_zeroed``). With one sample
-        and no sum yet, the scaled gradient (upcast if needed) becomes the sum itself."""
+        decides, instead of a pass over every tensor; ``sync_free``: every tensor, without the check). With one
+        sample and no sum yet, the scaled gradient (upcast if needed) becomes the sum itself."""
         names = list(grad_samples)
         batch = factors.shape[1]
         shared = factors.stride(0) == 0  # one factor per sample (flat clipping): the same scalar for every tensor
@@ -131,8 +129,7 @@ class ClippedGradientSum:
             torch._foreach_zero_(fresh)
             self.sums.update(zip(missing, fresh))
             missing = []
-        if not non_finite_zeroed:
-            _zero_non_finite_if_any_dropped(grad_samples.values(), factors)
+        _zero_non_finite_if_any_dropped(grad_samples.values(), factors, sync_free)
         for rows, scales in samples:
             if not missing:  # one pass per tensor: sums += factor x gradient, formed in fp32
                 torch._foreach_addcmul_([self.sums[name] for name in names], rows, scales)
@@ -240,10 +237,13 @@ def _full_precision_cpu_matmuls() -> bool:
     return precision in ("none", "ieee")
 
 
-def _zero_non_finite_if_any_dropped(grads: Iterable[torch.Tensor], factors: torch.Tensor) -> None:
+def _zero_non_finite_if_any_dropped(
+    grads: Iterable[torch.Tensor], factors: torch.Tensor, sync_free: bool = False
+) -> None:
     """Zero inf and NaN in every per-sample gradient, in place, if some sample has factor 0: only such a sample may
-    hold them, and ``0 x inf`` would be NaN in its scaled contribution."""
-    if _any_zero(factors):
+    hold them, and ``0 x inf`` would be NaN in its scaled contribution. ``sync_free``: zero them without asking (the
+    question is a host sync)."""
+    if sync_free or _any_zero(factors):
         for grad in grads:
             zero_non_finite_(grad)
 
