@@ -73,6 +73,20 @@ def test_updates_match_per_layer_reference(max_grad_norm, micro_batch_size, acti
 
 
 @pytest.mark.parametrize("micro_batch_size", [1, 2])
+def test_the_tensor_path_updates_match_the_reference(micro_batch_size, monkeypatch):
+    """The factors as tensor ops and the sums without a host read in backward (every device but CPU; micro-batch 1:
+    after backward, with one check) give the per-sample loop's update."""
+    from lightning_longshield.privacy import per_layer
+
+    monkeypatch.setattr(per_layer, "_factors_on_host", lambda squared: False)
+    module = make_module(small_config())
+    initial = copy.deepcopy(module.model)
+    fit(module, CLIP, micro_batch_size=micro_batch_size)
+    expected = reference_dp_sgd(initial, batches(), CLIP, BATCH, layer_thresholds=layer_bounds(initial, CLIP))
+    assert_models_close(module.model, expected)
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2])
 def test_tied_embeddings_are_one_layer(micro_batch_size):
     """The tied weight has one bound, and its gradient (the sum of both uses) is clipped as one."""
     module = make_module(small_config(tie_embeddings=True))
