@@ -29,7 +29,12 @@ the pages of libraries first used during training, so it says little about what 
 also report the most per-sample-gradient bytes the DP engine held at once, ``opacus`` the size of its
 ``grad_sample`` tensors. They also time one step's noise alone (the engine's keyed draws into a tensor per
 parameter) and report ``<loop>_noise_floor_over_nondp``: non-DP's step plus that noise, over non-DP's step, the
-ratio no DP-SGD implementation can go below on that machine.
+ratio no DP-SGD implementation can go below on that machine. The loops that materialise per-sample gradients
+(``longshield``, ``longshield_v3``, ``longshield_per_layer``) at micro-batch sizes above 1 also time the least work
+on them, one write and two reads of a ``(B, *shape)`` fp32 tensor per parameter, allocated beforehand (the
+per-sample gradients written where non-DP writes one gradient, read for the norms, read again for the clipped sum),
+and report ``<loop>_passes_floor_over_nondp``: non-DP's step plus the noise and those passes for every micro-batch,
+over non-DP's step: the floor of any clipping that materialises per-sample gradients on that machine.
 Step time is the median over ``--steps`` optimizer steps after
 ``--warmup`` steps; with ``--repeats`` every configuration runs that many times, interleaved, and the least
 disturbed (minimum) measurement is reported. A machine that runs a whole process faster or slower than another
@@ -73,6 +78,9 @@ METHODS = ("nondp_lightning", "longshield", "longshield_v3", "zero_dp_plus", "lo
 LIGHTNING_DP = ("longshield", "longshield_v3", "zero_dp_plus", "longshield_per_layer", "longshield_per_layer_fused",
                 "longshield_hutchinson")
 CUDA_ONLY = ("longshield_per_layer_fused",)
+#: Loops that form every per-sample gradient in memory at micro-batch sizes above 1 (all of them at once, or a layer
+#: at a time).
+MATERIALISING = ("longshield", "longshield_v3", "longshield_per_layer")
 # LongShieldStrategy arguments of each Lightning DP loop beyond the shared ones
 STRATEGY_OPTIONS: dict[str, dict[str, Any]] = {
     "longshield_v3": dict(activation_checkpointing=True),
@@ -245,6 +253,8 @@ def _lightning_step_ends(
         held["per_sample_grad_bytes"] = strategy.dp_engine.last_held_bytes
         held["bookkept_bytes"] = strategy.dp_engine.last_bookkept_bytes
         held["noise_s"] = _noise_draw_seconds(strategy.dp_engine, args.device)
+        if args.worker in MATERIALISING and micro > 1:
+            held["passes_s"] = _per_sample_pass_seconds(strategy.dp_engine, micro, args.device)
     return ends
 
 
@@ -261,6 +271,29 @@ def _noise_draw_seconds(engine: Any, device: str, repeats: int = 5, warmup: int 
         start = time.perf_counter()
         engine.noise.start_step(10**9 + step)  # any step number: only the time is kept
         engine.noise.add_to_scaled_all(totals, 1.0, 1.0)
+        _synchronize(device)
+        if step >= 0:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _per_sample_pass_seconds(engine: Any, micro_batch_size: int, device: str, repeats: int = 5,
+                             warmup: int = 2) -> float:
+    """Median time of the least a micro-batch's materialised per-sample gradients cost: for every trainable
+    parameter, one write of a ``(B, *shape)`` fp32 tensor allocated beforehand and two reads of it (its per-sample
+    L2 norms, and its sum over the samples into a tensor of the parameter's shape): what non-DP does not do, up to its
+    own write of one gradient."""
+    shapes = [local_tensor(param).shape for param in engine.capture.parameters.values()]
+    samples = [torch.empty(micro_batch_size, *shape, device=device) for shape in shapes]
+    totals = [torch.empty(shape, device=device) for shape in shapes]
+    times = []
+    for step in range(-warmup, repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        for sample, total in zip(samples, totals):
+            sample.fill_(1.0)
+            torch.linalg.vector_norm(sample.view(micro_batch_size, -1), dim=1)
+            torch.sum(sample, 0, out=total)
         _synchronize(device)
         if step >= 0:
             times.append(time.perf_counter() - start)
@@ -468,6 +501,8 @@ def _row(micro_batch_size: int, accumulation: int, measured: dict[str, dict[str,
             row[f"{method}_bookkept_mib"] = round(get(method, "bookkept_bytes") / 2**20, 2)
         if method in measured and "noise_s" in measured[method]:
             row[f"{method}_noise_s"] = round(get(method, "noise_s"), 4)  # type: ignore[arg-type]
+        if method in measured and "passes_s" in measured[method]:
+            row[f"{method}_passes_s"] = round(get(method, "passes_s"), 4)  # type: ignore[arg-type]
     for dp, nondp in BASELINES.items():
         if dp in measured and "same_process_over_nondp" in measured[dp]:
             row[f"{dp}_over_nondp_same_process"] = round(get(dp, "same_process_over_nondp"), 3)  # type: ignore[arg-type]
@@ -480,6 +515,9 @@ def _row(micro_batch_size: int, accumulation: int, measured: dict[str, dict[str,
         if "noise_s" in measured[dp]:  # the floor: non-DP plus the noise alone
             row[f"{dp}_noise_floor_over_nondp"] = ratio(
                 get(nondp, "step_s") + get(dp, "noise_s"), get(nondp, "step_s"))  # type: ignore[operator]
+        if "passes_s" in measured[dp]:  # and the least work on materialised per-sample gradients
+            floor = get(nondp, "step_s") + get(dp, "noise_s") + accumulation * get(dp, "passes_s")  # type: ignore
+            row[f"{dp}_passes_floor_over_nondp"] = ratio(floor, get(nondp, "step_s"))
     return row
 
 
