@@ -34,7 +34,8 @@ ratio no DP-SGD implementation can go below on that machine. The loops that mate
 on them, one write and two reads of a ``(B, *shape)`` fp32 tensor per parameter, allocated beforehand (the
 per-sample gradients written where non-DP writes one gradient, read for the norms, read again for the clipped sum),
 and report ``<loop>_passes_floor_over_nondp``: non-DP's step plus the noise and those passes for every micro-batch,
-over non-DP's step: the floor of any clipping that materialises per-sample gradients on that machine.
+over non-DP's step: the floor of any clipping that materialises per-sample gradients on that machine (not
+reported where those B copies of the parameters do not fit beside the trained state).
 Step time is the median over ``--steps`` optimizer steps after
 ``--warmup`` steps; with ``--repeats`` every configuration runs that many times, interleaved, and the least
 disturbed (minimum) measurement is reported. A machine that runs a whole process faster or slower than another
@@ -254,7 +255,10 @@ def _lightning_step_ends(
         held["bookkept_bytes"] = strategy.dp_engine.last_bookkept_bytes
         held["noise_s"] = _noise_draw_seconds(strategy.dp_engine, args.device)
         if args.worker in MATERIALISING and micro > 1:
-            held["passes_s"] = _per_sample_pass_seconds(strategy.dp_engine, micro, args.device)
+            try:
+                held["passes_s"] = _per_sample_pass_seconds(strategy.dp_engine, micro, args.device)
+            except torch.OutOfMemoryError:  # B copies of every parameter beside the trained state: no floor then
+                torch.cuda.empty_cache()
     return ends
 
 
