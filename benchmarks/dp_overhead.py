@@ -269,16 +269,12 @@ def _noise_draw_seconds(engine: Any, device: str, repeats: int = 5, warmup: int 
     the loop every release but the first follows another (on CPU the first few draws here took 13-18 ms where the
     later ones, and the releases in the loop, took 10-12)."""
     totals = [torch.zeros(local_tensor(param).shape, device=device) for param in engine.capture.parameters.values()]
-    times = []
-    for step in range(-warmup, repeats):
-        _synchronize(device)
-        start = time.perf_counter()
+
+    def draw(step: int) -> None:
         engine.noise.start_step(10**9 + step)  # any step number: only the time is kept
         engine.noise.add_to_scaled_all(totals, 1.0, 1.0)
-        _synchronize(device)
-        if step >= 0:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    return _median_seconds(draw, device, repeats, warmup)
 
 
 def _per_sample_pass_seconds(engine: Any, micro_batch_size: int, device: str, repeats: int = 5,
@@ -290,14 +286,24 @@ def _per_sample_pass_seconds(engine: Any, micro_batch_size: int, device: str, re
     shapes = [local_tensor(param).shape for param in engine.capture.parameters.values()]
     samples = [torch.empty(micro_batch_size, *shape, device=device) for shape in shapes]
     totals = [torch.empty(shape, device=device) for shape in shapes]
-    times = []
-    for step in range(-warmup, repeats):
-        _synchronize(device)
-        start = time.perf_counter()
+
+    def passes(_: int) -> None:
         for sample, total in zip(samples, totals):
             sample.fill_(1.0)
             torch.linalg.vector_norm(sample.view(micro_batch_size, -1), dim=1)
             torch.sum(sample, 0, out=total)
+
+    return _median_seconds(passes, device, repeats, warmup)
+
+
+def _median_seconds(call: Callable[[int], None], device: str, repeats: int, warmup: int) -> float:
+    """Median seconds of ``call(i)`` for ``i`` in ``0 .. repeats - 1``, after ``warmup`` untimed calls (negative
+    ``i``), each synchronised with the device."""
+    times = []
+    for step in range(-warmup, repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        call(step)
         _synchronize(device)
         if step >= 0:
             times.append(time.perf_counter() - start)
