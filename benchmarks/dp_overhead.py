@@ -29,13 +29,15 @@ the pages of libraries first used during training, so it says little about what 
 also report the most per-sample-gradient bytes the DP engine held at once, ``opacus`` the size of its
 ``grad_sample`` tensors. They also time one step's noise alone (the engine's keyed draws into a tensor per
 parameter) and report ``<loop>_noise_floor_over_nondp``: non-DP's step plus that noise, over non-DP's step, the
-ratio no DP-SGD implementation can go below on that machine. The loops that materialise per-sample gradients
-(``longshield``, ``longshield_v3``, ``longshield_per_layer``) at micro-batch sizes above 1 also time the least work
-on them, one write and two reads of a ``(B, *shape)`` fp32 tensor per parameter, allocated beforehand (the
-per-sample gradients written where non-DP writes one gradient, read for the norms, read again for the clipped sum),
-and report ``<loop>_passes_floor_over_nondp``: non-DP's step plus the noise and those passes for every micro-batch,
-over non-DP's step: the floor of any clipping that materialises per-sample gradients on that machine (not
-reported where those B copies of the parameters do not fit beside the trained state).
+ratio no DP-SGD implementation can go below on that machine. The loops that clip materialised per-sample
+gradients (``longshield``, ``longshield_v3``, ``longshield_per_layer``) also time the least work clipping adds to
+non-DP's step, on fp32 tensors of the parameters' shapes allocated beforehand: at micro-batch size 1 one read of each
+gradient (its norm; the scaled add replaces non-DP's accumulation), above 1 one write and two reads of a
+``(B, *shape)`` tensor per parameter (the per-sample gradients written where non-DP writes one gradient, read for the
+norms, read again for the clipped sum), and report ``<loop>_passes_floor_over_nondp``: non-DP's step plus the noise
+and those passes for every micro-batch, over non-DP's step: the floor of any such clipping on that machine (not
+reported where those B copies of the parameters do not fit beside the trained state). Both floors are timed after
+the loop's memory is measured, so their buffers count in neither figure.
 Step time is the median over ``--steps`` optimizer steps after
 ``--warmup`` steps; with ``--repeats`` every configuration runs that many times, interleaved, and the least
 disturbed (minimum) measurement is reported. A machine that runs a whole process faster or slower than another
@@ -79,8 +81,8 @@ METHODS = ("nondp_lightning", "longshield", "longshield_v3", "zero_dp_plus", "lo
 LIGHTNING_DP = ("longshield", "longshield_v3", "zero_dp_plus", "longshield_per_layer", "longshield_per_layer_fused",
                 "longshield_hutchinson")
 CUDA_ONLY = ("longshield_per_layer_fused",)
-#: Loops that form every per-sample gradient in memory at micro-batch sizes above 1 (all of them at once, or a layer
-#: at a time).
+#: Loops that clip per-sample gradients formed in memory at micro-batch sizes above 1 (all of them at once, or a layer
+#: at a time), and ``.grad`` at micro-batch size 1.
 MATERIALISING = ("longshield", "longshield_v3", "longshield_per_layer")
 # LongShieldStrategy arguments of each Lightning DP loop beyond the shared ones
 STRATEGY_OPTIONS: dict[str, dict[str, Any]] = {
@@ -211,7 +213,7 @@ class _ProfileLastStep(Callback):
 
 
 def _lightning_step_ends(
-    args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int, held: dict[str, float]
+    args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int, held: dict[str, Any]
 ) -> list[float]:
     ends: list[float] = []
 
@@ -253,13 +255,20 @@ def _lightning_step_ends(
     if dp:  # what the DP engine held for the last micro-batch (per-layer clipping: the most at once)
         held["per_sample_grad_bytes"] = strategy.dp_engine.last_held_bytes
         held["bookkept_bytes"] = strategy.dp_engine.last_bookkept_bytes
-        held["noise_s"] = _noise_draw_seconds(strategy.dp_engine, args.device)
-        if args.worker in MATERIALISING and micro > 1:
-            try:
-                held["passes_s"] = _per_sample_pass_seconds(strategy.dp_engine, micro, args.device)
-            except torch.OutOfMemoryError:  # B copies of every parameter beside the trained state: no floor then
-                torch.cuda.empty_cache()
+        held["engine"] = strategy.dp_engine  # its floors are timed once the loop's memory is measured
     return ends
+
+
+def _floor_seconds(engine: Any, args: argparse.Namespace) -> dict[str, float]:
+    """The noise alone, and for the loops that clip materialised per-sample gradients the least clipping work, timed
+    apart after the loop (their buffers would count in its memory)."""
+    floors = {"noise_s": _noise_draw_seconds(engine, args.device)}
+    if args.worker in MATERIALISING:
+        try:
+            floors["passes_s"] = _clipping_pass_seconds(engine, args.micro_batch_size, args.device)
+        except torch.OutOfMemoryError:  # B copies of every parameter beside the trained state: no floor then
+            torch.cuda.empty_cache()
+    return floors
 
 
 def _noise_draw_seconds(engine: Any, device: str, repeats: int = 5, warmup: int = 3) -> float:
@@ -277,20 +286,25 @@ def _noise_draw_seconds(engine: Any, device: str, repeats: int = 5, warmup: int 
     return _median_seconds(draw, device, repeats, warmup)
 
 
-def _per_sample_pass_seconds(engine: Any, micro_batch_size: int, device: str, repeats: int = 5,
-                             warmup: int = 2) -> float:
-    """Median time of the least a micro-batch's materialised per-sample gradients cost: for every trainable
-    parameter, one write of a ``(B, *shape)`` fp32 tensor allocated beforehand and two reads of it (its per-sample
-    L2 norms, and its sum over the samples into a tensor of the parameter's shape): what non-DP does not do, up to its
-    own write of one gradient."""
+def _clipping_pass_seconds(engine: Any, micro_batch_size: int, device: str, repeats: int = 5,
+                           warmup: int = 2) -> float:
+    """Median time of the least work clipping adds to a micro-batch of non-DP's step, on fp32 tensors allocated
+    beforehand. One sample: a read of every gradient (its norm; the scaled add takes the place of non-DP's
+    accumulation). More: for every trainable parameter one write of a ``(B, *shape)`` tensor and two reads of it (its
+    per-sample L2 norms, and its sum over the samples into a tensor of the parameter's shape): what non-DP does not
+    do, up to its own write of one gradient."""
     shapes = [local_tensor(param).shape for param in engine.capture.parameters.values()]
-    samples = [torch.empty(micro_batch_size, *shape, device=device) for shape in shapes]
+    samples = [torch.ones(micro_batch_size, *shape, device=device) for shape in shapes]
     totals = [torch.empty(shape, device=device) for shape in shapes]
 
     def passes(_: int) -> None:
         for sample, total in zip(samples, totals):
+            rows = sample.view(micro_batch_size, -1)
+            if micro_batch_size == 1:
+                torch.linalg.vector_norm(rows, dim=1)
+                continue
             sample.fill_(1.0)
-            torch.linalg.vector_norm(sample.view(micro_batch_size, -1), dim=1)
+            torch.linalg.vector_norm(rows, dim=1)
             torch.sum(sample, 0, out=total)
 
     return _median_seconds(passes, device, repeats, warmup)
@@ -311,7 +325,7 @@ def _median_seconds(call: Callable[[int], None], device: str, repeats: int, warm
 
 
 def _torch_step_ends(
-    args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int, held: dict[str, float]
+    args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int, held: dict[str, Any]
 ) -> list[float]:
     torch.manual_seed(0)
     model = Llama(_config(args)).to(args.device)
@@ -397,8 +411,9 @@ def run_worker(args: argparse.Namespace) -> dict[str, float]:
     else:
         baseline = peak_rss_bytes()
     dp = args.worker in BASELINES
-    held: dict[str, float] = {}
+    held: dict[str, Any] = {}
     durations = _step_durations(args, dataset, dp, total_steps, held)
+    engine = held.pop("engine", None)
     result = {"step_s": statistics.median(durations), **held}
     if args.device == "cuda":
         result["peak_mem_bytes"] = torch.cuda.max_memory_allocated() - baseline
@@ -409,6 +424,8 @@ def run_worker(args: argparse.Namespace) -> dict[str, float]:
         result["same_process_over_nondp"] = _same_process_ratio(args, dataset, total_steps, durations)
     if args.device == "cpu":  # last: the profiler's records would add to the peak RSS
         result["peak_mem_bytes"] = _peak_tensor_bytes_on_cpu(args, dataset, dp)
+    if engine is not None:
+        result.update(_floor_seconds(engine, args))
     return result
 
 
@@ -426,7 +443,7 @@ def _same_process_ratio(
 
 
 def _step_durations(
-    args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int, held: dict[str, float]
+    args: argparse.Namespace, dataset: Dataset, dp: bool, total_steps: int, held: dict[str, Any]
 ) -> list[float]:
     """Seconds of each timed optimizer step of the loop ``args.worker``."""
     ends = _loop(args)(args, dataset, dp, total_steps, held)[:total_steps]  # a profiled step after these: not timed

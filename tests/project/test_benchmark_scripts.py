@@ -131,10 +131,11 @@ def test_dp_overhead_reports_each_loop_against_non_dp_and_the_floors():
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     row, row_of_two = json.loads(result.stdout)["results"]
-    # micro-batch 1 holds no per-sample gradient buffer: no passes over one; micro-batch 2 costs more than the noise
-    assert "longshield_passes_s" not in row and "longshield_passes_floor_over_nondp" not in row
-    assert row_of_two["longshield_passes_s"] > 0
-    assert row_of_two["longshield_passes_floor_over_nondp"] > row_of_two["longshield_noise_floor_over_nondp"] > 1
+    # the least clipping adds lies above the noise alone: a read of each gradient at micro-batch 1, a write and two
+    # reads of each per-sample gradient at 2
+    for measured in (row, row_of_two):
+        assert measured["longshield_passes_s"] > 0
+        assert measured["longshield_passes_floor_over_nondp"] > measured["longshield_noise_floor_over_nondp"] > 1
     assert row["longshield_over_nondp"] > 0 and row["longshield_peak_mem_over_nondp"] > 0
     # peak tensor memory holds at least the parameters, their gradients and AdamW's two states (tiny: 12.5 MiB each)
     assert row["nondp_lightning_peak_mem_mib"] > 4 * 12.5 and row["longshield_peak_mem_mib"] > 4 * 12.5
