@@ -420,12 +420,13 @@ def run_worker(args: argparse.Namespace) -> dict[str, float]:
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     else:
         result["peak_rss_bytes"] = peak_rss_bytes() - baseline
+    if engine is not None:  # its memory is measured; then freed, with its model, before any other loop runs
+        result.update(_floor_seconds(engine, args))
+        del engine
     if dp and args.same_process:  # after the DP loop: its peak memory is already measured
         result["same_process_over_nondp"] = _same_process_ratio(args, dataset, total_steps, durations)
     if args.device == "cpu":  # last: the profiler's records would add to the peak RSS
         result["peak_mem_bytes"] = _peak_tensor_bytes_on_cpu(args, dataset, dp)
-    if engine is not None:
-        result.update(_floor_seconds(engine, args))
     return result
 
 
