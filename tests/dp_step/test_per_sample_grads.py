@@ -81,11 +81,75 @@ def test_embedding_options_outside_dp_sgd_are_refused_on_every_path(per_sample, 
         PerSampleGradCapture(model, per_sample=per_sample)
 
 
-def test_hooks_are_removable():
+def test_capture_replaces_forwards_without_hooks_and_is_removable():
+    """The capture registers no module hooks (they would send every layer call through `nn.Module`'s slower path):
+    it replaces each trainable layer's forward on the instance, calls a forward installed there before it (and not
+    `F.linear` in its place), and `remove` puts every layer's own forward back."""
+    torch.manual_seed(0)
     model = Llama(small_config())
+    calls = []
+    own_forward = model.output.forward
+
+    def installed_before(x):
+        calls.append(1)
+        return own_forward(x)
+
+    model.output.forward = installed_before
+    reference = copy.deepcopy(model)
     capture = PerSampleGradCapture(model)
-    capture.remove()
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    layers = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    assert all("forward" in layer.__dict__ for layer in layers)
+    ids = torch.randint(0, 64, (2, 8))
+    capture.enabled = True
+    model(ids).sum().backward()
+    assert calls == [1] and set(capture.collect()) == {n for n, p in model.named_parameters() if p.requires_grad}
+    capture.remove()
+    assert model.output.forward is installed_before
+    assert not any("forward" in layer.__dict__ for layer in layers if layer is not model.output)
+    torch.testing.assert_close(model(ids), reference(ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["weight", "weight_and_bias"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
+def test_a_captured_linear_layer_gives_autograds_input_gradient(bias, autocast):
+    """A captured ``nn.Linear`` is one autograd node: the gradient it passes down equals plain autograd's bit for bit,
+    in fp32 and under bf16 autocast (computed in bf16, handed on in the input's dtype), and its per-sample gradients
+    equal torch.func's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=bias), torch.nn.Tanh(), torch.nn.Linear(16, 4, bias=bias))
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(3, 5, 8)
+    targets = torch.randn(3, 5, 4)
+
+    def loss_and_input_grad(net, capture=None):
+        x = inputs.clone().requires_grad_()
+        if capture is not None:
+            capture.enabled = True
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = net(x)
+        ((out.float() - targets) ** 2).sum().backward()
+        return x.grad
+
+    capture = PerSampleGradCapture(model)
+    captured_input_grad = loss_and_input_grad(model, capture)
+    expected_input_grad = loss_and_input_grad(reference)
+    assert captured_input_grad.dtype == torch.float32
+    assert torch.equal(captured_input_grad, expected_input_grad)
+    captured = capture.collect()
+    assert all(p.grad is None for p in model.parameters())
+    if autocast:  # bf16 per-sample gradients (the output gradient's dtype): their sum is near autograd's summed one
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(captured[name].float().sum(0), param.grad, rtol=2e-2, atol=2e-2)
+        return
+    params = {n: p.detach() for n, p in reference.named_parameters()}
+
+    def sample_loss(params, x, y):
+        return ((functional_call(reference, params, (x[None],)) - y[None]) ** 2).sum()
+
+    expected = vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, inputs, targets)
+    for name, value in expected.items():
+        torch.testing.assert_close(captured[name], value, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("layer", [torch.nn.RMSNorm(8), torch.nn.LayerNorm(8), torch.nn.LayerNorm(8, bias=False)],

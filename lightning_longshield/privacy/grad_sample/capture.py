@@ -8,7 +8,6 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from lightning_longshield.privacy.grad_sample.bookkeeping import (
     PER_SAMPLE_METHODS,
@@ -18,7 +17,7 @@ from lightning_longshield.privacy.grad_sample.bookkeeping import (
 )
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.grad_sample.layers import check_supported_layers, trainable_layers
-from lightning_longshield.privacy.grad_sample.tap import PerSampleGradTap
+from lightning_longshield.privacy.grad_sample.tap import PerSampleGradTap, PerSampleLinear
 
 # Receives (weight name, activation, output gradient) of a linear layer during backward.
 LinearWeightHandler = Callable[[str, torch.Tensor, torch.Tensor], None]
@@ -27,11 +26,12 @@ LinearWeightHandler = Callable[[str, torch.Tensor, torch.Tensor], None]
 class PerSampleGradCapture:
     """Computes per-sample gradients ``(B, *shape)`` of all trainable parameters of ``model``, keyed by name.
 
-    In per-sample mode (``enabled``) each trainable layer runs its forward with detached parameters and its output
-    passes through a `PerSampleGradTap`; in backward, the exchange turns (activation, output gradient) into
-    per-sample gradients (with the layer's Opacus sampler, completing context-parallel partials by communication),
-    and autograd never builds the summed ``.grad``. A parameter shared by several layers (tied embeddings) receives
-    the sum of its uses, under its first name.
+    In per-sample mode (``enabled``) each trainable layer's forward (replaced on the instance by a `CapturedForward`)
+    runs a plain ``nn.Linear`` as the one autograd node `PerSampleLinear`, and any other layer with detached
+    parameters, its output passed through a `PerSampleGradTap`; in backward, the exchange turns (activation, output
+    gradient) into per-sample gradients (with the layer's Opacus sampler, completing context-parallel partials by
+    communication), and autograd never builds the summed ``.grad``. A parameter shared by several layers (tied
+    embeddings) receives the sum of its uses, under its first name.
 
     With ``per_sample="ghost"`` or ``"mixed"`` linear and embedding weights go to a `BookKeeper`: it takes their
     per-sample norms from Gram matrices (or token ids) and keeps (output gradient, input) to form their clipped sums
@@ -63,8 +63,7 @@ class PerSampleGradCapture:
         }
         name_of_param = {id(p): name for name, p in self.parameters.items()}
         self._layer_names: dict[int, dict[str, str]] = {}
-        self._detached: dict[int, dict[str, nn.Parameter]] = {}
-        self._handles: list[RemovableHandle] = []
+        self._forwards: list[CapturedForward] = []
         self._layers: list[nn.Module] = []
         self.enabled = False
         for _, layer in trainable_layers(model):
@@ -72,8 +71,7 @@ class PerSampleGradCapture:
             self._layer_names[id(layer)] = {
                 attr: name_of_param[id(p)] for attr, p in layer._parameters.items() if p is not None and p.requires_grad
             }
-            self._handles.append(layer.register_forward_pre_hook(self._detach_parameters))
-            self._handles.append(layer.register_forward_hook(self._attach_tap, always_call=True))
+            self._forwards.append(CapturedForward(self, layer))
         #: How many layers own each trainable parameter (2 for tied embeddings).
         self.owners = Counter(name for names in self._layer_names.values() for name in names.values())
         #: Each trainable parameter's uses in this micro-batch: its owning layers' calls in the forward (a tied
@@ -103,28 +101,28 @@ class PerSampleGradCapture:
         return [self._layer_names[layer_id]["weight"] for layer_id in self._fused_layers]
 
     def remove(self) -> None:
-        """Remove all hooks; the model behaves as before."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        """Restore every layer's own forward; the model behaves as before."""
+        for forward in self._forwards:
+            forward.uninstall()
+        self._forwards.clear()
 
-    def _detach_parameters(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
-        if not (self.enabled and torch.is_grad_enabled()):
-            return
-        originals = {attr: layer._parameters[attr] for attr in self._layer_names[id(layer)]}
-        for attr, param in originals.items():
-            layer._parameters[attr] = param.detach()  # type: ignore[assignment]
-        self._detached[id(layer)] = originals
-
-    def _attach_tap(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> Optional[torch.Tensor]:
-        originals = self._detached.pop(id(layer), None)
-        if originals is None:
-            return None
-        layer._parameters.update(originals)
+    def _forward(self, layer: nn.Module, forward: Callable[..., Any], plain_linear: bool, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        """``layer``'s forward with per-sample capture: its parameters reach autograd only through a tap (or, for a
+        plain ``nn.Linear``, the one node `PerSampleLinear`), whose backward hands the capture the layer's input and
+        output gradient."""
         if torch._C._current_graph_task_id() == -1:  # a forward call, not a checkpoint's recomputation in backward
             self._count_call(layer)
-        if not isinstance(output, torch.Tensor):
-            return None  # the forward raised; parameters are restored and the error propagates
+        if plain_linear and len(args) == 1 and not kwargs:
+            return PerSampleLinear.apply(self._receive, layer, args[0], layer.weight, layer.bias)
+        parameters = layer._parameters
+        originals = {attr: parameters[attr] for attr in self._layer_names[id(layer)]}
+        for attr, param in originals.items():
+            parameters[attr] = param.detach()  # type: ignore[assignment]
+        try:
+            output = forward(*args, **kwargs)
+        finally:
+            parameters.update(originals)
         return PerSampleGradTap.apply(self._receive, layer, output, args[0], *originals.values())
 
     def _count_call(self, layer: nn.Module) -> None:
@@ -194,3 +192,34 @@ class PerSampleGradCapture:
                 " them (tie weights by sharing the nn.Parameter between modules, not with functional calls)."
             )
         return self.exchange.finish()
+
+
+class CapturedForward:
+    """A trainable layer's forward routed through a `PerSampleGradCapture` while it captures (installed as the
+    instance's ``forward``, as `lightning_longshield.activation_checkpointing.CheckpointedForward` is): one call
+    per layer call, where a forward pre-hook and hook would take ``nn.Module``'s slower path with hooks."""
+
+    def __init__(self, capture: PerSampleGradCapture, layer: nn.Module) -> None:
+        self.capture: Optional[PerSampleGradCapture] = capture
+        self.layer = layer
+        self.own = layer.__dict__.get("forward")  # a forward installed on the instance before this one
+        self.forward: Callable[..., Any] = layer.forward
+        # F.linear itself, unless the instance's forward was replaced (it is then called as it is)
+        self.plain_linear = type(layer) is nn.Linear and self.own is None
+        layer.forward = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        capture = self.capture
+        if capture is None or not (capture.enabled and torch.is_grad_enabled()):
+            return self.forward(*args, **kwargs)
+        return capture._forward(self.layer, self.forward, self.plain_linear, args, kwargs)
+
+    def uninstall(self) -> None:
+        """Pass every call through from now on, and put the layer's previous forward back if this one is still the
+        layer's (a forward installed over it later keeps calling this one, which passes through)."""
+        self.capture = None
+        if self.layer.__dict__.get("forward") is self:
+            if self.own is None:
+                del self.layer.forward
+            else:
+                self.layer.forward = self.own
