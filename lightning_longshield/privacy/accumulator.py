@@ -44,10 +44,14 @@ class ClippedGradientSum:
         self.sums: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def add(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor, sync_free: bool = False) -> None:
+    def add(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor, sync_free: bool = False,
+            dropped: Optional[bool] = None) -> None:
         """Add ``sum_i factors[i] * grad_samples[name][i]`` for every parameter, in fp32. ``factors`` is ``(B,)``
         (one factor a sample: flat clipping) or ``(P, B)``, one row per tensor of ``grad_samples`` in its order
         (per-layer clipping: each layer has its own).
+
+        ``dropped``: whether some factor is 0, where the caller already knows it (factors computed on the host);
+        ``None``: asked of ``factors`` where needed (a host sync).
 
         ``sync_free``: read no value on the host, for clipping during backward on a GPU, where a host sync per layer
         leaves the GPU idle until the next launches (1B, T 4096, micro-batch 2 on an H100: per-layer clipping took
@@ -74,19 +78,20 @@ class ClippedGradientSum:
         if sync_free:
             self._add_each_sample(grad_samples, rows, sync_free=True)
         elif fp32 and rows.shape[1] > 1 and _exact_cpu_matrix_vector(grad_samples.values()):
-            self._add_by_matrix_vector(grad_samples, rows)
+            self._add_by_matrix_vector(grad_samples, rows, dropped)
         elif 2 * len(grad_samples) < rows.shape[1] and fp32:
             self._add_each_parameter(grad_samples, rows)
         else:
-            self._add_each_sample(grad_samples, rows)
+            self._add_each_sample(grad_samples, rows, dropped=dropped)
 
-    def _add_by_matrix_vector(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor) -> None:
+    def _add_by_matrix_vector(self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor,
+                              dropped: Optional[bool] = None) -> None:
         """fp32 CPU gradients: each parameter's ``sum_i factors[i] g_i`` added by one fp32 matrix-vector product
         (``addmv_``; ``mv`` for a first sum), which reads the per-sample gradients once, where the per-sample
         `torch._foreach_addcmul_` reads and writes the sums once per sample (3.1 against 4.9 ms a micro-batch of 4 at
         the tiny preset). Every product ``factors[i] g_i`` is formed in fp32 (or exactly, in a fused multiply-add)
         and summed in fp32, as by the per-sample path."""
-        _zero_non_finite_if_any_dropped(grad_samples.values(), factors)
+        _zero_non_finite_if_any_dropped(grad_samples.values(), factors, dropped=dropped)
         for (name, grad), row in zip(grad_samples.items(), factors):
             columns = grad.view(grad.shape[0], -1).t()  # (numel, B): one column per sample
             total = self.sums.get(name)
@@ -107,7 +112,8 @@ class ClippedGradientSum:
                 self.sums[name] = total
 
     def _add_each_sample(
-        self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor, sync_free: bool = False
+        self, grad_samples: dict[str, torch.Tensor], factors: torch.Tensor, sync_free: bool = False,
+        dropped: Optional[bool] = None,
     ) -> None:
         """A sample at a time over all parameters: each sample's gradients are scaled by their factors (column ``i``
         of ``factors``, one per tensor) and added by one `torch._foreach_addcmul_` (one pass over each tensor),
@@ -129,7 +135,7 @@ class ClippedGradientSum:
             torch._foreach_zero_(fresh)
             self.sums.update(zip(missing, fresh))
             missing = []
-        _zero_non_finite_if_any_dropped(grad_samples.values(), factors, sync_free)
+        _zero_non_finite_if_any_dropped(grad_samples.values(), factors, sync_free, dropped)
         for rows, scales in samples:
             if not missing:  # one pass per tensor: sums += factor x gradient, formed in fp32
                 torch._foreach_addcmul_([self.sums[name] for name in names], rows, scales)
@@ -238,12 +244,12 @@ def _full_precision_cpu_matmuls() -> bool:
 
 
 def _zero_non_finite_if_any_dropped(
-    grads: Iterable[torch.Tensor], factors: torch.Tensor, sync_free: bool = False
+    grads: Iterable[torch.Tensor], factors: torch.Tensor, sync_free: bool = False, dropped: Optional[bool] = None
 ) -> None:
     """Zero inf and NaN in every per-sample gradient, in place, if some sample has factor 0: only such a sample may
     hold them, and ``0 x inf`` would be NaN in its scaled contribution. ``sync_free``: zero them without asking (the
-    question is a host sync)."""
-    if sync_free or _any_zero(factors):
+    question is a host sync); ``dropped``: the answer, where the caller knows it."""
+    if sync_free or (_any_zero(factors) if dropped is None else dropped):
         for grad in grads:
             zero_non_finite_(grad)
 

@@ -129,14 +129,17 @@ class PerLayerClipper:
         if on_host:
             for row in squared.tolist():
                 self._host_squared_norms = [total + value for total, value in zip(self._host_squared_norms, row)]
-            factors = torch.tensor([[clip_factor(norm, self.thresholds[name]) for norm in row]
-                                    for name, row in zip(names, squared.sqrt().tolist())], dtype=torch.float32)
+            host_factors = [[clip_factor(norm, self.thresholds[name]) for norm in row]
+                            for name, row in zip(names, squared.sqrt().tolist())]
+            dropped = any(factor == 0.0 for row in host_factors for factor in row)
+            factors = torch.tensor(host_factors, dtype=torch.float32)
         else:
             self._squared_norms += squared.view(-1) if len(names) == 1 else squared.sum(0)  # one layer: no launch
             factors = clip_factors(squared, self._threshold_column(names, squared))
         parts = self.exchange.local_part(grad_samples)
         # One batched add, a row per layer.
-        self.accumulator.add({name: parts[name] for name in names}, factors, sync_free=in_backward and not on_host)
+        self.accumulator.add({name: parts[name] for name in names}, factors, sync_free=in_backward and not on_host,
+                             dropped=dropped if on_host else None)
         del parts
 
     def _threshold_column(self, names: list[str], squared: torch.Tensor) -> torch.Tensor:

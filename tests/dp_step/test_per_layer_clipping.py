@@ -256,7 +256,8 @@ def test_every_contribution_is_at_most_c_after_rounding(dtype, rule, factors, mo
 
 def test_the_cpu_clipper_adds_what_the_tensor_factors_add():
     """On CPU the clipper computes its factors (and running norms) on the host: the clipped sums and norms equal
-    those of `clip_factors` and tensor sums (every other device's path) bit for bit, a non-finite sample included."""
+    those of `clip_factors` and tensor sums (every other device's path) bit for bit, a non-finite sample included,
+    and whether a sample's factor is 0 (its inf and NaN zeroed) is read off the host factors, not by tensor ops."""
     generator = torch.Generator().manual_seed(0)
     shapes, bounds, batch = {"a": (257,), "b": (31, 17), "c": (4096,)}, {"a": 0.1, "b": 0.2, "c": 0.05}, 8
     params = {name: nn.Parameter(torch.zeros(shape)) for name, shape in shapes.items()}
@@ -275,7 +276,10 @@ def test_the_cpu_clipper_adds_what_the_tensor_factors_add():
         expected_norms += squared.sum(0)
         factors[name] = clip_factors(squared, torch.tensor([[bounds[name]]], dtype=torch.float64))
         reference.add({name: grad.clone()}, factors[name])
-        clipper.clip({name: grad.clone()})
+        with AtenOpCounts() as ops:
+            clipper.clip({name: grad.clone()})
+        assert ops.counts["eq"] + ops.counts["any"] == 0
+        assert ops.counts["nan_to_num_"] == (1 if name == "b" else 0)
     assert all(torch.equal(clipped.sums[name], reference.sums[name]) for name in shapes)
     assert torch.equal(clipper.squared_norms, expected_norms)
     every = torch.cat(list(factors.values()), dim=1)
