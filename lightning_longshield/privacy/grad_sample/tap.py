@@ -49,10 +49,10 @@ class PerSampleLinear(torch.autograd.Function):
 
     The same values as the layer run with detached parameters behind a `PerSampleGradTap`, in one node instead of
     the tap, the matrix product's own nodes and a swap of the layer's parameters per call: at the tiny preset
-    (micro-batch 4, CPU) the capture's forward and backward cost about half as much over non-DP's. The input is saved
-    with ``save_for_backward``, as the tap's, so activation checkpointing frees and recomputes it. The weight is
-    saved as it is (no copy); under autocast its low-precision cast is formed again in backward instead of being
-    held from forward to backward, as autograd's own matrix product node would hold it.
+    (micro-batch 4, CPU) the capture's forward costs about half as much over non-DP's (its backward the same). The
+    input is saved with ``save_for_backward``, as the tap's, so activation checkpointing frees and recomputes it.
+    The weight is saved as it is (no copy); under autocast its low-precision cast is formed again in backward
+    instead of being held from forward to backward, as autograd's own matrix product node would hold it.
     """
 
     @staticmethod
