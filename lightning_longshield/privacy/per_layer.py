@@ -126,6 +126,7 @@ class PerLayerClipper:
         local = per_parameter_squared_norms(grad_samples.values(), len(self._host_squared_norms))
         squared = self.exchange.complete_squared_norms(local)
         on_host = _factors_on_host(squared)
+        dropped: Optional[bool] = None  # whether some factor is 0, where known on the host
         if on_host:
             for row in squared.tolist():
                 self._host_squared_norms = [total + value for total, value in zip(self._host_squared_norms, row)]
@@ -139,7 +140,7 @@ class PerLayerClipper:
         parts = self.exchange.local_part(grad_samples)
         # One batched add, a row per layer.
         self.accumulator.add({name: parts[name] for name in names}, factors, sync_free=in_backward and not on_host,
-                             dropped=dropped if on_host else None)
+                             dropped=dropped)
         del parts
 
     def _threshold_column(self, names: list[str], squared: torch.Tensor) -> torch.Tensor:
