@@ -15,10 +15,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_longshield.context_parallel.sharding import unshard_sequence
-
-# torch >= 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (same semantics, old names deprecated).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from lightning_longshield.dist_compat import all_gather_single, reduce_scatter_single
 
 
 def gather_along_dim(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
@@ -28,7 +25,7 @@ def gather_along_dim(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Te
         return x
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((size * front.shape[0], *front.shape[1:]))
-    _all_gather_single(out, front, group=group)
+    all_gather_single(out, front, group=group)
     return out.movedim(0, dim)
 
 
@@ -41,7 +38,7 @@ def reduce_scatter_along_dim(x: torch.Tensor, group: ProcessGroup, dim: int) -> 
         raise ValueError(f"reduce_scatter_along_dim: size {x.shape[dim]} of dim {dim} is not divisible by {size}.")
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    _reduce_scatter_single(out, front, op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_single(out, front, op=dist.ReduceOp.SUM, group=group)
     return out.movedim(0, dim)
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_longshield.dist_compat import reduce_scatter_single
 from lightning_longshield.privacy.clipping import factors_toward_zero, zero_non_finite_
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.shards import ParamShard, local_tensor
@@ -218,7 +219,7 @@ class ClippedGradientSum:
             total = torch.zeros(shape, dtype=torch.float32, device=local.device)
         chunks = shard.data_parallel_chunks_first(total)
         chunk = torch.empty_like(chunks[:1])
-        dist.reduce_scatter_tensor(chunk, chunks, group=self.data_parallel_group)
+        reduce_scatter_single(chunk, chunks, group=self.data_parallel_group)
         return chunk[0].narrow(shard.dim, 0, local.shape[shard.dim]).contiguous()
 
 

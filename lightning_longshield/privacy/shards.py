@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_longshield.dist_compat import reduce_scatter_single
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2 parameters and gradients), or the tensor itself."""
@@ -67,7 +69,7 @@ class ParamShard:
     def padded_chunks_first(self, tensor: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Zero-pad the shard dim and make the ranks' parts the leading axis: ``(world, ..., part)``.
 
-        Contiguous, in the layout ``reduce_scatter_tensor``, ``all_to_all_single`` and `from_chunk` expect.
+        Contiguous, in the layout ``reduce_scatter_single``, ``all_to_all_single`` and `from_chunk` expect.
         """
         return self._padded_last(tensor, offset).movedim(-2, 0).flatten(-2).contiguous()
 
@@ -90,5 +92,5 @@ def reduce_scatter_to_shard(tensor: torch.Tensor, shard: ParamShard, group: dist
     """Sum a whole-parameter tensor over ``group``; this rank's shard of the sum."""
     chunks = shard.padded_chunks_first(tensor)
     output = torch.empty_like(chunks[:1])  # gloo wants the output's leading dim times the group size
-    dist.reduce_scatter_tensor(output, chunks, group=group)
+    reduce_scatter_single(output, chunks, group=group)
     return shard.from_chunk(output[0])

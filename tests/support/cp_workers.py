@@ -134,17 +134,17 @@ def check_attention_gqa(cp: CP) -> None:
     local = [shard_sequence(t.detach(), cp.rank, cp.size, dim=2).requires_grad_() for t in (q, k, v)]
     positions = sharded_position_ids(q.shape[0], q.shape[2], cp.rank, cp.size, device=q.device)
     gathered = []
-    original = collectives._all_gather_single
+    original = collectives.all_gather_single
 
     def recording_gather(out, inp, group=None):
         gathered.append(out.numel())
         return original(out, inp, group=group)
 
-    collectives._all_gather_single = recording_gather
+    collectives.all_gather_single = recording_gather
     try:
         local_out = ContextParallelAttention(cp.group)(*local, positions)
     finally:
-        collectives._all_gather_single = original
+        collectives.all_gather_single = original
     assert gathered == [2 * k.numel()], gathered  # K and V with their 2 heads, not repeated to 4
     torch.testing.assert_close(local_out, shard_sequence(out.detach(), cp.rank, cp.size, dim=2), **DOUBLE)
     local_grads = torch.autograd.grad(local_out, local, shard_sequence(upstream, cp.rank, cp.size, dim=2))

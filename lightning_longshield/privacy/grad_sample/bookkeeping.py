@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_longshield.dist_compat import all_gather_single
 from lightning_longshield.privacy.clipping import zero_non_finite_
 from lightning_longshield.privacy.grad_sample.layers import token_outer_products, without_padding
 from lightning_longshield.privacy.shards import ParamShard, reduce_scatter_to_shard
@@ -168,7 +169,7 @@ def gather_tokens(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``(B, T_local, ...)`` -> ``(B, world * T_local, ...)``: the group's tokens, rank by rank."""
     world = dist.get_world_size(group)
     gathered = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(gathered, x.unsqueeze(0).contiguous(), group=group)
+    all_gather_single(gathered, x.unsqueeze(0).contiguous(), group=group)
     return gathered.movedim(0, 1).flatten(1, 2)
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_longshield.dist_compat import reduce_scatter_single
 from lightning_longshield.privacy.grad_sample.bookkeeping import gather_tokens
 from lightning_longshield.privacy.grad_sample.layers import per_sample_gradients, token_outer_products
 from lightning_longshield.privacy.observer import DPStepObserver
@@ -263,7 +264,7 @@ class ReduceScatterExchange(LocalExchange):
         else:
             flat = torch.cat([chunks.flatten(1) for _, chunks, _ in bucket], dim=1)
         output = torch.empty_like(flat[:1])
-        work = dist.reduce_scatter_tensor(output, flat, group=self.group, async_op=True)
+        work = reduce_scatter_single(output, flat, group=self.group, async_op=True)
         self._pending.append((work, bucket, output))
 
     def _wait(self, keep: int) -> None:
