@@ -36,6 +36,8 @@ ZERO_DP_DATA_PARALLEL = 8  # ZeRO-DP+: CP 1, model states sharded over 8 data-pa
 ZERO_DP_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 ZERO_DP_SEQ_LENS = (256, 1024, 4096)
 TOLERANCE = 0.10
+# Saved points without a loss_chunk_tokens field were traced with the whole logits (before the chunked loss).
+WHOLE_LOGITS = None
 SHORT = {"llama3.2-1b": "1B", "llama3.1-8b": "8B"}
 
 
@@ -49,14 +51,25 @@ def trace_point(point: Point) -> dict[str, object]:
     model, method, cp, mbs, seq_len, data_parallel = point
     traced = trace_step(model=model, method=method, cp=cp, data_parallel=data_parallel, mbs=mbs, seq_len=seq_len)
     return {"model": model, "method": method, "cp": cp, "mbs": mbs, "seq_len": seq_len,
-            "data_parallel": data_parallel, "traced_gib": traced.total / 2**30,
+            "data_parallel": data_parallel, "loss_chunk_tokens": _traced_loss_chunking(),
+            "traced_gib": traced.total / 2**30,
             "traced_breakdown_gib": traced.as_gib(), "trace_seconds": traced.seconds}
+
+
+def _traced_loss_chunking() -> object:
+    """The loss chunking a trace runs: `CausalLMModule`'s default (the trace builds the module with it)."""
+    import inspect
+
+    from lightning_longshield import CausalLMModule
+
+    return inspect.signature(CausalLMModule).parameters["loss_chunk_tokens"].default
 
 
 def with_analytic(row: dict[str, object]) -> dict[str, object]:
     """``row`` with the analytic prediction of its configuration and the relative error beside the trace."""
     analytic = estimate_memory(longshield_config(row["model"], row["method"], row["cp"], row["mbs"], row["seq_len"],
-                                                 data_parallel=row.get("data_parallel", 1)))
+                                                 data_parallel=row.get("data_parallel", 1),
+                                                 loss_chunk_tokens=row.get("loss_chunk_tokens", WHOLE_LOGITS)))
     method = as_run_by_longshield(row["method"], row["mbs"])
     return {**row, "analytic_method": method, "analytic_gib": analytic.allocated / 2**30,
             "error": analytic.allocated / 2**30 / row["traced_gib"] - 1,

@@ -12,7 +12,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simulate import max_seq_len, plan  # noqa: E402
-from tests.planner.paper_tables import MEMORY_TOLERANCE, TABLE2, TABLE3, TABLE4, THROUGHPUT_TOLERANCE  # noqa: E402
+from tests.planner.paper_tables import (  # noqa: E402
+    MEMORY_TOLERANCE,
+    PROTOTYPE,
+    TABLE2,
+    TABLE3,
+    TABLE4,
+    THROUGHPUT_TOLERANCE,
+)
 
 SHORT = {"llama3.2-1b": "1B", "llama3.1-8b": "8B"}
 
@@ -47,7 +54,7 @@ def table2(tally: Tally) -> list[str]:
     lines = ["| model | GPUs | MBS 1 | MBS 2 | MBS 4 | MBS 8 |", "|---|---|---|---|---|---|"]
     groups: dict[tuple[str, object], list[str]] = {}
     for row in TABLE2:
-        best = max_seq_len(model=row.model, gpus=row.gpus, method="zero-dp", mbs=row.mbs)
+        best = max_seq_len(**PROTOTYPE, model=row.model, gpus=row.gpus, method="zero-dp", mbs=row.mbs)
         pred = best.config.seq_len if best else None
         cell = f"{row.max_seq_len or 'OOM'} / {pred or 'OOM'}{tally.check(pred == row.max_seq_len)}"
         groups.setdefault((row.model, row.gpus), []).append(cell)
@@ -62,7 +69,7 @@ def table3(tally: Tally) -> list[str]:
     for row in TABLE3:
         cells = []
         for method, ref in (("nondp-fsdp", row.nondp_tps), ("zero-dp", row.zero_dp_tps)):
-            pred = plan(model=row.model, gpus=4, method=method, mbs=row.mbs, seq_len=row.seq_len)
+            pred = plan(**PROTOTYPE, model=row.model, gpus=4, method=method, mbs=row.mbs, seq_len=row.seq_len)
             tps = pred.tokens_per_second_per_gpu
             fitted = method == "nondp-fsdp"  # Table 3's non-private rows calibrate the throughput model
             cells += [f"{_k(ref)} / {_k(tps)}", _err(tps, ref, THROUGHPUT_TOLERANCE, tally, fitted)]
@@ -77,7 +84,7 @@ def table4(tally: Tally) -> list[str]:
         reported = {"nondp-cp": (row.nondp_gib, row.nondp_tps), "zero-dp": (None, None),
                     "v1": (row.v1_gib, row.v1_tps), "v2": (row.v2_gib, row.v2_tps)}
         for method, (gib, tps) in reported.items():
-            p = plan(model=row.model, gpus=4, method=method, mbs=row.mbs, seq_len=row.seq_len)
+            p = plan(**PROTOTYPE, model=row.model, gpus=4, method=method, mbs=row.mbs, seq_len=row.seq_len)
             head = f"| {SHORT[row.model]} | {row.mbs} | {row.seq_len} | {method} |"
             if gib is None:
                 verdict = "OOM / " + ("OOM" if not p.fits else f"fits ({p.peak_memory_gib:.1f})")

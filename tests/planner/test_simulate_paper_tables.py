@@ -15,6 +15,7 @@ from tests.planner.paper_tables import (
     EIGHT_B,
     MEMORY_TOLERANCE,
     ONE_B,
+    PROTOTYPE,
     TABLE2,
     TABLE3,
     TABLE4,
@@ -23,8 +24,6 @@ from tests.planner.paper_tables import (
     FsdpThroughputRow,
     MaxSeqRow,
 )
-
-PROTOTYPE = dict(loss_chunk_tokens=None)  # the paper's prototype computes the loss over the whole logits
 
 _ZERO_DP_8B_SHORT_T = (
     "ZeRO-DP+ 8B at T <= 2k: the paper measures 1.8-2.6x slowdowns that it attributes to unoptimised DP "
