@@ -366,6 +366,8 @@ class _PerSampleGrads:
         self.fused = cfg.fused_linear_weights
         self.largest = trainable.largest_other_in_block if self.fused else trainable.largest_in_block
         self.vd = trainable.embedding
+        # The embedding's per-sample gradient is formed in its weight's dtype (the lookup runs outside autocast).
+        self.embedding_unit = self.unit if self.fsdp_gradient else cfg.micro_batch_size * cfg.precision.master_bytes
         self.tied = cfg.model.tie_embeddings
         self.per_layer = cfg.clipping == "per_layer"
 
@@ -393,12 +395,17 @@ class _PerSampleGrads:
         return clipped + (self.unit * self.vd if self.reduced else 0.0)
 
     def embedding(self) -> float:
-        """The embedding's buffer (untied: its own, plus its unreduced partial; tied: the head's reduced shard)."""
+        """The embedding's buffers at the end of backward. Untied: its per-sample gradient, plus its unreduced
+        partial while it is reduce-scattered. Tied: the embedding's per-sample gradient, formed whole in the weight's
+        dtype and added in place into the head's partial (kept whole or as this rank's part), then freed; after it
+        the head's reduced shard."""
         if not self.active:
             return 0.0
+        formed = self.embedding_unit * self.vd
         if self.tied:
-            return self.unit * self.vd * self.share if self.reduced else 0.0
-        return self.unit * self.vd * (self.share + (1.0 if self.reduced else 0.0))
+            reduced_shard = self.unit * self.vd * self.share if self.reduced else 0.0
+            return reduced_shard if self.fsdp_gradient else max(formed, reduced_shard)
+        return formed * (self.share + (1.0 if self.reduced else 0.0))
 
 
 class _GhostClipping:

@@ -129,7 +129,9 @@ def test_per_layer_clipping_is_planned_with_the_kernel_the_strategy_runs(monkeyp
     fused, materialised = (preflight.predict(spec, layout("v2", 1, 4, clipping="per_layer"), 1, 1024, "bf16-mixed",
                                              80 * GIB, per_layer_kernel=kernel) for kernel in ("auto", "torch"))
     assert fused.config.fused_linear_weights and not materialised.config.fused_linear_weights
-    held = [max(p.get("per_sample_grads", 0.0) for _, p in memory._phases(r.config)) for r in (fused, materialised)]
+    # While the blocks run (at the end of backward the tied embedding's buffers, the same on both paths, bind).
+    held = [max(p.get("per_sample_grads", 0.0) for name, p in memory._phases(r.config)
+                if name.startswith("backward: block")) for r in (fused, materialised)]
     assert held[0] < held[1]
 
 
