@@ -369,6 +369,11 @@ class _PerSampleGrads:
         # The embedding's per-sample gradient is formed in its weight's dtype (the lookup runs outside autocast).
         self.embedding_unit = self.unit if self.fsdp_gradient else cfg.micro_batch_size * cfg.precision.master_bytes
         self.tied = cfg.model.tie_embeddings
+        # At CP 1 a tied embedding's use is added into the head's per-sample gradient row by row: per token, its
+        # row's fp32 sum twice (formed, read back) and the head's row, plus a first-token index per (sample, row).
+        per_token = cfg.model.dim * (2 * cfg.precision.master_bytes + cfg.precision.activation_bytes)
+        index = 8 * cfg.micro_batch_size * cfg.model.vocab_size
+        self.embedding_rows = cfg.tokens_per_rank * per_token + index if cfg.cp_size == 1 and self.vd else 0.0
         self.per_layer = cfg.clipping == "per_layer"
 
     def block_kept(self) -> float:
@@ -396,15 +401,17 @@ class _PerSampleGrads:
 
     def embedding(self) -> float:
         """The embedding's buffers at the end of backward. Untied: its per-sample gradient, plus its unreduced
-        partial while it is reduce-scattered. Tied: the embedding's per-sample gradient, formed whole in the weight's
-        dtype and added in place into the head's partial (kept whole or as this rank's part), then freed; after it
-        the head's reduced shard."""
+        partial while it is reduce-scattered. Tied: at CP 1 the rows it adds into the head's per-sample gradient;
+        under CP its per-sample gradient, formed whole in the weight's dtype and added in place into the head's
+        partial (kept whole or as this rank's part), then freed, and after it the head's reduced shard."""
         if not self.active:
             return 0.0
         formed = self.embedding_unit * self.vd
         if self.tied:
             reduced_shard = self.unit * self.vd * self.share if self.reduced else 0.0
-            return reduced_shard if self.fsdp_gradient else max(formed, reduced_shard)
+            if self.fsdp_gradient:
+                return reduced_shard
+            return self.embedding_rows if self.embedding_rows else max(formed, reduced_shard)
         return formed * (self.share + (1.0 if self.reduced else 0.0))
 
 

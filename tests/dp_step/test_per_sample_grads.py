@@ -210,3 +210,59 @@ def test_linear_sampler_equals_torch_func_and_opacus(bias, shape):
         assert ours[param].is_contiguous() and ours[param].shape == (3, *param.shape)
         torch.testing.assert_close(ours[param], expected[name], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ours[param], opacus[param], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("total_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16_total"])
+@pytest.mark.parametrize("padding_idx", [None, 3], ids=["no_padding", "padding"])
+def test_embedding_rows_add_exactly_the_samplers_tensor(total_dtype, padding_idx):
+    """Adding an embedding's per-sample gradients row by row gives bit for bit what adding the sampler's dense
+    ``(B, V, d)`` tensor gives (repeated tokens summed in token order, one rounding into the total's dtype)."""
+    from lightning_longshield.privacy.grad_sample.layers import add_embedding_gradients_, per_sample_gradients
+
+    torch.manual_seed(0)
+    layer = torch.nn.Embedding(11, 6, padding_idx=padding_idx)
+    ids = torch.randint(0, 11, (4, 40))  # 40 tokens over 11 ids: every row repeats
+    ids[1, :7] = 3
+    grad_output = torch.randn(4, 40, 6)
+    head = torch.randn(4, 11, 6).to(total_dtype)
+    expected = head.clone().add_(per_sample_gradients(layer, ids, grad_output)[layer.weight])
+    add_embedding_gradients_(head, layer, ids, grad_output)
+    assert torch.equal(head, expected)
+    if padding_idx is not None:
+        assert torch.equal(head[:, padding_idx], expected[:, padding_idx])
+
+
+def test_a_tied_embedding_forms_no_vocabulary_sized_per_sample_tensor():
+    """At CP 1 a tied embedding's use is added row by row into the head's per-sample gradient: no op of its backward
+    creates a ``(B, V, d)`` tensor, and the per-sample gradients still equal torch.func's (as in
+    `test_capture_matches_torch_func`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from lightning_longshield.privacy.grad_sample import capture as capture_module
+
+    torch.manual_seed(0)
+    config = small_config(tie_embeddings=True, vocab_size=97)  # no other weight has 97 x dim elements
+    model = Llama(config)
+    input_ids, labels = torch.randint(0, 97, (3, 12)), torch.randint(0, 97, (3, 12))
+    vocabulary_sized = 3 * config.vocab_size * config.dim
+    created = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            inputs = {t.untyped_storage().data_ptr() for t in tensors}
+            if (isinstance(out, torch.Tensor) and out.numel() == vocabulary_sized
+                    and out.untyped_storage().data_ptr() not in inputs):  # new memory, not a view or in-place op
+                created.append(str(func))
+            return out
+
+    capture = capture_module.PerSampleGradCapture(model)
+    capture.enabled = True
+    loss = per_sample_token_loss(model(input_ids), labels).sum()
+    with Sizes():
+        loss.backward()
+    captured = capture.collect()
+    assert created == ["aten.bmm.default"], created  # the head's per-sample gradient only
+    assert set(captured) == {n for n, _ in model.named_parameters()}

@@ -89,6 +89,7 @@ GRID_POINTS = [  # (model, method, CP size, MBS, T): a few of the README grid's 
     ("llama3.2-1b", "v3", 4, 2, 16384),
     ("llama3.2-1b", "nondp-cp", 4, 1, 4096),
     ("llama3.2-1b", "v2", 4, 4, 1024),  # short: the tied embedding's fp32 per-sample gradient binds at the end
+    ("llama3.2-1b", "v2", 1, 4, 256),  # CP 1: its rows are added into the head's per-sample gradient instead
 ]
 
 

@@ -161,9 +161,12 @@ def test_fused_per_layer_kernels_hold_no_linear_per_sample_gradient(tied) -> Non
             for cfg in (fused, torch_path)}
     unit = 8 * fused.precision.activation_bytes
     embedding = model.vocab_size * model.dim
-    # The embedding's (fp32: the lookup runs outside autocast); a tied one is added into the head's partial, held
-    # from the head's backward.
-    assert most["auto"] == 8 * fused.precision.master_bytes * embedding + (unit * embedding if tied else 0)
+    # The embedding's (fp32: the lookup runs outside autocast); a tied one is added into the head's per-sample
+    # gradient, held from the head's backward, row by row: per token two fp32 row sums and the head's row, plus an
+    # index per (sample, row).
+    rows = 8 * 256 * model.dim * (2 * 4 + 2) + 8 * 8 * model.vocab_size
+    expected = unit * embedding + rows if tied else 8 * fused.precision.master_bytes * embedding
+    assert most["auto"] == expected
     # While the blocks run, the PyTorch path holds a linear weight's per-sample gradients, the fused one none.
     blocks = {cfg.per_layer_kernel: max(p.get("per_sample_grads", 0.0) for name, p in memory._phases(cfg)
                                         if name.startswith("backward: block")) for cfg in (fused, torch_path)}

@@ -32,7 +32,11 @@ from torch import nn
 
 from lightning_longshield.dist_compat import reduce_scatter_single
 from lightning_longshield.privacy.grad_sample.bookkeeping import gather_tokens
-from lightning_longshield.privacy.grad_sample.layers import per_sample_gradients, token_outer_products
+from lightning_longshield.privacy.grad_sample.layers import (
+    add_embedding_gradients_,
+    per_sample_gradients,
+    token_outer_products,
+)
 from lightning_longshield.privacy.observer import DPStepObserver
 from lightning_longshield.privacy.shards import ParamShard, local_tensor
 from simulate.strategy_config import DEFAULT_BUCKET_MB
@@ -62,6 +66,10 @@ class LocalExchange:
     ``held_bytes`` is what the exchange holds of complete per-sample gradients now, ``peak_held_bytes`` its maximum
     in the current micro-batch.
     """
+
+    #: Whether a parameter's uses are summed in what this rank holds (no collective per use): a tied embedding's
+    #: use is then added into the head's per-sample gradient row by row (`add_embedding_gradients_`).
+    sums_uses_locally = True
 
     def __init__(
         self,
@@ -109,6 +117,15 @@ class LocalExchange:
         return self.capturing
 
     def receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor, name_of: ParamNamer):
+        if self.sums_uses_locally and type(layer) is nn.Embedding and layer.weight.requires_grad:
+            name = name_of(layer, layer.weight)
+            self._flush_summing()
+            held = self.grad_samples.get(name)
+            if held is not None and held.is_contiguous():  # another use's (a tied head's): add the rows into it
+                add_embedding_gradients_(held, layer, activation, grad_output)
+                self._count_arrival(name, 1)
+                self._deliver()
+                return
         for param, grad_sample in per_sample_gradients(layer, activation, grad_output).items():
             self.store(name_of(layer, param), grad_sample)
 
@@ -147,6 +164,11 @@ class LocalExchange:
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         else:  # in place: the first use's tensor is the exchange's own, and a third (B, *shape) buffer would not fit
             previous.add_(grad_sample)
+        self._count_arrival(name, uses)
+
+    def _count_arrival(self, name: str, uses: int) -> None:
+        """``uses`` more uses of ``name`` are in what the exchange holds (per-layer clipping delivers it when all
+        have arrived)."""
         if self._sink is not None:
             self._arrived[name] = self._arrived.get(name, 0) + uses
             if self._arrived[name] == self._uses.get(name, 1):
@@ -203,6 +225,8 @@ class AllReduceExchange(LocalExchange):
     reduce-scatter instead, whose shards' squared norms are summed over the group.
     """
 
+    sums_uses_locally = False  # each use's partial is reduced over the group as it arrives
+
     def __init__(self, group: dist.ProcessGroup, shards: dict[str, ParamShard], always_capture: bool = False) -> None:
         super().__init__(group, shards, always_capture)
 
@@ -228,6 +252,8 @@ class ReduceScatterExchange(LocalExchange):
     ``bucket_bytes`` (0: one collective per parameter), so small parameters do not cost one collective each. With
     ``overlap`` one bucket stays in flight while the backward of the next layers runs.
     """
+
+    sums_uses_locally = False  # each use's partial is reduced over the group as it arrives
 
     def __init__(
         self,

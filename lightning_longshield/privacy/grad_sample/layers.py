@@ -84,6 +84,31 @@ def normalization_gradients(
     return grads
 
 
+def add_embedding_gradients_(
+    total: torch.Tensor, layer: nn.Embedding, ids: torch.Tensor, grad_output: torch.Tensor
+) -> None:
+    """Add ``layer``'s per-sample weight gradients to ``total`` ``(B, V, d)`` in place, without the ``(B, V, d)``
+    tensor the sampler forms (`per_sample_gradients`): only the rows of the (sample, token id) pairs the micro-batch
+    holds are touched. The same values as ``total.add_`` of the sampler's tensor: each row's sum over its tokens in
+    token order, in the output gradient's dtype from zero, then one rounding into ``total``'s dtype; padding tokens
+    add nothing. A tied embedding's use is added into the head's per-sample gradient this way: under bf16-mixed the
+    sampler's tensor is fp32 (the lookup runs outside autocast), twice the head's bytes.
+
+    Every shape is static (fake tensors trace it): each token's row sum is formed at the row's first token, read back
+    at all of its tokens, and written to the row once per token, the same value each time."""
+    grad_output = without_padding(layer, ids, grad_output)
+    batch, dim = total.shape[0], total.shape[-1]
+    offsets = torch.arange(batch, device=ids.device).unsqueeze(1) * layer.num_embeddings
+    rows = (ids.reshape(batch, -1) + offsets).reshape(-1)  # a row of total.view(-1, d) per token
+    positions = torch.arange(rows.numel(), device=rows.device)
+    first = torch.full((total.shape[0] * total.shape[1],), rows.numel(), dtype=torch.long, device=rows.device)
+    first = first.scatter_reduce_(0, rows, positions, "amin")[rows]  # each token's row's first token
+    sums = torch.zeros(rows.numel(), dim, dtype=grad_output.dtype, device=grad_output.device)
+    sums.index_add_(0, first, grad_output.reshape(-1, dim))
+    flat = total.view(-1, dim)
+    flat[rows] = flat[rows].add_(sums[first])
+
+
 def without_padding(layer: nn.Embedding, ids: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
     """An embedding's output gradients ``(..., d)`` with those of its padding tokens zeroed."""
     if layer.padding_idx is None:
