@@ -373,7 +373,8 @@ class _PerSampleGrads:
         # row's fp32 sum twice (formed, read back) and the head's row, plus a first-token index per (sample, row).
         per_token = cfg.model.dim * (2 * cfg.precision.master_bytes + cfg.precision.activation_bytes)
         index = 8 * cfg.micro_batch_size * cfg.model.vocab_size
-        self.embedding_rows = cfg.tokens_per_rank * per_token + index if cfg.cp_size == 1 and self.vd else 0.0
+        rows_added = cfg.cp_size == 1 and self.tied and self.vd
+        self.embedding_rows = cfg.tokens_per_rank * per_token + index if rows_added else 0.0
         self.per_layer = cfg.clipping == "per_layer"
 
     def block_kept(self) -> float:
