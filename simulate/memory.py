@@ -373,8 +373,8 @@ class _PerSampleGrads:
         # row's fp32 sum twice (formed, read back) and the head's row, plus a first-token index per (sample, row).
         per_token = cfg.model.dim * (2 * cfg.precision.master_bytes + cfg.precision.activation_bytes)
         index = 8 * cfg.micro_batch_size * cfg.model.vocab_size
-        rows_added = cfg.cp_size == 1 and self.tied and self.vd
-        self.embedding_rows = cfg.tokens_per_rank * per_token + index if rows_added else 0.0
+        self.rows_added = bool(cfg.cp_size == 1 and self.tied and self.vd)
+        self.embedding_rows = cfg.tokens_per_rank * per_token + index
         self.per_layer = cfg.clipping == "per_layer"
 
     def block_kept(self) -> float:
@@ -412,7 +412,7 @@ class _PerSampleGrads:
             reduced_shard = self.unit * self.vd * self.share if self.reduced else 0.0
             if self.fsdp_gradient:
                 return reduced_shard
-            return self.embedding_rows if self.embedding_rows else max(formed, reduced_shard)
+            return self.embedding_rows if self.rows_added else max(formed, reduced_shard)
         return formed * (self.share + (1.0 if self.reduced else 0.0))
 
 

@@ -100,12 +100,12 @@ def add_embedding_gradients_(
     batch, dim = total.shape[0], total.shape[-1]
     offsets = torch.arange(batch, device=ids.device).unsqueeze(1) * layer.num_embeddings
     rows = (ids.reshape(batch, -1) + offsets).reshape(-1)  # a row of total.view(-1, d) per token
+    flat = total.view(-1, dim)
     positions = torch.arange(rows.numel(), device=rows.device)
-    first = torch.full((total.shape[0] * total.shape[1],), rows.numel(), dtype=torch.long, device=rows.device)
+    first = torch.full((flat.shape[0],), rows.numel(), dtype=torch.long, device=rows.device)
     first = first.scatter_reduce_(0, rows, positions, "amin")[rows]  # each token's row's first token
     sums = torch.zeros(rows.numel(), dim, dtype=grad_output.dtype, device=grad_output.device)
     sums.index_add_(0, first, grad_output.reshape(-1, dim))
-    flat = total.view(-1, dim)
     flat[rows] = flat[rows].add_(sums[first])
 
 
