@@ -1,4 +1,4 @@
-"""Per-rank peak RSS of setting up a ~1.3 GiB (fp32) model under CP 2, until training starts (run as a script).
+"""Per-rank peak RSS of setting up a ~0.8 GiB (fp32) model under CP 2, until training starts (run as a script).
 
 ``python -m tests.support.meta_init_memory_probe prebuilt|meta OUT_DIR`` (from the repository root): ``prebuilt``
 builds the whole model on every rank before ``fit`` (as a model built outside ``configure_model`` is); ``meta``
@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 from tests.support.ac_memory_probe import peak_rss_bytes, status_bytes
 
-CONFIG = dict(vocab_size=32000, dim=1024, n_layers=16, n_heads=8, n_kv_heads=8, ffn_dim=4096, max_seq_len=64,
+CONFIG = dict(vocab_size=32000, dim=1024, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=4096, max_seq_len=64,
               rope_theta=10000.0)
 
 
