@@ -153,6 +153,23 @@ def test_fused_per_layer_worker_refuses_cpu():
 
 
 @pytest.mark.slow
+def test_dp_step_phases_reports_each_phase_against_non_dp():
+    command = [sys.executable, str(BENCHMARKS / "dp_step_phases.py"), "--seq-len", "16", "--micro-batch-size", "2",
+               "--accumulation", "2", "--steps", "1", "--warmup", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    medians = report["median_ms_per_step"]
+    assert set(medians) == {"nondp", "flat", "per_layer"}
+    assert set(medians["flat"]) == {"forward", "backward", "clipping", "noise", "optimizer", "step"}
+    for phases in medians.values():  # the step's own timer spans its phases
+        assert 0 < sum(value for phase, value in phases.items() if phase != "step") <= phases["step"] + 0.01
+    for loop in ("flat", "per_layer"):
+        assert report[f"{loop}_over_nondp"] > 0
+        assert report[f"{loop}_minus_nondp_ms"]["noise"] == medians[loop]["noise"]  # non-DP draws none
+
+
+@pytest.mark.slow
 def test_chunked_loss_benchmark_runs_and_reports_ratios():
     command = [sys.executable, str(BENCHMARKS / "chunked_loss.py"), "--seq-len", "64", "--vocab", "512",
                "--chunk-tokens", "16", "--repeats", "1"]

@@ -1,0 +1,154 @@
+"""Where a DP step's extra time goes: the forward, backward, clipping, noise and optimizer phases of LongShield's DP
+engine against the same plain PyTorch loop without DP, alternating step by step in one process. Prints JSON.
+
+Both loops train identical copies of a Llama preset on the same micro-batches, ``--accumulation`` micro-batches per
+AdamW step. The non-DP loop accumulates each micro-batch's gradient into ``.grad``; each DP loop (``flat``: one norm
+per sample, ``per_layer``: equal per-layer bounds) runs `DPSGDEngine` as the strategy does: ``prepare_microbatch``,
+forward, backward, ``accumulate_microbatch`` (the clipping: after backward for flat clipping, during it for per-layer
+clipping, whose in-backward part is then counted in ``backward``), and per step ``release`` (the noise) and the
+optimizer step. Every step of every loop runs in turn (non-DP, then each DP loop), so a drift of the machine's speed
+weighs on all of them alike; ``--warmup`` rounds are not timed. Reported: the median milliseconds per optimizer step
+of each phase and of the whole step, per loop; each DP loop's phases minus non-DP's; and ``<loop>_over_nondp``, the
+ratio of the median step times. On CUDA every phase ends with a synchronisation (the phases then add up to the
+step). Example (the tiny preset, 2 CPU cores: about a minute):
+
+    python benchmarks/dp_step_phases.py --micro-batch-size 4 --seq-len 256 --accumulation 4 --steps 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lightning_longshield.loss import loss_divisors, token_loss_sums
+from lightning_longshield.models import Llama, LlamaConfig
+from lightning_longshield.privacy.accountant import PrivacyAccountant
+from lightning_longshield.privacy.engine import DPSGDEngine
+from lightning_longshield.privacy.noise import GaussianNoise
+from simulate.strategy_config import PerLayerClipping, StrategyConfig
+
+DP_LOOPS = {"flat": StrategyConfig(), "per_layer": StrategyConfig(clipping=PerLayerClipping(kernel="torch"))}
+NOISE_MULTIPLIER, MAX_GRAD_NORM, SAMPLE_RATE = 1.0, 1.0, 0.01  # the accounting does not change the timing
+Phases = dict[str, float]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--preset", default="tiny", help="LlamaConfig preset")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per optimizer step")
+    parser.add_argument("--steps", type=int, default=16, help="timed optimizer steps of each loop")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps of each loop first")
+    parser.add_argument("--loops", nargs="+", choices=sorted(DP_LOOPS), default=sorted(DP_LOOPS),
+                        help="DP loops timed against non-DP")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    for name in ("seq_len", "micro_batch_size", "accumulation", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1.")
+    if args.warmup < 0:
+        parser.error("--warmup must be at least 0.")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU; run on --device cpu here.")
+    return args
+
+
+class PhaseTimer:
+    """Adds the seconds of each named phase of one step (synchronising a CUDA device at every boundary)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: Phases = defaultdict(float)
+
+    def __call__(self, phase: str, work: Callable[..., object], *args: object) -> object:
+        began = time.perf_counter()
+        result = work(*args)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds[phase] += time.perf_counter() - began
+        return result
+
+
+def mean_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The mean over samples of each sample's mean token cross-entropy, as `CausalLMModule` trains."""
+    labels = tokens[:, 1:]
+    return (token_loss_sums(model(tokens[:, :-1]), labels) / loss_divisors(labels)).mean()
+
+
+def nondp_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: torch.Tensor, timer: PhaseTimer) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    for tokens in batches:
+        loss = timer("forward", mean_loss, model, tokens)
+        timer("backward", loss.backward)
+    timer("optimizer", optimizer.step)
+
+
+def dp_step(model: nn.Module, optimizer: torch.optim.Optimizer, engine: DPSGDEngine, batches: torch.Tensor,
+            timer: PhaseTimer) -> None:
+    engine.begin_logical_batch()
+    size = batches.shape[1]
+    for tokens in batches:
+        engine.prepare_microbatch(size)
+        loss = timer("forward", mean_loss, model, tokens)
+        timer("backward", loss.backward)
+        timer("clipping", engine.accumulate_microbatch, size)
+    timer("noise", engine.release, NOISE_MULTIPLIER, SAMPLE_RATE, batches.shape[0] * size)
+    timer("optimizer", optimizer.step)
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    device = torch.device(args.device)
+    preset = LlamaConfig.from_name(args.preset)
+    config = dataclasses.replace(preset, max_seq_len=max(preset.max_seq_len, args.seq_len))
+    tokens = torch.randint(0, config.vocab_size, (args.accumulation, args.micro_batch_size, args.seq_len + 1),
+                           generator=torch.Generator().manual_seed(0)).to(device)
+
+    def fresh_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = Llama(config).to(device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    steps: dict[str, Callable[[PhaseTimer], None]] = {}
+    model, optimizer = fresh_model()
+    steps["nondp"] = lambda timer, m=model, o=optimizer: nondp_step(m, o, tokens, timer)
+    for loop in args.loops:
+        model, optimizer = fresh_model()
+        engine = DPSGDEngine(model, MAX_GRAD_NORM, GaussianNoise(device), PrivacyAccountant("rdp"),
+                             config=DP_LOOPS[loop])
+        steps[loop] = lambda timer, m=model, o=optimizer, e=engine: dp_step(m, o, e, tokens, timer)
+
+    timed: dict[str, list[Phases]] = defaultdict(list)
+    for round_ in range(args.warmup + args.steps):
+        for loop, step in steps.items():
+            timer = PhaseTimer(device)
+            timer("step", step, timer)
+            if round_ >= args.warmup:
+                timed[loop].append(dict(timer.seconds))
+
+    medians = {loop: {phase: round(1e3 * statistics.median(step[phase] for step in rounds), 2)
+                      for phase in rounds[0]} for loop, rounds in timed.items()}
+    report: dict[str, object] = {"config": vars(args), "median_ms_per_step": medians}
+    base = medians["nondp"]
+    for loop in args.loops:
+        report[f"{loop}_minus_nondp_ms"] = {phase: round(value - base.get(phase, 0.0), 2)
+                                            for phase, value in medians[loop].items()}
+        report[f"{loop}_over_nondp"] = round(medians[loop]["step"] / base["step"], 3)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    print(json.dumps(run(parse_args(argv)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
