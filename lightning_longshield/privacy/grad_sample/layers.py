@@ -43,7 +43,9 @@ def linear_gradients(
     `token_outer_products` (``bmm``) rather than an ``einsum``, which costs a few percent more on CPU here."""
     grads: dict[nn.Parameter, torch.Tensor] = {}
     if layer.weight.requires_grad:
-        grads[layer.weight] = token_outer_products(grad_output, activation.to(grad_output.dtype))
+        if activation.dtype != grad_output.dtype:
+            activation = activation.to(grad_output.dtype)
+        grads[layer.weight] = token_outer_products(grad_output, activation)
     if layer.bias is not None and layer.bias.requires_grad:
         grads[layer.bias] = grad_output.reshape(grad_output.shape[0], -1, grad_output.shape[-1]).sum(1)
     return grads
