@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_longshield.loss import loss_divisors, token_loss_sums
+from lightning_longshield.loss import per_sample_token_loss
 from lightning_longshield.models import Llama, LlamaConfig
 from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.engine import DPSGDEngine
@@ -81,8 +81,7 @@ class PhaseTimer:
 
 def mean_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """The mean over samples of each sample's mean token cross-entropy, as `CausalLMModule` trains."""
-    labels = tokens[:, 1:]
-    return (token_loss_sums(model(tokens[:, :-1]), labels) / loss_divisors(labels)).mean()
+    return per_sample_token_loss(model(tokens[:, :-1]), tokens[:, 1:]).mean()
 
 
 def nondp_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: torch.Tensor, timer: PhaseTimer) -> None:
