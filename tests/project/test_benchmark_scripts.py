@@ -13,38 +13,41 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def test_cp_attention_benchmark_runs_and_reports_ratios():
-    command = [sys.executable, str(BENCHMARKS / "cp_attention.py"), "--device", "cpu", "--seq-lens", "64",
-               "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--repeats", "1"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+def run_benchmark(script: str, *args: str, timeout: int, env: dict[str, str] | None = None) -> str:
+    """Standard output of ``benchmarks/<script> args``, which must exit with status 0 (else: its stderr's end)."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                            timeout=timeout, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
+    return result.stdout
+
+
+def test_cp_attention_benchmark_runs_and_reports_ratios():
+    stdout = run_benchmark("cp_attention.py", "--device", "cpu", "--seq-lens", "64", "--heads", "4", "--kv-heads", "2",
+                           "--head-dim", "8", "--repeats", "1", timeout=300)
+    report = json.loads(stdout)
     (row,) = report["results"]
     assert row["seq_len"] == 64 and row["prefix_over_flash_share"] > 0 and row["masked_over_flash_share"] > 0
 
 
 @pytest.mark.slow
 def test_gpu_throughput_benchmark_runs_and_reports_ratios():
-    command = [sys.executable, str(BENCHMARKS / "gpu_throughput.py"), "--device", "cpu", "--preset", "tiny",
-               "--points", "32x1", "--methods", "nondp_lightning", "longshield", "--accumulation", "2",
-               "--warmup", "1", "--steps", "1", "--precision", "32-true"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (row,) = json.loads(result.stdout)["results"]
+    stdout = run_benchmark("gpu_throughput.py", "--device", "cpu", "--preset", "tiny", "--points", "32x1", "--methods",
+                           "nondp_lightning", "longshield", "--accumulation", "2", "--warmup", "1", "--steps", "1",
+                           "--precision", "32-true", timeout=600)
+    report = json.loads(stdout)
+    (row,) = report["results"]
     assert (row["seq_len"], row["micro_batch_size"]) == (32, 1)
     assert row["longshield"]["tokens_per_s"] > 0 and row["nondp_lightning"]["tokens_per_s"] > 0
     assert row["longshield_over_nondp"] == round(
         row["longshield"]["tokens_per_s"] / row["nondp_lightning"]["tokens_per_s"], 3)
-    noise = json.loads(result.stdout)["noise"]
+    noise = report["noise"]
     assert noise["secure_noise_gb_per_s"] > 0 and set(noise["per_step"]) == {"3279104"}
 
 
 def test_noise_generation_benchmark_reports_the_keyed_and_secure_costs():
-    command = [sys.executable, str(BENCHMARKS / "noise_generation.py"), "--params", "100000", "300000",
-               "--secure-elements", "65536", "--repeats", "1"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
+    stdout = run_benchmark("noise_generation.py", "--params", "100000", "300000", "--secure-elements", "65536",
+                           "--repeats", "1", timeout=600)
+    report = json.loads(stdout)
     assert set(report["per_step"]) == {"100000", "300000"} and report["secure_noise_gb_per_s"] > 0
     for row in report["per_step"].values():
         assert row["keyed_over_seeded"] == row["keyed_s"] / row["seeded_32bit_s"]
@@ -52,12 +55,9 @@ def test_noise_generation_benchmark_reports_the_keyed_and_secure_costs():
 
 
 def test_fused_linear_clip_benchmark_times_each_projection_and_sums_the_model():
-    command = [sys.executable, str(BENCHMARKS / "fused_linear_clip.py"), "--device", "cpu", "--preset", "tiny",
-               "--seq-len", "16", "--dtype", "fp32", "--repeats", "1"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
+    stdout = run_benchmark("fused_linear_clip.py", "--device", "cpu", "--preset", "tiny", "--seq-len", "16", "--dtype",
+                           "fp32", "--repeats", "1", timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})
+    report = json.loads(stdout)
     shapes = [(row["in_features"], row["out_features"]) for row in report["projections"]]
     assert shapes == [(256, 128), (256, 256), (256, 768), (768, 256)]  # the tiny preset: k / v, q / o, w1 / w3, w2
     assert all(row["nondp_ms"] > 0 and row["torch_path_ms"] > 0 and row["fused_ms"] == {}
@@ -77,11 +77,9 @@ def test_gpu_throughput_benchmark_refuses_without_cuda():
 
 @pytest.mark.slow
 def test_lora_vs_full_benchmark_reports_side_by_side_ratios():
-    command = [sys.executable, str(BENCHMARKS / "lora_vs_full.py"), "--seq-len", "32", "--micro-batch-size", "2",
-               "--steps", "1", "--warmup", "0", "--lora-rank", "4"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
+    stdout = run_benchmark("lora_vs_full.py", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "1", "--warmup",
+                           "0", "--lora-rank", "4", timeout=300)
+    report = json.loads(stdout)
     ratios = report["lora_over_full"]
     assert 0 < ratios["trainable_parameters"] < 0.1 and ratios["step_s"] > 0
     # per-sample gradients exist only for the adapters: the byte ratio is the parameter ratio
@@ -90,27 +88,23 @@ def test_lora_vs_full_benchmark_reports_side_by_side_ratios():
 
 @pytest.mark.slow
 def test_zero_dp_vs_longshield_benchmark_reports_every_method_against_its_non_dp_loop():
-    command = [sys.executable, str(BENCHMARKS / "zero_dp_vs_longshield.py"), "--seq-len", "32",
-               "--micro-batch-sizes", "2", "--accumulation", "2", "--steps", "1", "--markdown"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    stdout = run_benchmark("zero_dp_vs_longshield.py", "--seq-len", "32", "--micro-batch-sizes", "2", "--accumulation",
+                           "2", "--steps", "1", "--markdown", timeout=600)
+    report = json.loads(stdout[: stdout.rindex("}") + 1])
     (row,) = report["results"]
     for method, baseline in (("zero_dp_plus", "nondp_lightning"), ("longshield", "nondp_lightning"),
                              ("longshield_v3", "nondp_lightning"), ("opacus_ghost", "nondp_torch")):
         expected = row[f"{method}_step_s"] / row[f"{baseline}_step_s"]  # of the rounded step times
         assert abs(row[f"{method}_over_nondp"] / expected - 1) < 0.01
     assert row["zero_dp_plus_bookkept_mib"] > 0 and row["longshield_bookkept_mib"] == 0
-    assert "| 2 | " in result.stdout and "ZeRO-DP+ step / non-DP" in result.stdout
+    assert "| 2 | " in stdout and "ZeRO-DP+ step / non-DP" in stdout
 
 
 @pytest.mark.slow
 def test_per_layer_clipping_benchmark_reports_flat_per_layer_and_opacus_against_non_dp():
-    command = [sys.executable, str(BENCHMARKS / "per_layer_clipping.py"), "--seq-len", "32",
-               "--micro-batch-sizes", "2", "--accumulation", "2", "--steps", "1", "--markdown"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    stdout = run_benchmark("per_layer_clipping.py", "--seq-len", "32", "--micro-batch-sizes", "2", "--accumulation",
+                           "2", "--steps", "1", "--markdown", timeout=600)
+    report = json.loads(stdout[: stdout.rindex("}") + 1])
     assert "longshield_per_layer_fused" not in report["config"]["methods"]  # CUDA only
     (row,) = report["results"]
     for method, baseline in (("longshield", "nondp_lightning"), ("longshield_per_layer", "nondp_lightning"),
@@ -120,17 +114,15 @@ def test_per_layer_clipping_benchmark_reports_flat_per_layer_and_opacus_against_
     # per-layer clipping holds one layer's per-sample gradients at a time; flat LongShield and Opacus hold all
     assert 0 < 4 * row["longshield_per_layer_per_sample_grad_mib"] < row["longshield_per_sample_grad_mib"]
     assert row["opacus_per_sample_grad_mib"] == row["longshield_per_sample_grad_mib"]
-    assert "| LongShield per-layer | " in result.stdout
+    assert "| LongShield per-layer | " in stdout
 
 
 @pytest.mark.slow
 def test_dp_overhead_reports_each_loop_against_non_dp_and_the_floors():
-    command = [sys.executable, str(BENCHMARKS / "dp_overhead.py"), "--micro-batch-sizes", "1", "2", "--seq-len", "32",
-               "--methods", "nondp_lightning", "longshield", "--repeats", "1", "--warmup", "1", "--steps", "1",
-               "--same-process"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    row, row_of_two = json.loads(result.stdout)["results"]
+    stdout = run_benchmark("dp_overhead.py", "--micro-batch-sizes", "1", "2", "--seq-len", "32", "--methods",
+                           "nondp_lightning", "longshield", "--repeats", "1", "--warmup", "1", "--steps", "1",
+                           "--same-process", timeout=600)
+    row, row_of_two = json.loads(stdout)["results"]
     # the least clipping adds lies above the noise alone: a read of each gradient at micro-batch 1, a write and two
     # reads of each per-sample gradient at 2
     for measured in (row, row_of_two):
@@ -154,11 +146,9 @@ def test_fused_per_layer_worker_refuses_cpu():
 
 @pytest.mark.slow
 def test_dp_step_phases_reports_each_phase_against_non_dp():
-    command = [sys.executable, str(BENCHMARKS / "dp_step_phases.py"), "--seq-len", "16", "--micro-batch-size", "2",
-               "--accumulation", "2", "--steps", "1", "--warmup", "1"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
+    stdout = run_benchmark("dp_step_phases.py", "--seq-len", "16", "--micro-batch-size", "2", "--accumulation", "2",
+                           "--steps", "1", "--warmup", "1", timeout=300)
+    report = json.loads(stdout)
     medians = report["median_ms_per_step"]
     assert set(medians) == {"nondp", "flat", "per_layer"}
     assert set(medians["flat"]) == {"forward", "backward", "clipping", "noise", "optimizer", "step"}
@@ -171,11 +161,9 @@ def test_dp_step_phases_reports_each_phase_against_non_dp():
 
 @pytest.mark.slow
 def test_chunked_loss_benchmark_runs_and_reports_ratios():
-    command = [sys.executable, str(BENCHMARKS / "chunked_loss.py"), "--seq-len", "64", "--vocab", "512",
-               "--chunk-tokens", "16", "--repeats", "1"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
+    stdout = run_benchmark("chunked_loss.py", "--seq-len", "64", "--vocab", "512", "--chunk-tokens", "16", "--repeats",
+                           "1", timeout=600)
+    report = json.loads(stdout)
     for kind in ("loss_phase", "dp_step"):
         assert report[kind]["peak_chunked_over_whole"] > 0 and report[kind]["time_chunked_over_whole"] > 0
 
@@ -185,10 +173,8 @@ def test_a_sharded_save_holds_its_own_shard_and_the_full_save_the_whole_state():
     """Measured, not timed: at 58 M parameters (0.7 GB of fp32 model and AdamW state) on two CP ranks, the full
     save grows rank 0's resident memory by about the whole state (it gathers it), a sharded save by well under one
     rank's shard; both checkpoints hold the same bytes."""
-    command = [sys.executable, str(BENCHMARKS / "checkpoint_formats.py"), "--presets", "medium"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (row,) = json.loads(result.stdout)["results"]
+    stdout = run_benchmark("checkpoint_formats.py", "--presets", "medium", timeout=600)
+    (row,) = json.loads(stdout)["results"]
     state_mib = row["parameters"] * 12 / 2**20  # fp32 parameters and AdamW's two moments
     full, sharded = row["full"], row["sharded"]
     assert full["rank0_save_memory_growth_mib"] > 0.5 * state_mib
