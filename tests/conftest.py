@@ -9,6 +9,15 @@ import warnings
 
 import pytest
 
+# The suite runs in pytest-xdist workers (``-n`` in pyproject.toml). Each worker's torch would start an OpenMP thread
+# per core, and two workers' threads spinning on two cores made the audit tests 10x slower: the cores are shared out
+# instead, before any test imports torch.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+if WORKERS > 1:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // WORKERS)))
+
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*`isinstance\\(treespec, LeafSpec\\)`.*")
 
@@ -18,8 +27,9 @@ RENDEZVOUS_PORTS = range(20000, 32000)
 
 
 def free_rendezvous_port() -> int:
-    """A TCP port outside the ephemeral range that nothing listens on now."""
-    for port in random.sample(RENDEZVOUS_PORTS, 100):
+    """A TCP port outside the ephemeral range that nothing listens on now, from this worker's share of them (so that
+    two workers never pick the same free port at once)."""
+    for port in random.sample(RENDEZVOUS_PORTS[WORKER::WORKERS], 100):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             try:
                 probe.bind(("", port))

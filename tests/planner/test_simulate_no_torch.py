@@ -43,7 +43,8 @@ def test_planner_tests_run_without_torch() -> None:
     folder = Path(__file__).parent
     root = folder.parents[1]
     this = f"{Path(__file__).relative_to(root)}::test_planner_tests_run_without_torch"
-    result = subprocess.run([sys.executable, "-c", _RUN_PLANNER_TESTS, "-q", "-p", "no:cacheprovider", "-rs",
+    # In this process (-n 0): a worker process would import torch past the block.
+    result = subprocess.run([sys.executable, "-c", _RUN_PLANNER_TESTS, "-q", "-p", "no:cacheprovider", "-rs", "-n", "0",
                              str(folder.relative_to(root)), "--deselect", this], cwd=root, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

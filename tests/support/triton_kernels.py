@@ -32,7 +32,7 @@ def kernel_device() -> torch.device:
 def run_file_under_interpreter(path: str, skipped: int) -> None:
     """Run the test file ``path`` again in a fresh process with ``TRITON_INTERPRET=1``; every test must pass but the
     ``skipped`` ones that only run outside it."""
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", path],
                             env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert f" {skipped} skipped" in result.stdout.splitlines()[-1], result.stdout[-2000:]
