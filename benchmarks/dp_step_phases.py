@@ -10,7 +10,8 @@ optimizer step. Every step of every loop runs in turn (non-DP, then each DP loop
 weighs on all of them alike; ``--warmup`` rounds are not timed. Reported: the median milliseconds per optimizer step
 of each phase and of the whole step, per loop; each DP loop's phases minus non-DP's; and ``<loop>_over_nondp``, the
 ratio of the median step times. On CUDA every phase ends with a synchronisation (the phases then add up to the
-step). Example (the tiny preset, 2 CPU cores: about a minute):
+step). On CPU the process first lets glibc keep freed memory, as the strategy does when it fits
+(`lightning_longshield.cpu_allocator`); both loops run with it. Example (the tiny preset, 2 CPU cores: about a minute):
 
     python benchmarks/dp_step_phases.py --micro-batch-size 4 --seq-len 256 --accumulation 4 --steps 16
 """
@@ -28,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lightning_longshield.cpu_allocator import retain_freed_memory
 from lightning_longshield.loss import per_sample_token_loss
 from lightning_longshield.models import Llama, LlamaConfig
 from lightning_longshield.privacy.accountant import PrivacyAccountant
@@ -107,6 +109,8 @@ def dp_step(model: nn.Module, optimizer: torch.optim.Optimizer, engine: DPSGDEng
 
 def run(args: argparse.Namespace) -> dict[str, object]:
     device = torch.device(args.device)
+    if device.type == "cpu":
+        retain_freed_memory()  # as the strategy does on CPU; in this process both loops run with it
     preset = LlamaConfig.from_name(args.preset)
     config = dataclasses.replace(preset, max_seq_len=max(preset.max_seq_len, args.seq_len))
     tokens = torch.randint(0, config.vocab_size, (args.accumulation, args.micro_batch_size, args.seq_len + 1),

@@ -34,6 +34,7 @@ from lightning_longshield.context_parallel import (
     resolve_parallel_sizes,
     shard_batch,
 )
+from lightning_longshield.cpu_allocator import retain_freed_memory
 from lightning_longshield.dp_dataloaders import data_parallel_dataloader, training_dataloader
 from lightning_longshield.dp_step_loop import DPStepLoop
 from lightning_longshield.durable_checkpoints import DurableCheckpointIO
@@ -225,6 +226,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if fitting:
+            if self.root_device.type == "cpu":
+                retain_freed_memory()  # per-sample gradients reuse the last micro-batch's pages
             stream = (self.data_parallel_rank, self.context_parallel_mesh.get_local_rank())
             self.privacy.open_fit(self.root_device, stream, self.broadcast)
             self._engine = self._build_engine()
