@@ -32,8 +32,8 @@ def retain_freed_memory() -> bool:
 
     Nothing is changed off Linux, under a C library other than glibc (an allocator preloaded in its place, such as
     jemalloc or tcmalloc, does not read these settings), or where the user already tunes glibc's allocator through
-    ``MALLOC_*_`` variables or ``GLIBC_TUNABLES``: setting one of those (for example
-    ``MALLOC_TRIM_THRESHOLD_=131072``, glibc's default) keeps this from running.
+    ``MALLOC_*_`` variables or ``GLIBC_TUNABLES``: those settings stand. (Any one of them also turns off glibc's
+    dynamic mmap threshold: ``MALLOC_TRIM_THRESHOLD_`` alone leaves every block above 128 KiB its own mapping.)
     """
     if not sys.platform.startswith("linux") or _tuned_by_environment():
         return False
