@@ -4,6 +4,7 @@ pages instead of faulting in fresh ones; a user's own allocator settings are lef
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import lightning_longshield.strategy as strategy_module
 from lightning_longshield import LongShieldStrategy
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
-glibc_only = pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+glibc_only = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                                 reason="glibc's allocator settings")
 
 # Rounds of 20 tensors of 3 MiB (more than twice glibc's dynamic trim threshold), freed together as flat clipping
@@ -32,7 +33,6 @@ for _ in range(4):
     round_()
 print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
-PAGES_PER_ROUND = 20 * 3 * 2**20 // 4096
 
 
 def _probe(mode: str, **env: str) -> tuple[bool, int]:
@@ -43,20 +43,25 @@ def _probe(mode: str, **env: str) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
-@glibc_only
-def test_freed_memory_is_reused_instead_of_faulted_in_again():
+@pytest.fixture(scope="module")
+def default_faults() -> int:
     applied, faults = _probe("default")
-    assert not applied and faults > 0.8 * 4 * PAGES_PER_ROUND  # every round faults its pages in afresh
+    assert not applied and faults > 100  # every round faults its pages in afresh (fewer with huge pages)
+    return faults
+
+
+@glibc_only
+def test_freed_memory_is_reused_instead_of_faulted_in_again(default_faults):
     applied, faults = _probe("retain")
-    assert applied and faults < 0.05 * 4 * PAGES_PER_ROUND
+    assert applied and faults < 0.05 * default_faults
 
 
 @glibc_only
 @pytest.mark.parametrize("variable", [("MALLOC_TRIM_THRESHOLD_", "131072"),
                                       ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072")])
-def test_a_users_allocator_settings_are_left_alone(variable):
+def test_a_users_allocator_settings_are_left_alone(variable, default_faults):
     applied, faults = _probe("retain", **dict([variable]))
-    assert not applied and faults > 0.8 * 4 * PAGES_PER_ROUND
+    assert not applied and faults > 0.5 * default_faults
 
 
 def test_the_strategy_applies_it_when_fitting_on_cpu(monkeypatch):
