@@ -10,10 +10,12 @@ dimension), so a meta-device model is filled shard by shard without ever holding
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import re
+import shutil
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,6 +45,11 @@ _BLOCK_NAMES = {
 }
 #: Name segments of wrappers that leave the weight itself unchanged (torch.compile, activation checkpointing, PEFT).
 _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "base_layer"})
+#: Files of the source checkpoint that an export copies as they are: the tokenizer and the generation defaults.
+CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                 "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
+#: ``config.json`` entries an export takes from the source checkpoint: the special tokens' ids.
+CARRIED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 # ---------------------------------------------------------------------------------------------------- configuration
@@ -99,7 +106,20 @@ def read_config(directory: PathLike) -> LlamaConfig:
             f"No Hugging Face model directory at {os.fspath(directory)!r}: {found}. Pass a local directory holding"
             f" {CONFIG_FILE} and safetensors weights (as written by save_pretrained)."
         )
-    return config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
+    return config_from_hf(_config_json(path))
+
+
+def checkpoint_dtype(directory: PathLike) -> Optional[torch.dtype]:
+    """The floating-point dtype the checkpoint in ``directory`` declares (``dtype`` or ``torch_dtype`` in its
+    ``config.json``), or None where it names none."""
+    hf_config = _config_json(Path(directory).expanduser())
+    name = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def _config_json(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / CONFIG_FILE).read_text())
 
 
 # ------------------------------------------------------------------------------------------------ names and layouts
@@ -143,11 +163,13 @@ def load_model(
 
     With ``device="meta"`` nothing is read yet: the model's ``load_weights`` hook reads the weights when it is
     materialised (its ``init_weights``, e.g. from `lightning_longshield.parallelize.materialize_meta_parameters`,
-    shard by shard).
+    shard by shard). The model's ``source_directory`` names ``directory``: `save_pretrained` carries its tokenizer,
+    special tokens' ids and dtype into an export.
     """
     with torch.device("meta"):
         model = Llama(read_config(directory))
-    model.load_weights = functools.partial(load_pretrained_weights, directory=os.fspath(Path(directory).expanduser()))
+    model.source_directory = os.fspath(Path(directory).expanduser())
+    model.load_weights = functools.partial(load_pretrained_weights, directory=model.source_directory)
     if dtype is not None:
         model.to(dtype)
     device = torch.device(device or "cpu")
@@ -247,31 +269,62 @@ def hf_state_dict(
 
 
 def write_pretrained(
-    state: Mapping[str, torch.Tensor], config: LlamaConfig, directory: PathLike, dtype: Optional[torch.dtype] = None
+    state: Mapping[str, torch.Tensor], config: LlamaConfig, directory: PathLike, dtype: Optional[torch.dtype] = None,
+    source: Optional[PathLike] = None,
 ) -> None:
     """Write full tensors under `Llama`'s names (e.g. `lightning_longshield.lora.merged_state_dict`) and ``config``
-    as a Hugging Face Llama directory: ``model.safetensors`` and ``config.json``."""
+    as a Hugging Face Llama directory: ``model.safetensors`` and ``config.json``.
+
+    A tied model whose output weight no longer equals its embedding (a LoRA adapter on the head, merged) is written
+    untied, with ``lm_head.weight``. With ``source``, the Hugging Face directory the model was loaded from, the
+    special tokens' ids of its ``config.json`` and its `CARRIED_FILES` (tokenizer, generation defaults) come along.
+    """
     save_file = require_hf("safetensors.torch").save_file
+    config = _untied_if_heads_differ(state, config)
     tensors = hf_state_dict(state, config, dtype)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     config_dict = hf_config_dict(config, dtype or tensors["model.embed_tokens.weight"].dtype)
+    if source is not None:
+        source = Path(source).expanduser()
+        carried = _config_json(source)
+        config_dict.update((key, carried[key]) for key in CARRIED_CONFIG_KEYS if key in carried)
+        for name in CARRIED_FILES:
+            carried_file, target = source / name, directory / name
+            if carried_file.is_file() and not (target.exists() and target.samefile(carried_file)):
+                shutil.copyfile(carried_file, target)
     (directory / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2) + "\n")
+
+
+def _untied_if_heads_differ(state: Mapping[str, torch.Tensor], config: LlamaConfig) -> LlamaConfig:
+    """``config``, untied where it is tied but the state's output weight differs from its embedding."""
+    if not config.tie_embeddings:
+        return config
+    by_hf_name = {hf_name(name): tensor for name, tensor in state.items()}
+    head = by_hf_name.get("lm_head.weight")
+    if head is None or torch.equal(head, by_hf_name["model.embed_tokens.weight"]):
+        return config
+    return dataclasses.replace(config, tie_embeddings=False)
 
 
 @torch.no_grad()
 def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch.dtype] = None) -> None:
     """Write ``model`` (a `Llama`, possibly FSDP2-sharded, possibly with LoRA adapters, which are merged into their
     base weights) as a Hugging Face Llama directory that ``transformers.AutoModelForCausalLM.from_pretrained``
-    loads; ``dtype`` defaults to the parameters'.
+    loads. A model loaded by `load_model` carries its checkpoint's tokenizer, generation defaults and special
+    tokens' ids into the export (`write_pretrained`), and ``dtype`` defaults to the checkpoint's (a bf16 checkpoint
+    trained in fp32 is exported in bf16); otherwise to the parameters'.
 
     Sharded parameters are gathered one at a time to the CPU, a collective: with more than one process every rank
     calls this, rank 0 writes and all return once the files are complete.
     """
+    source = getattr(model, "source_directory", None)
+    if dtype is None and source is not None:
+        dtype = checkpoint_dtype(source)
     state = merged_state_dict(model)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not distributed or dist.get_rank() == 0:
-        write_pretrained(state, model.config, directory, dtype)
+        write_pretrained(state, model.config, directory, dtype, source)
     if distributed:
         dist.barrier()

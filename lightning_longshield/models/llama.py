@@ -102,6 +102,8 @@ class Llama(nn.Module):
 
     #: Called by `init_weights` with the model, instead of the random initialisation, when set.
     load_weights: Optional[Callable[[Llama], None]] = None
+    #: The Hugging Face directory the model was loaded from, if any (`lightning_longshield.hf.load_model`).
+    source_directory: Optional[str] = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()

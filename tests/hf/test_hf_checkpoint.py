@@ -253,3 +253,50 @@ def test_lora_fine_tuning_of_a_checkpoint_exports_its_merged_model(tmp_path: Pat
     with torch.no_grad():
         # merged weights round differently from base + adapter in fp32
         torch.testing.assert_close(hf_logits(exported, ids), module.model(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_lora_adapter_on_a_tied_head_is_exported_untied(tmp_path: Path, ids: torch.Tensor) -> None:
+    """Llama 3.2's head is its embedding; an adapter on the head changes the head alone, so the export must carry
+    its own ``lm_head.weight`` (and say it is untied), or transformers would use the embedding there."""
+    from lightning_longshield.lora import LoraOptions, apply_lora
+
+    write_hf_llama(tmp_path / "hf", tie=True)
+    model = checkpoint.load_model(tmp_path / "hf")
+    torch.manual_seed(0)  # the adapters' A
+    apply_lora(model, LoraOptions(rank=2, dropout=0.0, target_modules=["q_proj", "lm_head"]))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    checkpoint.save_pretrained(model, tmp_path / "out")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert not exported.config.tie_word_embeddings
+    # Merged weights round differently from the adapted layers' two products: LoRA's tolerance, as in the CLI's test.
+    # Exported tied, the head would be the embedding: logits off by up to 4 here.
+    torch.testing.assert_close(hf_logits(exported, ids), our_logits(model.eval(), ids), rtol=1e-4, atol=1e-4)
+
+
+def test_an_export_carries_the_checkpoints_tokenizer_special_tokens_and_dtype(tmp_path: Path) -> None:
+    from lightning_longshield.hf.demo import train_bpe_tokenizer
+
+    source = tmp_path / "hf"
+    hf = write_hf_llama(source, bos_token_id=90, eos_token_id=[91, 92])
+    hf.to(torch.bfloat16).save_pretrained(source)  # a bf16 checkpoint, as released
+    train_bpe_tokenizer(["def f(x):\n    return x + 1\n"] * 4, source, vocab_size=96)
+    model = checkpoint.load_model(source)  # trained in fp32
+    assert model.source_directory == str(source) and {p.dtype for p in model.parameters()} == {torch.float32}
+    checkpoint.save_pretrained(model, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / checkpoint.CONFIG_FILE).read_text())
+    assert (written["dtype"], written["bos_token_id"], written["eos_token_id"]) == ("bfloat16", 90, [91, 92])
+    carried = [name for name in checkpoint.CARRIED_FILES if (source / name).is_file()]
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(carried)
+    for name in carried:
+        assert (tmp_path / "out" / name).read_bytes() == (source / name).read_bytes(), name
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert exported.dtype == torch.bfloat16 and exported.generation_config.eos_token_id == [91, 92]
+    text = "return x + 1"
+    assert (transformers.AutoTokenizer.from_pretrained(tmp_path / "out")(text).input_ids
+            == transformers.AutoTokenizer.from_pretrained(source)(text).input_ids)
+    checkpoint.save_pretrained(model, tmp_path / "fp32", dtype=torch.float32)  # an explicit dtype wins
+    assert json.loads((tmp_path / "fp32" / checkpoint.CONFIG_FILE).read_text())["dtype"] == "float32"
