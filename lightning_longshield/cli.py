@@ -8,7 +8,8 @@
 ``data`` any data module by ``class_path`` (`LocalTextDataModule` for local files, `StdlibTextDataModule`), and
 ``trainer.strategy`` defaults to `LongShieldStrategy`, whose arguments go under its ``init_args``. After ``fit``
 the privacy guarantee is printed with the data's privacy unit; ``--export_to DIR`` then writes the trained model
-(LoRA merged) as a Hugging Face directory.
+(LoRA merged) as a Hugging Face directory, with the model directory's tokenizer, generation defaults and special
+tokens' ids, in its dtype unless ``--export_dtype`` names another.
 
 - A data module whose ``tokenizer`` is left unset takes the model directory's tokenizer when ``model.config`` is a
   Hugging Face directory that has one; an explicit ``data.init_args.tokenizer`` wins.
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
@@ -40,6 +42,7 @@ from lightning_longshield.strategy import LongShieldStrategy
 
 DEFAULT_STRATEGY = {"class_path": "lightning_longshield.LongShieldStrategy"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NOT_PRIVATE = (
     "This run is NOT differentially private: trainer.strategy is not LongShieldStrategy, so no per-sample clipping,"
     " no noise and no Poisson sampling protect the training data, and no privacy guarantee is printed."
@@ -82,13 +85,18 @@ class LongShieldCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument("--export_to", type=Optional[str], default=None,
-                            help="after fit, write the model (LoRA merged) here as a Hugging Face directory")
+                            help="after fit, write the model (LoRA merged) here as a Hugging Face directory, with the"
+                                 " model directory's tokenizer")
+        parser.add_argument("--export_dtype", type=Optional[str], default=None,
+                            help=f"dtype of the exported weights, one of {list(EXPORT_DTYPES)} (default: the model"
+                                 " directory's, else the parameters')")
         parser.add_argument("--non_private", type=bool, default=False,
                             help="acknowledge that a trainer.strategy other than LongShieldStrategy trains WITHOUT"
                                  " differential privacy (no clipping, no noise, no guarantee)")
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        export_dtype(config.get("export_dtype"))  # a bad name is refused before any training
         self._tokenizer_from_model_directory(config)
         if self.subcommand not in (None, "fit"):
             return
@@ -141,11 +149,21 @@ class LongShieldCLI(LightningCLI):
             print(privacy.describe_guarantee(unit))
         elif not isinstance(strategy, LongShieldStrategy) and self.trainer.is_global_zero:
             print(NOT_PRIVATE, file=sys.stderr)
-        export_to = self.config.get(self.subcommand, {}).get("export_to")
+        config = self.config.get(self.subcommand, {})
+        export_to = config.get("export_to")
         if export_to:
-            self.model.save_pretrained(export_to)
+            self.model.save_pretrained(export_to, export_dtype(config.get("export_dtype")))
             if self.trainer.is_global_zero:
                 print(f"Exported the trained model to {export_to}")
+
+
+def export_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """The torch dtype of ``--export_dtype`` (None where unset); a ValueError naming the choices otherwise."""
+    if name is None:
+        return None
+    if name not in EXPORT_DTYPES:
+        raise ValueError(f"--export_dtype {name!r} is not one of {list(EXPORT_DTYPES)}.")
+    return EXPORT_DTYPES[name]
 
 
 def run_cli(args: Optional[list[str]] = None, run: bool = True) -> LongShieldCLI:

@@ -130,3 +130,12 @@ def test_lora_fine_tune_from_flags_exports_a_checkpoint_transformers_loads(tmp_p
     ids = torch.randint(0, 300, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, cli.model.model(ids), rtol=1e-4, atol=1e-4)
+    # The model directory's tokenizer and special tokens come along: the export is usable on its own.
+    assert len(transformers.AutoTokenizer.from_pretrained(tmp_path / "out")) == 300
+    source_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported.config.eos_token_id == source_config["eos_token_id"] is not None
+
+
+def test_an_unknown_export_dtype_is_refused_before_training():
+    with pytest.raises(ValueError, match=r"--export_dtype 'float8' is not one of \['float32', 'bfloat16', 'float16'\]"):
+        run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--export_dtype", "float8"], run=False)
