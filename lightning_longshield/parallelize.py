@@ -124,6 +124,15 @@ def gather_policy(precision: object) -> Optional[MixedPrecisionPolicy]:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
+def _tied_parameter_owners(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, attribute) pairs of every parameter that more than one module owns (tied weights)."""
+    owners: dict[int, dict[tuple[int, str], tuple[nn.Module, str]]] = {}
+    for submodule in module.modules():
+        for name, param in submodule.named_parameters(recurse=False):
+            owners.setdefault(id(param), {})[(id(submodule), name)] = (submodule, name)
+    return [list(group.values()) for group in owners.values() if len(group) > 1]
+
+
 def materialize_meta_parameters(
     module: nn.Module, device: torch.device, rank: int, initialize: Optional[Callable[[], None]] = None
 ) -> bool:
@@ -144,7 +153,13 @@ def materialize_meta_parameters(
             " shards) but no submodule has an init_weights() method to initialise them. Add one, or build the model"
             " before fit (e.g. call configure_model() yourself)."
         )
+    tied = _tied_parameter_owners(module)
     module.to_empty(device=device)
+    for owners in tied:  # to_empty gives each owner of a plain meta tensor its own copy: tie them again
+        kept = getattr(*owners[0])
+        for owner, name in owners[1:]:
+            if getattr(owner, name) is not kept:  # a sharded tie (FSDP2's DTensors) survives to_empty
+                setattr(owner, name, kept)
     base = int(torch.randint(2**62, (1,)).item())
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type), warnings.catch_warnings():

@@ -166,3 +166,14 @@ def test_prefix_causal_attention_matches_masked_attention(dtype: torch.dtype, le
     tolerance = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
     for got, expected in zip((out, *grads), (reference, *reference_grads)):
         torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_a_tied_model_built_on_the_meta_device_stays_tied_when_materialised():
+    """Without sharding (one rank) the parameters are plain tensors, which ``to_empty`` copies once per owner."""
+    from lightning_longshield.parallelize import materialize_meta_parameters
+
+    with torch.device("meta"):
+        model = Llama(small_config(tie_embeddings=True))
+    assert materialize_meta_parameters(model, torch.device("cpu"), rank=0)
+    assert model.output.weight is model.tok_embeddings.weight and not model.output.weight.is_meta
+    assert len(list(model.parameters())) == len(list(Llama(small_config(tie_embeddings=True)).parameters()))
