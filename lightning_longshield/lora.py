@@ -25,6 +25,8 @@ HF_TARGET_NAMES = {
 }
 #: The linear layers of `Llama` that LoRA can adapt: every block projection and the output head.
 TARGET_NAMES = (*LORA_TARGETS, "output")
+#: PEFT's name for every linear layer but the output head.
+ALL_LINEAR = "all-linear"
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,9 @@ class LoraOptions:
     the adapter input, and the linear layers to adapt, by name (default: every projection of every block).
 
     ``target_modules`` takes `Llama`'s names (``wq wk wv wo w1 w2 w3 output``) or the Hugging Face names of PEFT
-    recipes (``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head``), which are stored as `Llama`'s;
-    any other name is refused."""
+    recipes (``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head``), which are stored as `Llama`'s,
+    or PEFT's ``"all-linear"``: every block projection, not the output head (as PEFT takes it); any other name is
+    refused."""
 
     rank: int = DEFAULT_LORA_RANK
     alpha: float = 16.0
@@ -48,10 +51,12 @@ class LoraOptions:
             raise ValueError(f"LoRA alpha must be positive, got {self.alpha!r}.")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}.")
+        if self.target_modules == ALL_LINEAR:
+            object.__setattr__(self, "target_modules", LORA_TARGETS)
         if isinstance(self.target_modules, str) or not self.target_modules:
             raise ValueError(
-                f"target_modules must be a non-empty list of layer names, e.g. {list(LORA_TARGETS)}; got"
-                f" {self.target_modules!r}."
+                f"target_modules must be a non-empty list of layer names, e.g. {list(LORA_TARGETS)}, or"
+                f" {ALL_LINEAR!r}; got {self.target_modules!r}."
             )
         unknown = [name for name in self.target_modules if name not in TARGET_NAMES and name not in HF_TARGET_NAMES]
         if unknown:
@@ -119,11 +124,19 @@ def reset_adapters(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
     """The model's full (unsharded) state on the CPU with every LoRA adapter merged into its base weight, under the
     base model's parameter names: ``W + scaling * B @ A``. FSDP2 shards are gathered one tensor at a time (a
-    collective: call on every rank)."""
-    state = {name: _whole(value).detach().to("cpu") for name, value in model.state_dict().items()}
+    collective: call on every rank). ``keep=False`` (the ranks that do not write) takes part in every gather and
+    keeps nothing, returning ``{}``: one copy of the whole model in host memory, not one per rank."""
+    state = {}
+    for name, value in model.state_dict().items():
+        whole = _whole(value)
+        if keep:
+            state[name] = whole.detach().to("cpu")
+        del whole
+    if not keep:
+        return {}
     lora_prefixes = [name for name, module in model.named_modules() if is_lora_layer(module)]
     for prefix in lora_prefixes:
         module = model.get_submodule(prefix)

@@ -192,7 +192,8 @@ def weight_map(directory: PathLike) -> dict[str, Path]:
         return {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
     raise FileNotFoundError(
         f"No weights in {directory}: looked for {WEIGHTS_FILE} and {WEIGHTS_INDEX_FILE} (safetensors checkpoints"
-        " only; convert PyTorch .bin files first)."
+        " only; convert PyTorch .bin weights first, e.g. with transformers:"
+        " AutoModelForCausalLM.from_pretrained(d).save_pretrained(d))."
     )
 
 
@@ -317,14 +318,15 @@ def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch
     trained in fp32 is exported in bf16); otherwise to the parameters'.
 
     Sharded parameters are gathered one at a time to the CPU, a collective: with more than one process every rank
-    calls this, rank 0 writes and all return once the files are complete.
+    calls this, only rank 0 keeps the gathered tensors and writes them, and all return once the files are complete.
     """
     source = getattr(model, "source_directory", None)
     if dtype is None and source is not None:
         dtype = checkpoint_dtype(source)
-    state = merged_state_dict(model)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if not distributed or dist.get_rank() == 0:
+    writer = not distributed or dist.get_rank() == 0
+    state = merged_state_dict(model, keep=writer)
+    if writer:
         write_pretrained(state, model.config, directory, dtype, source)
     if distributed:
         dist.barrier()

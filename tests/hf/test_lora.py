@@ -101,6 +101,7 @@ def test_merged_adapters_reproduce_the_adapted_model():
     unmerged.load_state_dict({k.replace(".base_layer", ""): v for k, v in module.model.state_dict().items()
                               if ".lora_" not in k})
     assert not torch.allclose(unmerged(tokens), module.model(tokens), atol=1e-4)  # the adapters do change it
+    assert merged_state_dict(module.model, keep=False) == {}  # a rank that does not write keeps no copy
 
 
 def test_hugging_face_target_names_adapt_the_same_layers():
@@ -109,6 +110,13 @@ def test_hugging_face_target_names_adapt_the_same_layers():
     model = apply_lora(Llama(small_config()), LoraOptions(rank=4, target_modules=["k_proj", "o_proj"]))
     adapted = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name, p in model.named_parameters() if p.requires_grad}
     assert adapted == {"wk", "wo"}
+
+
+def test_all_linear_adapts_every_block_projection_as_peft_does():
+    assert LoraOptions(target_modules="all-linear").target_modules == LoraOptions().target_modules
+    assert "output" not in LoraOptions(target_modules="all-linear").target_modules
+    with pytest.raises(ValueError, match="non-empty list of layer names.*or 'all-linear'"):
+        LoraOptions(target_modules="q_proj")
 
 
 def test_unknown_target_names_are_refused_with_the_valid_ones():
