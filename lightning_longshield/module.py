@@ -84,7 +84,9 @@ def resolve_model_config(
     )
     if looks_like_path or hf.is_model_directory(text):
         directory = os.path.expanduser(text)
-        return hf.read_config(directory), directory  # a FileNotFoundError that says what is missing
+        config = hf.read_config(directory)  # a FileNotFoundError that says what is missing
+        hf.check_weights(directory)  # now, not after the data is tokenized
+        return config, directory
     if text not in presets:
         raise ValueError(
             f"Unknown model preset {text!r}: choose one of {presets}, or pass the path of a local Hugging Face model"

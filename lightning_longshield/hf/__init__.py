@@ -56,6 +56,14 @@ def read_config(directory: Union[str, os.PathLike]) -> LlamaConfig:
     return checkpoint.read_config(directory)
 
 
+def check_weights(directory: Union[str, os.PathLike]) -> None:
+    """Raise a FileNotFoundError that names the fix unless ``directory`` holds safetensors weights (one file or an
+    index)."""
+    from lightning_longshield.hf import checkpoint
+
+    checkpoint.weight_map(directory)
+
+
 def is_model_directory(directory: Union[str, os.PathLike]) -> bool:
     """Whether ``directory`` holds a Hugging Face model (a ``config.json``)."""
     from lightning_longshield.hf import checkpoint

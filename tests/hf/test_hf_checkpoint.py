@@ -199,6 +199,11 @@ def test_the_module_takes_a_path_and_tells_a_missing_directory_from_an_unknown_p
         CausalLMModule(str(tmp_path))
     with pytest.raises(ValueError, match=r"Unknown model preset 'llama3-8b': choose one of \[.*'tiny'\]"):
         CausalLMModule("llama3-8b")
+    (tmp_path / "bin").mkdir()  # PyTorch .bin weights only: refused when the module is built, before any data
+    (tmp_path / "bin" / checkpoint.CONFIG_FILE).write_bytes((tmp_path / "hf" / checkpoint.CONFIG_FILE).read_bytes())
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="No weights in .*bin: .*convert PyTorch .bin weights first"):
+        CausalLMModule(tmp_path / "bin")
 
 
 def test_require_hf_names_the_fix() -> None:
