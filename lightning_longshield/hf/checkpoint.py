@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -321,6 +322,10 @@ def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch
     calls this, only rank 0 keeps the gathered tensors and writes them, and all return once the files are complete.
     """
     source = getattr(model, "source_directory", None)
+    if source is not None and not is_model_directory(source):
+        warnings.warn(f"The checkpoint {source} that the model was loaded from is gone: the export in {directory}"
+                      " has no tokenizer, generation defaults or special tokens' ids from it.", stacklevel=2)
+        source = None
     if dtype is None and source is not None:
         dtype = checkpoint_dtype(source)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

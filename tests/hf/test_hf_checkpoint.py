@@ -305,3 +305,7 @@ def test_an_export_carries_the_checkpoints_tokenizer_special_tokens_and_dtype(tm
             == transformers.AutoTokenizer.from_pretrained(source)(text).input_ids)
     checkpoint.save_pretrained(model, tmp_path / "fp32", dtype=torch.float32)  # an explicit dtype wins
     assert json.loads((tmp_path / "fp32" / checkpoint.CONFIG_FILE).read_text())["dtype"] == "float32"
+    source.rename(tmp_path / "moved")
+    with pytest.warns(UserWarning, match="is gone: the export in .* has no tokenizer"):
+        checkpoint.save_pretrained(model, tmp_path / "orphan")
+    assert not (tmp_path / "orphan" / "tokenizer.json").exists()
