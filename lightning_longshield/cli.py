@@ -41,7 +41,6 @@ from lightning_longshield.progress import StepProgressBar
 from lightning_longshield.strategy import LongShieldStrategy
 
 DEFAULT_STRATEGY = {"class_path": "lightning_longshield.LongShieldStrategy"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NOT_PRIVATE = (
     "This run is NOT differentially private: trainer.strategy is not LongShieldStrategy, so no per-sample clipping,"
@@ -125,7 +124,7 @@ class LongShieldCLI(LightningCLI):
         if not isinstance(model_config, (str, os.PathLike)) or not hf.is_model_directory(model_config):
             return
         directory = Path(model_config).expanduser()
-        if any((directory / name).is_file() for name in TOKENIZER_FILES):
+        if any((directory / name).is_file() for name in hf.TOKENIZER_FILES):
             init_args.tokenizer = os.fspath(model_config)
         else:
             rank_zero_warn(

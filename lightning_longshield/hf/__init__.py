@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from lightning_longshield.models import Llama, LlamaConfig
 
 INSTALL_HINT = 'pip install "lightning-longshield[hf]"'
+#: The files by which a Hugging Face model directory holds a tokenizer (any one of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def require_hf(package: str) -> ModuleType:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from lightning_longshield.hf import require_hf
+from lightning_longshield.hf import TOKENIZER_FILES, require_hf
 from lightning_longshield.lora import is_adapter_parameter, merged_state_dict
 from lightning_longshield.models import Llama, LlamaConfig
 from simulate.hf_config import spec_from_hf_config
@@ -47,8 +47,8 @@ _BLOCK_NAMES = {
 #: Name segments of wrappers that leave the weight itself unchanged (torch.compile, activation checkpointing, PEFT).
 _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "base_layer"})
 #: Files of the source checkpoint that an export copies as they are: the tokenizer and the generation defaults.
-CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                 "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
+CARRIED_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                 "chat_template.json", "generation_config.json")
 #: ``config.json`` entries an export takes from the source checkpoint: the special tokens' ids.
 CARRIED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
