@@ -154,11 +154,12 @@ def materialize_meta_parameters(
             " before fit (e.g. call configure_model() yourself)."
         )
     tied = _tied_parameter_owners(module)
-    module.to_empty(device=device)
-    for owners in tied:  # to_empty gives each owner of a plain meta tensor its own copy: tie them again
+    # Only the meta tensors: `to_empty` would also empty every real tensor, e.g. a LightningModule's metric states.
+    module._apply(lambda tensor: torch.empty_like(tensor, device=device) if tensor.is_meta else tensor)
+    for owners in tied:  # each owner of a plain meta tensor gets its own copy: tie them again
         kept = getattr(*owners[0])
         for owner, name in owners[1:]:
-            if getattr(owner, name) is not kept:  # a sharded tie (FSDP2's DTensors) survives to_empty
+            if getattr(owner, name) is not kept:  # a sharded tie (FSDP2's DTensors) survives this
                 setattr(owner, name, kept)
     base = int(torch.randint(2**62, (1,)).item())
     devices = [device] if device.type == "cuda" else []

@@ -177,3 +177,24 @@ def test_a_tied_model_built_on_the_meta_device_stays_tied_when_materialised():
     assert materialize_meta_parameters(model, torch.device("cpu"), rank=0)
     assert model.output.weight is model.tok_embeddings.weight and not model.output.weight.is_meta
     assert len(list(model.parameters())) == len(list(Llama(small_config(tie_embeddings=True)).parameters()))
+
+
+def test_materialising_a_meta_model_leaves_the_real_tensors_beside_it_alone():
+    """A LightningModule's model is built on the meta device under context parallelism, its metrics are not: their
+    states (and any real buffer) must keep their values. ``to_empty`` emptied them all, so validation perplexity under
+    CP came out as inf or 1 from uninitialised token counts."""
+    from lightning_longshield.parallelize import materialize_meta_parameters
+    from lightning_longshield.token_perplexity import TokenPerplexity
+
+    holder = nn.Module()
+    with torch.device("meta"):
+        holder.model = Llama(small_config())
+    holder.perplexity = TokenPerplexity()
+    holder.perplexity.update(torch.tensor(12.5), torch.tensor(5))
+    holder.register_buffer("kept", torch.full((1024,), 7.0))
+    assert materialize_meta_parameters(holder, torch.device("cpu"), rank=0)
+    assert not any(t.is_meta for t in [*holder.parameters(), *holder.buffers()])
+    assert holder.perplexity.loss_sum.item() == 12.5 and holder.perplexity.tokens.item() == 5
+    holder.perplexity.reset()
+    assert holder.perplexity.loss_sum.item() == 0.0 and holder.perplexity.tokens.item() == 0
+    assert torch.equal(holder.kept, torch.full((1024,), 7.0))
