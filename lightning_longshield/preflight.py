@@ -56,7 +56,8 @@ class Alternative:
 
 @dataclass(frozen=True)
 class PreflightResult:
-    """The planner's prediction for one run (``config`` models one context-parallel group of it)."""
+    """The planner's prediction for one run (``config`` models one context-parallel group of it, or every GPU where
+    model states are sharded over all of them)."""
 
     config: RunConfig
     memory: MemoryBreakdown
@@ -80,6 +81,7 @@ class PreflightResult:
         return (
             f"model {cfg.model_name}, {self.world_size} GPU{'s' * (self.world_size != 1)},"
             f" LongShieldStrategy({arguments}), {length}, {cfg.precision.name}"
+            + (f", LoRA rank {cfg.lora_rank}" if cfg.lora_rank else "")
         )
 
     def peak(self) -> str:
@@ -189,17 +191,19 @@ def predict(
     per_layer_kernel: str = "torch",
     private_length: bool = False,
     loss_chunk_tokens: LossChunking = "auto",
+    lora_rank: int = 0,
 ) -> PreflightResult:
     """The planner's peak memory per GPU for `LongShieldStrategy` with ``strategy`` on ``gpus`` processes
     (`plan_strategy`; ``per_layer_kernel``: ``"auto"`` (fused) or ``"torch"``, see `planned_per_layer_kernel`;
     ``private_length``: ``seq_len`` was read from the data and is not to be shown, see `PreflightResult`;
-    ``loss_chunk_tokens``: the module's chunked loss, `CausalLMModule`'s setting)."""
+    ``loss_chunk_tokens``: the module's chunked loss, `CausalLMModule`'s setting; ``lora_rank``: its LoRA
+    adapters' rank, 0 for full fine-tuning)."""
     cp = strategy.context_parallel_size or gpus
     if cp < 1 or gpus % cp:
         raise ValueError(f"context_parallel_size={cp} must be a positive divisor of the {gpus} processes.")
     strategy = strategy.replace(context_parallel_size=cp)
     config, notes = plan_strategy(model, strategy, gpus, seq_len, precision, gpu_spec_for(gpu_name, capacity_bytes),
-                                  per_layer_kernel, loss_chunk_tokens)
+                                  per_layer_kernel, loss_chunk_tokens, lora_rank)
     return PreflightResult(config, estimate_memory(config), gpus, strategy, notes, private_length)
 
 
@@ -308,7 +312,11 @@ def run_preflight(
     public_length = public_sequence_length(dataset)
     seq_len = public_length if public_length is not None else sequence_length(dataset)
     planner_precision = precision_of(precision)
+    lora_rank = lora_rank_of(module)
     reason = _skip_reason(model, seq_len, planner_precision, precision)
+    if reason is None and lora_rank and config.per_sample != "materialize":
+        reason = "the planner does not model LoRA adapters with book-kept norms (norms='ghost' or 'mixed')"
+
     if reason is not None:
         rank_zero_info(f"LongShield pre-flight memory check skipped: {reason}.")
         return None
@@ -318,7 +326,7 @@ def run_preflight(
     options = dict(per_layer_kernel=planned_per_layer_kernel(config, device, cp, world_size),
                    private_length=public_length is None,
                    # A module of its own computes its loss as it likes: planned over the whole logits.
-                   loss_chunk_tokens=getattr(module, "loss_chunk_tokens", None))
+                   loss_chunk_tokens=getattr(module, "loss_chunk_tokens", None), lora_rank=lora_rank)
     if not is_cuda(device):
         result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, **options)
         prediction = "planned" if result.private_length else f"on CUDA, {result.peak()}"
@@ -335,6 +343,12 @@ def run_preflight(
         f" {_details(result)}{_joined(result.notes)}"
     )
     return result
+
+
+def lora_rank_of(module: object) -> int:
+    """The rank of ``module``'s LoRA adapters (`CausalLMModule`'s ``lora``), 0 where it trains every parameter."""
+    rank = getattr(getattr(module, "lora", None), "rank", 0)
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0 else 0
 
 
 def _details(result: PreflightResult) -> str:

@@ -79,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.parser.error(str(err))  # exits with status 2 and the command's usage line
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        for note in getattr(args, "run_file_notes", ()):
+            console.print(note)
     return getattr(args, "exit_status", 0)  # a handler may set it (`fit`: EXIT_DOES_NOT_FIT)
 
 
@@ -94,19 +97,36 @@ def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) ->
     if path is None or command is None:
         return
     run = read_run_file(path)
-    method, _ = method_for(run.strategy)
+    method, notes = method_for(run.strategy)
     per_layer = run.strategy.per_layer
+    gpus, cp = run.gpus, run.strategy.context_parallel_size
+    if gpus is None:
+        notes += ("Note: the run file does not set trainer.devices (Lightning then takes every visible GPU): planned"
+                  " on --gpus.",)
+    if method == "zero-dp":  # estimated as ZeRO-DP+, which runs at CP 1 (`method_for`'s note says so)
+        cp = 1
+        if run.lora_rank:
+            raise ValueError(f"{path}: the planner does not model LoRA adapters with book-kept norms (norms="
+                             f"{run.strategy.norms!r}); plan with --lora-rank 0 for full fine-tuning's (higher)"
+                             f" memory, or norms='materialize'.")
+    elif gpus is not None and cp is not None and gpus > cp and gpus % cp == 0 \
+            and run.strategy.shard_over == "context_parallel":
+        notes += (f"Note: planned per context-parallel group of {cp} GPUs: with shard_over='context_parallel'"
+                  f" each of the {gpus // cp} data-parallel groups holds its own copy of the model states;"
+                  f" shard_over='all' shards them over all {gpus} (plan that with --gpus {gpus} --cp {cp}).",)
+        gpus = cp
     defaults: dict[str, object] = dict(
-        model=run.model, gpus=None if run.gpus is None else float(run.gpus), precision=run.precision,
-        seq_len=run.seq_len, method=method, mbs=run.strategy.micro_batch_size, cp=run.strategy.context_parallel_size,
+        model=run.model, gpus=None if gpus is None else float(gpus), precision=run.precision,
+        seq_len=run.seq_len, method=method, mbs=run.strategy.micro_batch_size, cp=cp,
         lora_rank=run.lora_rank, clipping="flat" if per_layer is None else "per_layer",
         loss_chunk_tokens=run.loss_chunk_tokens,
         per_layer_kernel="torch" if per_layer is not None and per_layer.kernel == "torch" else "auto",
         as_run=True,  # the strategy's own variant of the method, not the paper's prototype
+        run_file_notes=notes,  # where the estimate is approximate, printed with the result
     )
     known = {action.dest: action for action in command._actions if action.nargs not in ("+", "*")}  # not lists
-    defaults = {name: value for name, value in defaults.items()
-                if (value is not None or name == "loss_chunk_tokens") and (name in known or name == "as_run")}
+    defaults = {name: value for name, value in defaults.items() if (value is not None or name == "loss_chunk_tokens")
+                and (name in known or name in ("as_run", "run_file_notes"))}
     command.set_defaults(**defaults)
     if "seq_len" in defaults:
         known["seq_len"].required = False
@@ -409,7 +429,7 @@ def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
     p.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA rank on every block projection (only the adapters train); 0: full fine-tuning")
     p.add_argument("--clipping", choices=list(CLIPPINGS), default="flat",
-                   help="flat (one norm per sample) or per-layer (each layer clipped and freed as it completes)")
+                   help="flat (one norm per sample) or per_layer (each layer clipped and freed as it completes)")
     p.add_argument("--per-layer-kernel", choices=list(PER_LAYER_KERNELS), default="torch",
                    help="per-layer clipping of linear weights: torch (the strategy's default: per-sample gradients,"
                         " one layer at a time) or auto (the fused kernels, no per-sample gradient, where the model is"

@@ -133,6 +133,8 @@ class RunConfig:
         the layout they share with V2 / V3)."""
         clipping = PerLayerClipping(kernel=self.per_layer_kernel) if self.clipping == "per_layer" else "flat"
         arguments = {**METHOD_PRESETS[self.method.preset], "context_parallel_size": self.cp_size}
+        if self.num_gpus > self.cp_size:  # model states planned as sharded over every GPU, not each CP group
+            arguments["shard_over"] = "all"
         return StrategyConfig(**arguments, micro_batch_size=self.micro_batch_size, clipping=clipping)
 
     @property
@@ -293,16 +295,19 @@ def longshield_config(
     clipping: str = "flat",
     per_layer_kernel: str = "torch",
     loss_chunk_tokens: LossChunking = "auto",
+    shard_over: str = "context_parallel",
 ) -> RunConfig:
-    """One context-parallel group of `LongShieldStrategy` as the planner sees it: ``cp`` GPUs (the strategy shards
-    model states over the CP group only; data-parallel groups are replicas) and the method the strategy really runs
-    (`as_run_by_longshield`; its V1 keeps only its shard of each clipped gradient, not the whole clipped sum).
+    """`LongShieldStrategy` as the planner sees it, with the method the strategy really runs (`as_run_by_longshield`;
+    its V1 keeps only its shard of each clipped gradient, not the whole clipped sum): one context-parallel group of
+    ``cp`` GPUs where model states are sharded over the CP group (``shard_over="context_parallel"``, the default;
+    data-parallel groups are replicas), else all ``cp x data_parallel`` GPUs (``"all"``), each DP group still
+    accumulating its own clipped sum over its CP group.
 
     ``"zero-dp"`` is the strategy's ZeRO-DP+ (``context_parallel_size=1, shard_over="all", per_sample="mixed"``):
     model states sharded over all ``data_parallel`` GPUs, one backward with book-keeping (no retained norm pass).
     ``loss_chunk_tokens`` is `CausalLMModule`'s setting.
     """
-    gpus = data_parallel if method == "zero-dp" else cp
+    gpus = data_parallel if method == "zero-dp" else cp * (data_parallel if shard_over == "all" else 1)
     return make_config(model=model, gpus=gpus, method=as_run_by_strategy(method, mbs), mbs=mbs, seq_len=seq_len,
                        cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank, clipping=clipping,
                        per_layer_kernel=per_layer_kernel, loss_chunk_tokens=loss_chunk_tokens)
@@ -344,8 +349,9 @@ def plan_strategy(
     """The planner's point for `LongShieldStrategy` with ``strategy`` on ``gpus`` processes, and notes where the
     estimate is approximate: the one place where the strategy's arguments meet the planner's cost model
     (`method_for`). A context-parallel group of ``strategy.context_parallel_size`` (``None``: all ``gpus``) is
-    planned (data-parallel groups are replicas; ZeRO-DP+'s layout shards over all ``gpus``); ``seq_len`` is rounded
-    up to a multiple of ``2 x CP`` (the load-balanced sharding needs it)."""
+    planned (data-parallel groups are replicas; with ``shard_over="all"``, and in ZeRO-DP+'s layout, model states
+    are sharded over all ``gpus``); ``seq_len`` is rounded up to a multiple of ``2 x CP`` (the load-balanced
+    sharding needs it). ``lora_rank``: the LoRA adapters' rank (0: full fine-tuning)."""
     cp = strategy.context_parallel_size or gpus
     method, notes = method_for(strategy.replace(context_parallel_size=cp))
     mbs = strategy.micro_batch_size
@@ -354,8 +360,9 @@ def plan_strategy(
                                  data_parallel=gpus, loss_chunk_tokens=loss_chunk_tokens), notes
     padded = -(-seq_len // (2 * cp)) * (2 * cp)
     clipping = "flat" if strategy.per_layer is None else "per_layer"
-    return longshield_config(model, method, cp, mbs, padded, precision, gpu, lora_rank=lora_rank, clipping=clipping,
-                             per_layer_kernel=per_layer_kernel, loss_chunk_tokens=loss_chunk_tokens), notes
+    return longshield_config(model, method, cp, mbs, padded, precision, gpu, lora_rank=lora_rank,
+                             data_parallel=gpus // cp, clipping=clipping, per_layer_kernel=per_layer_kernel,
+                             loss_chunk_tokens=loss_chunk_tokens, shard_over=strategy.shard_over), notes
 
 
 RANDOMIZED_CLIPPING_NOTE = (

@@ -19,6 +19,8 @@ from simulate.specs import DEFAULT_LORA_RANK
 from simulate.strategy_config import StrategyConfig
 
 LIGHTNING_DEFAULT_PRECISION = "32-true"
+#: `CausalLMModule`'s model when ``model.init_args.config`` is not given.
+MODULE_DEFAULT_MODEL = "tiny"
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,21 @@ def planned_run(document: Mapping[str, Any], source: str = "the run file") -> Pl
     else:
         strategy_args = _init_args(strategy)
     lora = _init_args(model.get("lora")) if model.get("lora") is not None else None
+    precision = trainer.get("precision", LIGHTNING_DEFAULT_PRECISION)
+    if str(precision).startswith("16"):
+        raise ValueError(f"{source}: trainer.precision={precision!r}: LongShieldStrategy refuses fp16 (per-sample"
+                         " gradients overflow it); use bf16-mixed, bf16-true or 32-true.")
     config = model.get("config")
+    section = document.get("model")
+    class_path = str(section.get("class_path", "")) if isinstance(section, Mapping) else ""
+    if config is None and class_path.split(".")[-1] in ("", "CausalLMModule"):
+        config = MODULE_DEFAULT_MODEL  # what CausalLMModule builds; another module's model is --model's to say
     return PlannedRun(
         model=None if config is None else os.fspath(config),
         lora_rank=0 if lora is None else int(lora.get("rank", DEFAULT_LORA_RANK)),
         seq_len=_positive_int(data.get("seq_len"), "data.init_args.seq_len", source),
         gpus=_gpus(trainer, source),
-        precision=precision_of(trainer.get("precision", LIGHTNING_DEFAULT_PRECISION)),
+        precision=precision_of(precision),
         strategy=StrategyConfig.from_arguments(strategy_args),
         loss_chunk_tokens=_loss_chunking(model.get("loss_chunk_tokens", "auto"), source),
     )

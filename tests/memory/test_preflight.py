@@ -261,3 +261,39 @@ def test_cuda_device_that_is_large_enough_trains(monkeypatch):
     fit(strategy)
     assert strategy.lightning_module.trainer.global_step == 1
     assert any("pre-flight: fits in 80.0 GiB" in m for m in messages)
+
+
+def test_a_lora_module_is_planned_with_only_its_adapters_training(monkeypatch):
+    """8B with rank-8 adapters at T 4096 fits one H100 (full fine-tuning does not); book-kept norms with LoRA, which
+    the planner does not model, skip the check with the reason rather than plan full fine-tuning."""
+    from types import SimpleNamespace
+
+    from lightning_longshield.lora import LoraOptions
+
+    messages: list[str] = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    config = LlamaConfig.from_name("llama3.1-8b")
+    run = dict(dataset=PublicLengthTokens(size=2, seq_len=4096), device=torch.device("cpu"), world_size=1, cp=1,
+               precision="bf16-mixed")
+    lora = SimpleNamespace(config=config, lora=LoraOptions(rank=8), loss_chunk_tokens="auto")
+    adapters = preflight.run_preflight(module=lora, config=StrategyConfig(), **run)
+    full = preflight.run_preflight(module=SimpleNamespace(config=config, loss_chunk_tokens="auto"),
+                                   config=StrategyConfig(), **run)
+    assert adapters is not None and full is not None
+    assert adapters.config.lora_rank == 8 and adapters.fits and "LoRA rank 8" in messages[0]
+    assert full.config.lora_rank == 0 and not full.fits
+    assert full.memory.model_states > 3 * adapters.memory.model_states
+    assert preflight.run_preflight(module=lora, config=StrategyConfig(norms="mixed"), **run) is None
+    assert "does not model LoRA adapters with book-kept norms" in messages[-1]
+
+
+def test_shard_over_all_plans_model_states_over_every_process():
+    """The default shards model states over each CP group (replicas elsewhere); ``shard_over="all"`` over all ranks:
+    the planned model states are 1/CP and 1/world of the whole."""
+    def planned(world: int, shard_over: str) -> preflight.PreflightResult:
+        return predict("llama3.1-8b", "v3", world, 2, 2, 16384, choices={"shard_over": shard_over})
+
+    group, all_four, all_eight = planned(4, "context_parallel"), planned(4, "all"), planned(8, "all")
+    assert planned(8, "context_parallel").memory.model_states == group.memory.model_states
+    assert all_eight.memory.model_states < all_four.memory.model_states < group.memory.model_states
+    assert all_four.fits and not group.fits  # on 80 GiB

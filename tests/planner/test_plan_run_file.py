@@ -125,3 +125,57 @@ def test_the_module_loss_chunking_is_planned(tmp_path: Path, capsys: pytest.Capt
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(path)])
     assert "model.init_args.loss_chunk_tokens must be 'auto', None" in capsys.readouterr().err
+
+
+def test_recommended_arguments_plan_as_recommended(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each V2 / V3 recommendation's strategy arguments, planned as the pre-flight plans them, give the recommended
+    peak: a CP group smaller than the GPU count comes with ``shard_over="all"``, which the plan assumed."""
+    from simulate.config import plan_strategy
+    from simulate.memory import estimate_memory
+
+    out = _json(capsys, "recommend", "--model", "llama3.1-8b", "--gpus", "4", "--seq-len", "16k")
+    checked = [r for r in out["recommendations"] if r["method"] in ("v2", "v3")]
+    assert any(r["cp"] < 4 for r in checked)
+    for recommendation in checked:
+        config = StrategyConfig(**recommendation["strategy_arguments"])
+        assert (config.shard_over == "all") == (recommendation["cp"] < 4)
+        planned, _ = plan_strategy("llama3.1-8b", config, 4, 16384)
+        assert estimate_memory(planned).peak_gib == pytest.approx(recommendation["peak_memory_gib"], abs=1e-3)
+
+
+def test_a_run_file_is_planned_with_the_layout_it_shards_over(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """4 processes at CP 2: by default each CP group holds its own model states (planned as one group of 2, with a
+    note); ``shard_over: all`` shards them over all 4."""
+    path = tmp_path / "run.yaml"
+    run = ("model: {config: llama3.1-8b}\ndata: {init_args: {seq_len: 16384}}\ntrainer:\n  devices: 4\n"
+           "  precision: bf16-mixed\n  strategy:\n    init_args: {context_parallel_size: 2, micro_batch_size: 2,"
+           " activation_checkpointing: true%s}\n")
+    path.write_text(run % "")
+    per_group = _json(capsys, "fit", "--config", str(path), status=1)
+    assert (per_group["gpus"], per_group["cp"], per_group["fits"]) == (2, 2, False)
+    assert main(["fit", "--config", str(path)]) == 1
+    assert "planned per context-parallel group of 2 GPUs" in capsys.readouterr().out
+    path.write_text(run % ", shard_over: all")
+    over_all = _json(capsys, "fit", "--config", str(path))
+    assert (over_all["gpus"], over_all["cp"], over_all["fits"]) == (4, 2, True)
+
+
+def test_a_run_file_is_planned_as_longshield_train_reads_it(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """No ``model.config``: CausalLMModule's own model (tiny), as ``longshield-train`` builds it. fp16, which the
+    strategy refuses, and LoRA with book-kept norms, which the planner does not model, are refused by name."""
+    path = tmp_path / "run.yaml"
+    path.write_text("data: {init_args: {seq_len: 256}}\ntrainer: {devices: 1}\n")
+    assert _json(capsys, "fit", "--config", str(path))["model"] == "tiny"
+    path.write_text("model: {class_path: my.Module}\ndata: {init_args: {seq_len: 256}}\ntrainer: {devices: 1}\n")
+    assert _json(capsys, "fit", "--config", str(path), status=1)["model"] == "llama3.1-8b"  # --model's default
+    for body, message in [
+        ("trainer: {devices: 1, precision: 16-mixed}\n", "LongShieldStrategy refuses fp16"),
+        ("model: {config: llama3.2-1b, lora: {rank: 8}}\ntrainer:\n  devices: 1\n  strategy: {init_args: {norms:"
+         " mixed}}\n", "does not model LoRA adapters with book-kept norms (norms='mixed')"),
+    ]:
+        path.write_text("data: {init_args: {seq_len: 256}}\n" + body)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", str(path)])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
