@@ -45,6 +45,7 @@ class StrategyCheckpoints:
 
     _loaded_sharded = False
     _pending_save: Optional[ShardedSave] = None
+    _removals_after_commit: tuple[Any, ...] = ()  # checkpoints superseded by the save under way
     _save_group: Optional[Any] = None
 
     @property
@@ -84,8 +85,17 @@ class StrategyCheckpoints:
                             checkpoint, self.global_rank, self.barrier,  # type: ignore[attr-defined]
                             background_group=self._background_group())
         self._pending_save = save if save.pending is not None else None
-        if not self.lightning_module.trainer.training:  # type: ignore[attr-defined]  # no later step to finish it
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if not trainer.training or trainer.interrupted:  # no later step to finish it (e.g. a save at SIGTERM)
             self.commit_pending_save()
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a superseded checkpoint; while an asynchronous save is under way, only once it is committed (until
+        then the superseded one is the newest whole checkpoint)."""
+        if self._pending_save is not None:
+            self._removals_after_commit = (*self._removals_after_commit, filepath)
+            return
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
 
     def _background_group(self) -> Optional[Any]:
         """The process group of asynchronous saves (created on first use, on every rank: saves are collectives)."""
@@ -107,6 +117,9 @@ class StrategyCheckpoints:
             return
         save, self._pending_save = self._pending_save, None
         save.commit(self.barrier)  # type: ignore[attr-defined]
+        removals, self._removals_after_commit = self._removals_after_commit, ()
+        for path in removals:
+            super().remove_checkpoint(path)  # type: ignore[misc]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]

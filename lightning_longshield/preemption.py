@@ -8,6 +8,7 @@ from typing import Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -15,9 +16,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 class PreemptionCheckpoint(Callback):
     """Save ``last.ckpt`` when Lightning stops a fit for SIGTERM.
 
-    Lightning's signal connector notes the signal, lets the current step finish (every rank agrees through a
-    broadcast) and raises `SIGTERMException`, a ``SystemExit`` whose exit status is 0; this callback saves the
-    checkpoint there, at a step boundary, in the `ModelCheckpoint`'s folder (``dirpath``, else the Trainer's
+    Lightning's signal connector notes the signal, lets the current step (or validation batch) finish (every rank
+    agrees through a broadcast) and raises `SIGTERMException`, a ``SystemExit`` whose exit status is 0; this callback
+    saves the checkpoint there, at a step boundary, in the `ModelCheckpoint`'s folder (``dirpath``, else the Trainer's
     ``default_root_dir``). Any other exception saves nothing: mid-step state is not a checkpoint. The DP steps run
     until then are in the privacy ledger before the checkpoint is written. `LongShieldStrategy` adds one to a Trainer
     that checkpoints.
@@ -27,7 +28,8 @@ class PreemptionCheckpoint(Callback):
         self.dirpath = dirpath
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, SIGTERMException) or not trainer.training:
+        # Inside a fit, training or validating (a validation's batches come after a finished step).
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
         path = os.path.join(self._directory(trainer), ModelCheckpoint.CHECKPOINT_NAME_LAST + ".ckpt")
         trainer.save_checkpoint(path)

@@ -17,7 +17,7 @@ from typing import Any, Optional, TypeVar
 import torch
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
-from lightning_longshield.privacy.ledger import PrivacyLedger, read_ledger, steps_after
+from lightning_longshield.privacy.ledger import LedgerEntry, PrivacyLedger, read_ledger, steps_after
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.plan import PlanMessage, PrivacyArguments, PrivacyPlan, resolve_plan
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
@@ -86,6 +86,7 @@ class PrivacySession:
         self.run_id: Optional[str] = None  # names this run's lines in the ledger; not a secret
         self.ledger: Optional[PrivacyLedger] = None
         self.ledger_path: Optional[str] = None  # where this run's ledger is (from a checkpoint, or once opened)
+        self.ledger_since: Optional[int] = None  # the first step index that ledger records for this run
         self.rolled_back_steps = 0  # steps that ran after the checkpoint a run resumed from
 
     @property
@@ -197,7 +198,10 @@ class PrivacySession:
         """Record this run's steps in the ledger at ``path`` from now on (``writer``: this process writes it; one
         process does)."""
         self.run_id = self.run_id or uuid.uuid4().hex
-        self.ledger_path = os.fspath(os.path.abspath(path))
+        path = os.fspath(os.path.abspath(path))
+        if path != self.ledger_path or self.ledger_since is None:  # a new ledger: it records the steps from now on
+            self.ledger_since = self.accountant.steps
+        self.ledger_path = path
         if writer and self.ledger is None:
             self.ledger = PrivacyLedger(self.ledger_path, self.run_id)
 
@@ -215,20 +219,27 @@ class PrivacySession:
             return  # a checkpoint from before the ledger
         path = os.fspath(path) if path is not None else self.ledger_path
         checkpoint_steps = self.accountant.steps
-        missing: Optional[str] = None
+        problem: Optional[str] = None
         entries = []
         if path is not None:
             try:
-                entries = steps_after(read_ledger(path, self.run_id), checkpoint_steps)
+                recorded = read_ledger(path, self.run_id)
+                entries = steps_after(recorded, checkpoint_steps)
+                unrecorded = self._steps_not_in(recorded, checkpoint_steps)
+                if unrecorded:
+                    problem = (f"The privacy ledger {path} lacks {unrecorded} of this run's steps before the checkpoint"
+                               " (replaced or truncated)")
             except FileNotFoundError:
-                missing = path
-        entries, missing = broadcast((entries, missing))
-        if missing is not None:
+                problem = f"The privacy ledger {path} is missing"
+        entries, problem = broadcast((entries, problem))
+        if problem is not None:
             rank_zero_warn(
-                f"The privacy ledger {missing} is missing: epsilon counts the checkpoint's {checkpoint_steps} steps,"
-                " and any step that ran after the checkpoint before the run stopped is not counted. Resume with the"
-                " ledger in place (LongShieldStrategy(privacy_ledger=...) names where it is)."
+                f"{problem}: epsilon counts the checkpoint's {checkpoint_steps} steps and what the ledger holds, and"
+                " any other step that ran after the checkpoint before the run stopped is not counted. Resume with the"
+                " run's ledger in place (LongShieldStrategy(privacy_ledger=...) names where it is). This run keeps"
+                " a new ledger."
             )
+            self.ledger_path = None  # where the run's ledger was may not exist here: a new one from now on
         for entry in entries:
             self.accountant.step(entry.noise_multiplier, entry.sample_rate)
         self.rolled_back_steps += len(entries)
@@ -237,6 +248,13 @@ class PrivacySession:
                 f"Privacy ledger {path}: {len(entries)} steps ran after the checkpoint of step {checkpoint_steps} and"
                 f" were rolled back by this resume; they are accounted: {self.accountant.steps} steps so far."
             )
+
+    def _steps_not_in(self, recorded: list[LedgerEntry], checkpoint_steps: int) -> int:
+        """How many of the step indices the run's ledger holds before the checkpoint (from ``ledger_since``, when it
+        was opened) are not among ``recorded``."""
+        if self.ledger_since is None:
+            return 0  # a checkpoint from before `ledger_since` was kept: nothing to check against
+        return len(set(range(self.ledger_since, checkpoint_steps)) - {entry.index for entry in recorded})
 
     def close_ledger(self) -> None:
         if self.ledger is not None:
@@ -316,7 +334,8 @@ class PrivacySession:
         if self.noise is None or self.plan is None:
             return None
         return {"plan": self.plan.state_dict(), "accountant": self.accountant.state_dict(), "run_id": self.run_id,
-                "ledger": self.ledger_path, "rolled_back_steps": self.rolled_back_steps}
+                "ledger": self.ledger_path, "ledger_since": self.ledger_since,
+                "rolled_back_steps": self.rolled_back_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the checkpoint's accounting; its plan fixes the mechanism when training starts."""
@@ -324,4 +343,5 @@ class PrivacySession:
         self._restored_plan = state["plan"]
         self.run_id = state.get("run_id")
         self.ledger_path = state.get("ledger")
+        self.ledger_since = state.get("ledger_since")
         self.rolled_back_steps = state.get("rolled_back_steps", 0)

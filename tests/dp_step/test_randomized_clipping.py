@@ -144,7 +144,8 @@ def test_projections_are_fresh_secret_and_never_stored():
     with pytest.warns(UserWarning, match="noise_seed"):
         strategy = fit(module, steps=1, noise_multiplier=1.0, norms=ProjectedNorms("hutchinson", projection_dim=4))
     state = strategy.privacy.state_dict()
-    assert "key" not in repr(state) and set(state) == {"plan", "accountant", "run_id", "ledger", "rolled_back_steps"}
+    assert "key" not in repr(state) and set(state) == {"plan", "accountant", "run_id", "ledger", "ledger_since",
+                                                    "rolled_back_steps"}
     assert state["accountant"]["estimator"] == "hutchinson"
     again = copy.deepcopy(make_module(small_config(n_layers=1)))
     with pytest.warns(UserWarning, match="noise_seed"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -164,3 +165,31 @@ def test_sigterm_saves_at_the_step_boundary_exits_cleanly_and_resumes(tmp_path):
     assert final.returncode == 0, final.stderr[-2000:]
     report = json.loads(final.stdout.strip().splitlines()[-1])
     assert report["steps"] == 6 == len(read_ledger(tmp_path / LEDGER_FILE, report["run"]))  # nothing rolled back
+
+
+def test_a_ledger_that_lost_the_runs_steps_is_warned_about(tmp_path):
+    """The run's ledger replaced by another run's (a shared folder): it holds none of this run's steps before the
+    checkpoint, so steps rolled back by the resume cannot be known. Said as loudly as a missing ledger."""
+    _fit(_strategy(), tmp_path, max_steps=4)
+    (tmp_path / "checkpoints" / "step=4.ckpt").unlink()
+    (tmp_path / LEDGER_FILE).unlink()
+    PrivacyLedger(tmp_path / LEDGER_FILE, "another-run").record(0, 1.0, 0.125)
+    resumed = _strategy()
+    with pytest.warns(UserWarning, match=r"privacy ledger .* lacks 2 of this run's steps before the checkpoint"):
+        _fit(resumed, tmp_path, max_steps=4, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
+    assert resumed.accountant.steps == 4
+
+
+def test_a_checkpoint_moved_without_its_ledger_resumes_with_a_new_one_where_it_runs(tmp_path):
+    """The checkpoint's ledger path (another machine's folder) is not recreated: the resumed run warns, keeps its
+    new ledger in its own ``default_root_dir`` and accounts the steps it runs there."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    _fit(_strategy(), old, max_steps=2)
+    (new / "checkpoints").mkdir(parents=True)
+    (old / "checkpoints" / "step=2.ckpt").rename(new / "checkpoints" / "step=2.ckpt")
+    shutil.rmtree(old)
+    resumed = _strategy()
+    with pytest.warns(UserWarning, match="is missing"):
+        _fit(resumed, new, max_steps=3, ckpt_path=new / "checkpoints" / "step=2.ckpt")
+    assert not old.exists() and resumed.accountant.steps == 3
+    assert [entry.index for entry in read_ledger(new / LEDGER_FILE, _run_id(new))] == [2]

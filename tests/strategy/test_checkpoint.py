@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_longshield import LongShieldStrategy
+from lightning_longshield.durable_checkpoints import is_whole_checkpoint
 from lightning_longshield.sharded_checkpoints import is_whole_sharded_checkpoint, read_model_state
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
@@ -108,3 +109,62 @@ def test_an_asynchronous_save_holds_the_state_of_its_step(tmp_path):
 def test_asynchronous_saves_are_sharded():
     with pytest.raises(ValueError, match="checkpoint_format='sharded'"):
         LongShieldStrategy(noise_multiplier=1.0, async_checkpoints=True, checkpoint_format="full")
+
+
+class _Sigterm(Callback):
+    """Lightning's signal connector as SIGTERM leaves it, after the ``after``-th training or validation batch."""
+
+    def __init__(self, during: str, after: int) -> None:
+        self.during, self.after, self.seen = during, after, 0
+
+    def _count(self, trainer) -> None:
+        self.seen += 1
+        if self.seen == self.after:
+            trainer._signal_connector.received_sigterm = True
+
+    def on_train_batch_end(self, trainer, *_) -> None:
+        if self.during == "training":
+            self._count(trainer)
+
+    def on_validation_batch_end(self, trainer, *_) -> None:
+        if self.during == "validation":
+            self._count(trainer)
+
+
+@pytest.mark.parametrize("during, asynchronous", [("training", True), ("validation", False)])
+def test_sigterm_leaves_a_whole_last_checkpoint(tmp_path, during, asynchronous):
+    """Asynchronous saves: the save at SIGTERM is committed before the process exits (it was left partial, and the
+    requeued run started afresh). During a fit's validation: saved too (nothing was, and the job exited 0)."""
+    run = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3,
+                             async_checkpoints=asynchronous)
+    saves = ModelCheckpoint(dirpath=tmp_path / "checkpoints", filename="{step}", every_n_train_steps=100)
+    trainer = make_trainer(run, max_steps=6, enable_checkpointing=True, callbacks=[saves, _Sigterm(during, 2)],
+                           val_check_interval=2, limit_val_batches=3)
+    with pytest.raises(SystemExit):
+        trainer.fit(module(), loader(DATA, 4), loader(DATA, 4))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    whole = is_whole_sharded_checkpoint(last) if asynchronous else is_whole_checkpoint(last)
+    assert whole and not list(last.parent.glob(".*.partial"))
+    resumed = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    make_trainer(resumed, max_steps=6).fit(module(), loader(DATA, 4), ckpt_path=last)
+    assert resumed.accountant.steps == 6
+
+
+def test_an_asynchronous_save_removes_the_checkpoint_it_supersedes_once_committed(tmp_path):
+    """``save_top_k=1``: the superseded checkpoint stays until the newer one is whole, so a crash at any moment after
+    the first save finds one whole checkpoint (the superseded one was removed as soon as the next save began)."""
+    folder = tmp_path / "checkpoints"
+    seen: list[list[str]] = []
+
+    class Listing(Callback):
+        def on_train_batch_start(self, trainer, *_) -> None:
+            if trainer.global_step:
+                seen.append(sorted(p.name for p in folder.iterdir() if is_whole_sharded_checkpoint(p)))
+
+    run = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3, async_checkpoints=True)
+    saves = ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=1, save_top_k=1,
+                            monitor="step", mode="max")
+    make_trainer(run, max_steps=4, enable_checkpointing=True, callbacks=[saves, Listing()]).fit(module(),
+                                                                                              loader(DATA, 4))
+    assert len(seen) == 3 and all(seen[1:]), seen  # before step 2 the first save may still be under way
+    assert sorted(p.name for p in folder.iterdir()) == ["step=4.ckpt"]
