@@ -50,10 +50,10 @@ class GradientCanaries(Canaries):
     trainable parameters (chosen at random, distinct). ``magnitude`` above the clipping bound makes clipping part of
     what is audited.
 
-    Where the module has a trainable output layer (``module.model.output``, an `nn.Linear`), the coordinates are
-    entries ``(k, j)`` of its weight and the canary's gradient comes from a call of that layer on the one-hot input
-    ``e_j``, so per-sample gradients take the run's own path at any micro-batch size (``layer`` names it); else they
-    are anywhere among the trainable parameters, and one sample per micro-batch is needed."""
+    Where the module has a trainable output layer without a trainable bias (``module.model.output``, an `nn.Linear`),
+    the coordinates are entries ``(k, j)`` of its weight and the canary's gradient comes from a call of that layer on
+    the one-hot input ``e_j``, so per-sample gradients take the run's own path at any micro-batch size (``layer``
+    names it); else they are anywhere among the trainable parameters, and one sample per micro-batch is needed."""
 
     magnitude: float = 1.0
     coordinates: list[tuple[str, int]] = field(default_factory=list)
@@ -63,7 +63,10 @@ class GradientCanaries(Canaries):
         """Choose the canaries' coordinates: in the output layer's weight where it trains, else among all of
         ``module``'s trainable parameters."""
         head = getattr(getattr(module, "model", None), "output", None)
-        if isinstance(head, nn.Linear) and head.weight.requires_grad and head.weight.numel() >= self.m:
+        # A trainable bias would take part of each canary's gradient (the entry of its row), shared among canaries.
+        bias_trains = isinstance(head, nn.Linear) and head.bias is not None and head.bias.requires_grad
+        if isinstance(head, nn.Linear) and head.weight.requires_grad and not bias_trains \
+                and head.weight.numel() >= self.m:
             name = next(n for n, p in module.named_parameters() if p is head.weight)
             self.layer = head
             self.coordinates = [(name, index) for index in self._distinct(head.weight.numel())]

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_longshield.audit.run import audit_training
+from lightning_longshield.audit.run import audit_training, check_audit_inputs
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -44,13 +44,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     privacy.add_argument("--noise-multiplier", type=float, help="sigma (0: no noise, the claim is infinite)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--target-delta", type=float, default=1e-5)
-    parser.add_argument("--confidence", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=0, help="the audit's canaries and inclusion draws")
+    parser.add_argument("--confidence", type=float, default=0.95,
+                        help="the lower bound's confidence, in (0, 1): 0.95, not 95")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the audit's canaries and inclusion draws, and the model's initialisation")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", metavar="PNG", help="also save the guess-accuracy curve there (needs matplotlib)")
     args = parser.parse_args(argv)
     if args.canaries < 2 or (args.steps is not None and args.steps < 1) or args.records < 1:
         parser.error("--canaries must be at least 2, --steps and --records at least 1.")
+    try:
+        check_audit_inputs(args.magnitude, args.confidence)
+    except ValueError as err:
+        parser.error(str(err))
     return args
 
 

@@ -3,9 +3,11 @@ lower bound on epsilon (Steinke, Nasr and Jagielski, 2023) beside the accountant
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Optional
 
@@ -79,7 +81,7 @@ class AuditReport:
         kind = "white-box gradient" if self.canary_type == "gradient" else "black-box input"
         return (f"Audit ({kind} canaries, m={self.m}, {self.inserted} inserted, {self.steps} DP steps, {self.scale}):"
                 f" claimed epsilon={self.claimed_epsilon:.3f} at delta={self.delta:.3g}; empirical lower bound"
-                f" {self.epsilon_lower_bound:.3f} at {self.confidence:.0%} confidence ({self.correct} of"
+                f" {self.epsilon_lower_bound:.3f} at {100 * self.confidence:.4g}% confidence ({self.correct} of"
                 f" {self.guesses} guesses correct). A lower bound is evidence, not proof: it can only show a"
                 " guarantee broken (lower bound above the claim), never that it holds.")
 
@@ -113,10 +115,12 @@ def audit_training(
     from lightning_longshield import LongShieldStrategy
     from lightning_longshield.progress import StepProgressBar
 
+    check_audit_inputs(magnitude, confidence)
     if (trainer_options or {}).get("devices", 1) not in (1, [0], "1"):
         raise ValueError("An audit runs in one process (its canary scores read the whole released gradient): pass"
                          " devices=1; the guarantee audited is the same mechanism's.")
     options = dict(strategy_options or {})
+    own_step = module.__dict__.get("training_step")  # what the audit's wrapper replaces, put back after the run
     if getattr(module, "model", True) is None and hasattr(module, "configure_model"):
         module.configure_model()  # the canaries' coordinates are chosen among the parameters
     callbacks: list[pl.Callback] = []
@@ -128,7 +132,7 @@ def audit_training(
                      " carry them, so a canary's gradient must be its micro-batch's (the micro-batch size has no"
                      " privacy effect).")
             options["micro_batch_size"] = 1
-        insert_gradient_canaries(module, chosen)
+        wrap_step = functools.partial(insert_gradient_canaries, module, chosen)
         data: Dataset = WithCanaries(dataset, chosen)
         scorer = CanaryScores(chosen)
         callbacks.append(scorer)
@@ -138,7 +142,7 @@ def audit_training(
         inputs = InputCanaries(canaries, seed=seed, seq_len=len(sample["input_ids"]), vocab_size=vocab)
         chosen = inputs
         data = WithCanaries(dataset, inputs, inputs.record)
-        _ignore_canary_key(module)
+        wrap_step = functools.partial(_ignore_canary_key, module)
     else:
         raise ValueError(f"canary_type={canary_type!r}: choose 'gradient' (white box) or 'input' (black box).")
     strategy = LongShieldStrategy(**options)
@@ -149,7 +153,9 @@ def audit_training(
         callbacks.append(StepProgressBar())
     settings["callbacks"] = [*callbacks, *settings.get("callbacks", [])]
     trainer = pl.Trainer(strategy=strategy, max_steps=max_steps, **settings)
-    trainer.fit(module, DataLoader(data, batch_size=batch_size))
+    with _training_step_restored(module, wrapped_from=own_step):
+        wrap_step()
+        trainer.fit(module, DataLoader(data, batch_size=batch_size))
     plan = strategy.privacy_plan
     assert plan is not None
     if canary_type == "gradient":
@@ -163,12 +169,34 @@ def audit_training(
                        top_guess_accuracy(scores, chosen.included))
 
 
+def check_audit_inputs(magnitude: float, confidence: float) -> None:
+    """Refuse, before any training, a canary magnitude or a confidence that cannot give a meaningful audit."""
+    if not (math.isfinite(magnitude) and magnitude > 0):
+        raise ValueError(f"magnitude={magnitude}: a canary's gradient norm, in units of max_grad_norm, must be a"
+                         " finite number above 0 (1 is the clipping bound).")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence} is outside (0, 1): write 0.95 for 95%.")
+
+
 def top_guess_accuracy(scores: list[float], included: list[bool], points: int = 20) -> tuple[tuple[int, float], ...]:
     """For ``points`` values of k up to half the canaries: the fraction of the k highest scores that were inserted."""
     order = sorted(range(len(scores)), key=lambda index: -scores[index])
     half = max(1, len(scores) // 2)
     ks = sorted({max(1, round(half * (i + 1) / points)) for i in range(points)})
     return tuple((k, sum(included[index] for index in order[:k]) / k) for k in ks)
+
+
+@contextmanager
+def _training_step_restored(module: pl.LightningModule, wrapped_from: Any) -> Iterator[None]:
+    """Run the audited fit, then give ``module`` back its own ``training_step`` (the audit wraps it), so the module
+    can be trained or audited again."""
+    try:
+        yield
+    finally:
+        if wrapped_from is None:
+            module.__dict__.pop("training_step", None)
+        else:
+            module.training_step = wrapped_from  # type: ignore[method-assign]
 
 
 def _ignore_canary_key(module: pl.LightningModule) -> None:

@@ -8,6 +8,7 @@ must be caught, and without noise the white-box audit must be strong.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -121,6 +122,46 @@ def test_the_audit_command_refuses_bad_counts(capsys):
     with pytest.raises(SystemExit):
         audit_cli.parse_args(["--canaries", "1"])
     assert "--canaries must be at least 2" in capsys.readouterr().err
+    for flags, message in [(["--confidence", "95"], "write 0.95 for 95%"), (["--confidence", "1"], "outside (0, 1)"),
+                           (["--magnitude", "0"], "finite number above 0"),
+                           (["--magnitude", "nan"], "finite number above 0")]:
+        with pytest.raises(SystemExit):
+            audit_cli.parse_args(flags)
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [dict(confidence=95.0), dict(magnitude=-1.0)])
+def test_bad_audit_inputs_are_refused_before_training(bad):
+    module = make_module(small_config())
+    with pytest.raises(ValueError, match="outside|above 0"):
+        audit_training(module, RandomTokens(size=8, seq_len=16), batch_size=8, max_steps=1, canaries=10,
+                       strategy_options=dict(noise_multiplier=1.0), trainer_options=QUIET, **bad)
+    assert "training_step" not in module.__dict__
+
+
+def test_an_audited_module_gets_its_training_step_back():
+    """The audit wraps ``training_step`` to add the canaries; afterwards the module trains, or is audited, again."""
+    module = make_module(small_config(), optimizer="sgd", learning_rate=0.1)
+    for canary_type in ("gradient", "input", "gradient"):
+        report = audit_training(module, RandomTokens(size=8, seq_len=16), batch_size=8, max_steps=1, canaries=10,
+                                canary_type=canary_type, strategy_options=dict(noise_multiplier=1.0),
+                                trainer_options=QUIET)
+        assert report.steps == 1 and "training_step" not in module.__dict__
+    assert "at 99.9% confidence" in dataclasses.replace(report, confidence=0.999).summary()
+
+
+def test_a_head_with_a_trainable_bias_does_not_carry_the_canaries():
+    """Its bias would take part of every canary's gradient (shared along the canary's row), so the canaries go
+    elsewhere, one sample per micro-batch."""
+    module = make_module(small_config())
+    head = module.model.output
+    module.model.output = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    canaries = GradientCanaries(100, seed=3)
+    canaries.place(module)
+    assert canaries.layer is None
+    module.model.output.bias.requires_grad_(False)
+    canaries.place(module)
+    assert canaries.layer is module.model.output
 
 
 @pytest.mark.slow
