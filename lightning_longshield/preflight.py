@@ -232,16 +232,18 @@ def _fastest_fit(
 ) -> Optional[Alternative]:
     """The fitting candidate over ``cp_sizes`` x layouts x micro-batch sizes with the most tokens/s per GPU."""
     best: Optional[tuple[float, StrategyConfig, MemoryBreakdown]] = None
-    sharded_over_all = strategy.shard_over == "all"  # ZeRO-DP+'s layout: no context parallelism
+    sharded_over_all = strategy.shard_over == "all"  # model states over every rank
+    book_kept = strategy.per_sample != "materialize"  # planned as ZeRO-DP+: no context parallelism
     for cp in cp_sizes:
-        if config.seq_len % (2 * cp) or (sharded_over_all and cp > 1):
+        if config.seq_len % (2 * cp) or (book_kept and cp > 1):
             continue
         for layout in _lighter_layouts(strategy):
             for mbs in _smaller_micro_batches(strategy.micro_batch_size):
                 candidate = layout.replace(context_parallel_size=cp, micro_batch_size=mbs)
                 if candidate == strategy:
                     continue
-                gpus = int(config.num_gpus) if sharded_over_all else cp
+                more_gpus = cp * (world_size // config.cp_size)  # a group size beyond the world keeps DP groups
+                gpus = (world_size if world_size % cp == 0 else more_gpus) if sharded_over_all else cp
                 planned, _ = plan_strategy(config.model, candidate, gpus, config.seq_len, config.precision.name,
                                            config.gpu, config.per_layer_kernel, config.loss_chunk_tokens,
                                            config.lora_rank)

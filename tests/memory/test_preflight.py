@@ -297,3 +297,6 @@ def test_shard_over_all_plans_model_states_over_every_process():
     assert planned(8, "context_parallel").memory.model_states == group.memory.model_states
     assert all_eight.memory.model_states < all_four.memory.model_states < group.memory.model_states
     assert all_four.fits and not group.fits  # on 80 GiB
+    longer = predict("llama3.1-8b", "v3", 4, 2, 2, 65536, choices={"shard_over": "all"})
+    alternative = preflight.find_alternative(longer.strategy, longer.config, 4)
+    assert not longer.fits and alternative is not None and alternative.memory.fits and alternative.gpus is None
