@@ -22,7 +22,18 @@ def batch_size_of(batch: Any) -> int:
 def split_into_microbatches(batch: Any, micro_batch_size: int) -> list[Any]:
     """Consecutive slices of at most ``micro_batch_size`` samples (views, no copies)."""
     size = batch_size_of(batch)
-    return [
-        apply_to_collection(batch, torch.Tensor, lambda t, s=start: t[s : s + micro_batch_size] if t.dim() else t)
-        for start in range(0, size, micro_batch_size)
-    ]
+    return [samples_of(batch, start, start + micro_batch_size) for start in range(0, size, micro_batch_size)]
+
+
+def samples_of(batch: Any, start: int, stop: int) -> Any:
+    """Samples ``start`` to ``stop`` of a collated batch: the rows of every tensor (0-d ones kept) and of every list
+    of strings (what ``default_collate`` makes of a per-sample string, e.g. a document id), through nested
+    collections; other values are kept."""
+    def take(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value[start:stop] if value.dim() else value
+        if value and all(isinstance(item, (str, bytes)) for item in value):
+            return value[start:stop]
+        return type(value)(apply_to_collection(item, (torch.Tensor, list), take) for item in value)
+
+    return apply_to_collection(batch, (torch.Tensor, list), take)

@@ -18,7 +18,7 @@ from lightning_longshield.padding import logging_discarded
 class DPStepLoop:
     """Strategy mix-in (before Lightning's strategy in the bases): one optimizer step is one DP step over one logical
     batch. Uses the strategy's ``dp_engine``, ``privacy`` (`PrivacySession`), ``config``, ``_padding``
-    (`ZeroWeightPadding`), ``_metric_guard`` and ``_shard_sequence``."""
+    (`ZeroWeightPadding`), ``_check_logged_metrics`` and ``_shard_sequence``."""
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One DP step's forward and backward: every micro-batch of the logical batch is run and back-propagated here
@@ -35,7 +35,7 @@ class DPStepLoop:
             self._padding_step(self._padding.microbatch(batch, self.batch_to_device), rest, kwargs)
         if not microbatches:
             return torch.zeros((), device=self.root_device)
-        self._metric_guard.check(self.lightning_module.trainer._results or {})
+        self._check_logged_metrics()
         return output
 
     def _microbatch_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -43,6 +43,13 @@ class DPStepLoop:
         self.dp_engine.prepare_microbatch(size)
         output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
+        if not isinstance(loss, Tensor):
+            # Skipping a sampled micro-batch would be a decision on private data that the accounting does not see.
+            raise TypeError(
+                f"training_step returned {type(loss).__name__}, not a loss tensor: under DP every sampled micro-batch"
+                " contributes its clipped gradient, and none is skipped. To leave samples out, weight their tokens'"
+                " loss by 0 (labels -100) and return the loss."
+            )
         self._backward_microbatch(loss, size)
         return {**output, "loss": loss.detach()} if isinstance(output, Mapping) else loss.detach()
 

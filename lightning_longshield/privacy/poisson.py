@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import Dataset, Sampler
 
+from lightning_longshield.batching import samples_of
 from lightning_longshield.privacy.randomness import SecretKey
 
 
@@ -71,24 +71,17 @@ class CollateAllowingEmpty:
         self.collate_fn = collate_fn
 
     def __call__(self, samples: list[Any]) -> Any:
-        if samples:
-            return self.collate_fn(samples)
-        return _without_samples(self.collate_fn([self.dataset[0]]))
-
-
-def _without_samples(batch: Any) -> Any:
-    """``batch`` with every tensor cut to zero rows, through mappings (their own type where it takes a dict),
-    named tuples, tuples and lists; other values are kept."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:0] if batch.dim() else batch
-    if isinstance(batch, Mapping):
-        items = {key: _without_samples(value) for key, value in batch.items()}
+        if not samples:
+            return samples_of(self.collate_fn([self.dataset[0]]), 0, 0)
         try:
-            return type(batch)(items)
-        except TypeError:
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_without_samples(value) for value in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_without_samples(value) for value in batch)
-    return batch
+            return self.collate_fn(samples)
+        except (RuntimeError, TypeError, ValueError) as error:
+            # Not chained: collate errors quote the sampled records' values (their lengths) and their positions in the
+            # batch, which tell its private size.
+            raise type(error)(
+                f"The sampled records could not be collated into one batch ({type(error).__name__} in the collate"
+                " function; its message is withheld, as it can quote values of the sampled records). Make every"
+                " record the same length (pack or pad them in the dataset), or pass a collate_fn that pads them."
+            ) from None
+
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import UserDict, namedtuple
 
+import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import default_collate
@@ -92,3 +93,36 @@ def test_fit_through_empty_logical_batches():
     assert 0 in recorder.sizes and any(size > 0 for size in recorder.sizes), recorder.sizes
     assert not any(changed for size, changed in zip(recorder.sizes, recorder.changed) if size == 0), recorder.changed
     assert any(recorder.changed)
+
+
+def test_per_sample_strings_follow_their_samples():
+    """``default_collate`` makes a list of a per-sample string field (a document id): an empty batch has none, and
+    each micro-batch gets its own samples' ids."""
+    from lightning_longshield.batching import split_into_microbatches
+
+    class Named(RandomTokens):
+        def __getitem__(self, index):
+            return {**super().__getitem__(index), "doc_id": f"doc-{index}"}
+
+    dataset = Named(size=4, seq_len=6)
+    collate = CollateAllowingEmpty(dataset, default_collate)
+    assert collate([])["doc_id"] == []
+    batch = collate([dataset[i] for i in (1, 2, 3)])
+    assert [micro["doc_id"] for micro in split_into_microbatches(batch, 2)] == [["doc-1", "doc-2"], ["doc-3"]]
+    assert [micro["input_ids"].shape[0] for micro in split_into_microbatches(batch, 2)] == [2, 1]
+
+
+def test_a_collate_error_quotes_nothing_of_the_sampled_records():
+    """torch's message names the records' lengths and their positions in the batch (its private size)."""
+    class Ragged(RandomTokens):
+        def __getitem__(self, index):
+            item = super().__getitem__(index)
+            return {key: value[: 5 + index] for key, value in item.items()}
+
+    dataset = Ragged(size=4, seq_len=9)
+    with pytest.raises(RuntimeError) as error:
+        CollateAllowingEmpty(dataset, default_collate)([dataset[0], dataset[3]])
+    message = str(error.value)
+    assert "could not be collated" in message and "pad" in message
+    assert not any(str(number) in message for number in (5, 8, "entry"))
+    assert error.value.__cause__ is None and error.value.__suppress_context__

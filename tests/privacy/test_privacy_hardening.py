@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -137,8 +138,38 @@ def test_metrics_a_user_logs_in_training_step_are_flagged():
     module = LogsItsLoss(small_config(n_layers=1), optimizer="sgd")
     # Fixed batches: a Poisson draw of two empty batches (1.4% at q = 1/8) would log nothing.
     strategy = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3, poisson_sampling=False)
-    with pytest.warns(UserWarning, match=r"training_step logged \['my_loss'\].*NOT\s+covered"):
+    with pytest.warns(UserWarning, match=r"\(training_step\) logged \['my_loss'\].*NOT\s+covered"):
         make_trainer(strategy, max_steps=2).fit(module, loader(RandomTokens(size=16, seq_len=8), 2))
+
+
+def test_metrics_a_user_logs_in_other_training_hooks_are_flagged():
+    """Lightning's usual epoch loss (``training_step`` outputs averaged in ``on_train_epoch_end``) and a batch's
+    loss or token count logged in ``on_train_batch_end``; the strategy's own epsilon is not flagged."""
+    class LogsFromHooks(CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.losses.append(loss.detach())
+            return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.log("batch_loss", outputs["loss"])
+            self.log("batch_tokens", float((batch["labels"] != -100).sum()))
+
+        def on_train_epoch_end(self):
+            self.log("epoch_loss", torch.stack(self.losses).mean())
+
+    torch.manual_seed(0)
+    module = LogsFromHooks(small_config(n_layers=1), optimizer="sgd")
+    module.losses = []
+    strategy = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3, poisson_sampling=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(strategy, max_steps=4, log_every_n_steps=1).fit(module, loader(RandomTokens(size=8, seq_len=8),
+                                                                                    2))
+    flagged = [str(w.message) for w in caught if "NOT covered" in str(w.message)]
+    assert any("(on_train_batch_end) logged ['batch_loss', 'batch_tokens']" in m for m in flagged), flagged
+    assert any("(on_train_epoch_end) logged ['epoch_loss']" in m for m in flagged), flagged
+    assert not any("epsilon" in m for m in flagged)
 
 
 # ----------------------------------------------------------------------------------------------- sensitivity
@@ -429,3 +460,16 @@ def test_batch_errors_quote_no_value_of_the_batch():
     with pytest.raises(ValueError, match="Cannot infer the batch size") as error:
         batch_size_of({"input_ids": ids, "labels": ids[:11]})
     assert "13" not in str(error.value) and "11" not in str(error.value)
+
+
+def test_a_training_step_that_returns_none_is_refused_by_name():
+    """Lightning skips a batch whose ``training_step`` returns None; under DP that would be a decision on private data
+    outside the accounting, so the step is refused with the way to leave samples out."""
+    class Skips(CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    module = Skips(small_config(n_layers=1), optimizer="sgd")
+    strategy = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3, poisson_sampling=False)
+    with pytest.raises(TypeError, match="training_step returned NoneType.*labels -100"):
+        make_trainer(strategy, max_steps=1).fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
