@@ -30,6 +30,7 @@ from typing import Optional
 import lightning as L
 
 from lightning_longshield import CausalLMModule, LongShieldStrategy
+from lightning_longshield.hf import model_tokenizer
 from lightning_longshield.hf.demo import write_demo_llama
 from lightning_longshield.local_text_data import LocalTextDataModule
 from lightning_longshield.lora import LoraOptions
@@ -95,7 +96,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.prepare_only:
         print(f"Wrote {model_dir} and {', '.join(str(path) for path in [*data_files, *(val_files or [])])}")
         return
-    tokenizer = str(model_dir) if (model_dir / "tokenizer_config.json").exists() else None
+    tokenizer = model_tokenizer(model_dir, "Put the model's tokenizer files in --model-dir.")
     data = LocalTextDataModule(
         data_files=[str(path) for path in data_files], text_field=args.text_field, tokenizer=tokenizer,
         seq_len=args.seq_len, batch_size=args.batch_size, privacy_unit=args.privacy_unit,

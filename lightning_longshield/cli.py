@@ -123,15 +123,9 @@ class LongShieldCLI(LightningCLI):
         model_config = config.get("model", {}).get("config")
         if not isinstance(model_config, (str, os.PathLike)) or not hf.is_model_directory(model_config):
             return
-        directory = Path(model_config).expanduser()
-        if any((directory / name).is_file() for name in hf.TOKENIZER_FILES):
+        fix = "Set data.init_args.tokenizer to the model's tokenizer."
+        if hf.model_tokenizer(Path(model_config).expanduser(), fix) is not None:
             init_args.tokenizer = os.fspath(model_config)
-        else:
-            rank_zero_warn(
-                f"The model directory {os.fspath(model_config)!r} has no tokenizer and data.init_args.tokenizer is"
-                " not set: the data is tokenized as UTF-8 bytes. Set data.init_args.tokenizer to the model's"
-                " tokenizer."
-            )
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         chosen = [*callbacks, *(config.get("callbacks") or [])]

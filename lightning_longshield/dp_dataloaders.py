@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from lightning_longshield.privacy.poisson import CollateAllowingEmpty, PoissonBatchSampler
 from lightning_longshield.privacy.randomness import SecretKey
@@ -71,6 +71,7 @@ def poisson_dataloader(
     first one draw ``first_draw`` (the DP steps already taken)."""
     dataset = dataloader.dataset
     size = len(dataset)  # type: ignore[arg-type]
+    _refuse_a_selecting_sampler(dataloader, size)
     sampler = PoissonBatchSampler(
         size,
         dataloader.batch_size * data_parallel_size / size,  # type: ignore[operator]
@@ -83,6 +84,24 @@ def poisson_dataloader(
         dataloader, batch_sampler=sampler, collate_fn=CollateAllowingEmpty(dataset, dataloader.collate_fn),
         loader_class=PoissonDataLoader,
     )
+
+
+def _refuse_a_selecting_sampler(dataloader: DataLoader, size: int) -> None:
+    """Poisson sampling draws from the whole dataset: a sampler that selects or weights records would be dropped and
+    the records it leaves out trained on, so only the default samplers over every record are taken."""
+    own = dataloader.sampler
+    every_record = isinstance(own, SequentialSampler) or (
+        isinstance(own, RandomSampler) and not own.replacement and own.num_samples == size
+    )
+    custom_batches = dataloader.batch_sampler is not None and type(dataloader.batch_sampler) is not BatchSampler
+    if not every_record or custom_batches:
+        used = type(dataloader.batch_sampler if custom_batches else own).__name__
+        raise ValueError(
+            f"The training DataLoader's {used} would be replaced by Poisson sampling over all {size} records of its"
+            " dataset, so records it leaves out (or weights) would be trained on as any other. Select the records in"
+            " the dataset itself (torch.utils.data.Subset(dataset, indices)) and pass batch_size with shuffle=True"
+            " or the default sampler."
+        )
 
 
 def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, data_parallel_size: int) -> DataLoader:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import glob
 import itertools
 import os
@@ -71,18 +72,53 @@ def refuse_blank_files(files: Sequence[Path], argument: str = "data_files") -> N
     non-whitespace byte of each file."""
     for path in files:
         if path.suffix.lower() == ".parquet":
-            blank = path.stat().st_size == 0
+            blank = path.stat().st_size == 0 or _parquet_rows(path) == 0
         else:
             blank = True
             with open(path, "rb") as handle:
                 while blank and (chunk := handle.read(1 << 16)):
                     blank = not chunk.strip()
         if blank:
+            what = "" if path.stat().st_size == 0 else " (no rows)" if path.suffix.lower() == ".parquet" else \
+                " (only whitespace)"
             raise ValueError(
-                f"{argument} file {str(path)!r} is empty{'' if path.stat().st_size == 0 else ' (only whitespace)'}:"
-                " it holds no document. Remove it from " + argument + " (or from the directory or glob that matches"
-                " it), or write text into it."
+                f"{argument} file {str(path)!r} is empty{what}: it holds no document. Remove it from {argument} (or"
+                " from the directory or glob that matches it), or write text into it."
             )
+
+
+def _parquet_rows(path: Path) -> Optional[int]:
+    """The rows a parquet file's footer declares (``None`` where it cannot be read: `datasets` reports that)."""
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception:  # not readable as parquet, or no pyarrow: left to the loader's own error
+        return None
+
+
+def _unreadable(paths: list[str], builder: str, error: BaseException) -> ValueError:
+    """The error for files `datasets` could not read: the first that is not UTF-8, by name, else all of them."""
+    undecodable = _first_file_not_utf8(paths) if builder != "parquet" else None
+    if undecodable is not None:
+        return ValueError(f"{undecodable} is not UTF-8 text: re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8),"
+                          " or remove it from the data.")
+    return ValueError(f"datasets could not read {paths[0]}{' or another of these files' if len(paths) > 1 else ''}"
+                      f" ({type(error).__name__}: {error}): check that each is a valid {builder} file.")
+
+
+def _first_file_not_utf8(paths: Sequence[str]) -> Optional[str]:
+    """The first of ``paths`` (text or JSON files) that is not valid UTF-8, read in chunks; ``None`` if all are."""
+    for path in paths:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        try:
+            with open(path, "rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            return path
+    return None
 
 
 class PaddedDocumentDataset(Dataset):
@@ -112,7 +148,7 @@ class PaddedDocumentDataset(Dataset):
         input_ids = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
         labels = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
         input_ids[:n] = tokens[:n]
-        labels[: tokens.numel() - 1] = tokens[1:]
+        labels[: max(tokens.numel() - 1, 0)] = tokens[1:]
         return {"input_ids": input_ids, "labels": labels}
 
 
@@ -215,6 +251,14 @@ class LocalTextDataModule(L.LightningDataModule):
             refuse_blank_files(self.val_files, "val_files")
         self.tokenizer = self._load_tokenizer(tokenizer)
         self.text_field, self.seq_len, self.privacy_unit = text_field, seq_len, privacy_unit
+        if add_eos and self.eos_token_id is None:
+            eos = "set the tokenizer's eos_token (tokenizer.add_special_tokens({'eos_token': ...}))"
+            if privacy_unit == "sequence":
+                raise ValueError(f"The tokenizer has no EOS token to end each document with, so concatenated"
+                                 f" documents would run into each other (labels across document boundaries): {eos},"
+                                 " or pass add_eos=False to concatenate them as they are.")
+            rank_zero_warn(f"The tokenizer has no EOS token, so documents do not end with one (add_eos=True): {eos},"
+                           " or pass add_eos=False.")
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.val_fraction, self.seed, self.add_eos = val_fraction, seed, add_eos
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
@@ -317,6 +361,8 @@ class LocalTextDataModule(L.LightningDataModule):
                     f" datasets can read: check that each is a valid {builder} file with documents in it, and remove"
                     " empty files from the data."
                 ) from error
+            except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError) as error:
+                raise _unreadable(paths, builder, error) from error
             field = "text" if builder == "text" else self.text_field
             if field not in raw.column_names:
                 raise ValueError(
@@ -328,10 +374,13 @@ class LocalTextDataModule(L.LightningDataModule):
             if remaining is not None:
                 raw = raw.select(range(min(remaining, len(raw))))
                 remaining -= len(raw)
-            parts.append(raw.map(
-                encode, batched=True, input_columns=[field], remove_columns=raw.column_names, features=features,
-                num_proc=self.num_proc, desc="Tokenizing",
-            ))
+            try:
+                parts.append(raw.map(
+                    encode, batched=True, input_columns=[field], remove_columns=raw.column_names, features=features,
+                    num_proc=self.num_proc, desc="Tokenizing",
+                ))
+            except UnicodeDecodeError as error:  # a JSON file's strings are decoded only when read
+                raise _unreadable(paths, builder, error) from error
             if remaining == 0:
                 break
         return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
@@ -375,10 +424,16 @@ class LocalTextDataModule(L.LightningDataModule):
         if tokens.numel() < self.seq_len + 1:
             raise ValueError(
                 f"The {split} documents hold fewer tokens than one window of seq_len + 1 = {self.seq_len + 1}: add"
-                " text, lower seq_len"
-                + (", or add validation documents." if split == "validation" else ".")
+                " text, lower seq_len" + self._more_validation_text(split)
             )
         return PackedTokenDataset(tokens, self.seq_len)
+
+    def _more_validation_text(self, split: str) -> str:
+        if split != "validation":
+            return "."
+        if self.val_files is None:
+            return f", or raise val_fraction (now {self.val_fraction}) so that the held-out documents fill a window."
+        return ", or add validation documents."
 
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:

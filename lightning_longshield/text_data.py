@@ -147,6 +147,11 @@ class StdlibTextDataModule(L.LightningDataModule):
                 " training and a validation window need at least 2. Raise max_bytes / max_files or lower seq_len."
             )
         val_windows = max(1, round(windows * self.val_fraction))
+        if val_windows >= windows:
+            raise ValueError(
+                f"val_fraction={self.val_fraction} gives all {windows} windows of seq_len + 1 = {window} tokens to"
+                " validation, none to training: lower val_fraction, or raise max_bytes / max_files."
+            )
         cut = (windows - val_windows) * window
         self.train_dataset = PackedTokenDataset(tokens[:cut], self.seq_len)
         self.val_dataset = PackedTokenDataset(tokens[cut : windows * window], self.seq_len)

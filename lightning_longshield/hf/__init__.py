@@ -22,6 +22,19 @@ INSTALL_HINT = 'pip install "lightning-longshield[hf]"'
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
+def model_tokenizer(directory: Union[str, os.PathLike], fix: str) -> Optional[str]:
+    """``directory`` where that model directory holds a tokenizer (`TOKENIZER_FILES`), to tokenize its training data
+    with; else ``None``, with a warning that the data is tokenized as UTF-8 bytes, and ``fix``."""
+    if any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+        return os.fspath(directory)
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    files = ", ".join(TOKENIZER_FILES)
+    rank_zero_warn(f"The model directory {os.fspath(directory)!r} has no tokenizer (none of {files}): the data is"
+                   f" tokenized as UTF-8 bytes, ids the model was not trained on. {fix}")
+    return None
+
+
 def require_hf(package: str) -> ModuleType:
     """Import the optional dependency ``package``, or raise an ImportError that says how to install it."""
     try:

@@ -262,3 +262,43 @@ def test_fit_refuses_a_tokenizer_larger_than_the_models_embedding(texts, tokeniz
     model = CausalLMModule(small_config())  # vocab_size 64
     with pytest.raises(ValueError, match="tokenizer has 400 tokens but the model's embedding has 64 rows"):
         make_trainer(LongShieldStrategy(noise_multiplier=1.0), max_steps=1).fit(model, datamodule=data)
+
+
+def test_unreadable_files_are_refused_by_name(texts, tmp_path):
+    """A Latin-1 text and a parquet file with no rows: datasets' own errors named neither the file nor the fix."""
+    data = write(tmp_path / "data", texts[:3], "txt")
+    (tmp_path / "data" / "latin1.txt").write_bytes("caf\xe9 = 1\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.txt is not UTF-8 text: re-encode it as UTF-8"):
+        module(data, tmp_path)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl is not UTF-8 text"):
+        module(tmp_path / "latin1.jsonl", tmp_path)
+    pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), tmp_path / "rows.parquet")
+    with pytest.raises(ValueError, match=r"data_files file '.*rows.parquet' is empty \(no rows\)"):
+        module(tmp_path / "rows.parquet", tmp_path)
+
+
+def test_documents_without_an_eos_token_are_not_run_together(texts, tokenizer_dir, tmp_path):
+    """A tokenizer without EOS: concatenated sequences would put labels across document boundaries (refused, with the
+    fix); documents alone are only warned about."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    tokenizer.eos_token = None
+    data = write(tmp_path / "data", texts, "jsonl")
+    with pytest.raises(ValueError, match="no EOS token .* eos_token .* or pass add_eos=False"):
+        LocalTextDataModule(data, tokenizer=tokenizer, privacy_unit="sequence")
+    with pytest.warns(UserWarning, match="no EOS token"):
+        LocalTextDataModule(data, tokenizer=tokenizer, privacy_unit="document")
+    LocalTextDataModule(data, tokenizer=tokenizer, privacy_unit="sequence", add_eos=False)
+
+
+def test_an_empty_document_is_a_sample_without_labels():
+    from lightning_longshield.local_text_data import PaddedDocumentDataset
+
+    sample = PaddedDocumentDataset([[], [7]], seq_len=4, pad_id=0)[0]
+    assert sample["input_ids"].tolist() == [0] * 4 and sample["labels"].tolist() == [IGNORE_INDEX] * 4
+
+
+def test_a_validation_fraction_that_leaves_no_window_names_val_fraction(texts, tmp_path):
+    data = write(tmp_path / "data", texts, "txt")
+    with pytest.raises(ValueError, match=r"validation documents hold fewer tokens .* raise val_fraction \(now 0.1\)"):
+        module(data, tmp_path, privacy_unit="sequence", seq_len=4096, val_fraction=0.1)

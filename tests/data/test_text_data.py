@@ -89,3 +89,6 @@ def test_datamodule_errors():
         too_small.setup()
     with pytest.raises(RuntimeError, match="setup"):
         StdlibTextDataModule().train_dataloader()
+    all_validation = StdlibTextDataModule(seq_len=99, max_bytes=300, val_fraction=0.9)
+    with pytest.raises(ValueError, match="val_fraction=0.9 gives all 3 windows .* to validation.* lower val_fraction"):
+        all_validation.setup()

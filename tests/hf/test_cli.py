@@ -94,6 +94,18 @@ def test_the_tokenizer_comes_from_the_model_directory_unless_given(tmp_path):
     assert len(explicit.datamodule.tokenizer) == 280
 
 
+def test_any_tokenizer_file_makes_the_model_directory_the_tokenizer(tmp_path):
+    """A directory with only ``tokenizer.json`` (no ``tokenizer_config.json``) holds a tokenizer; one with none is
+    tokenized as bytes, with a warning that says how to fix it (the CLI and the fine-tuning example ask alike)."""
+    from lightning_longshield.hf import model_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert model_tokenizer(tmp_path, "Fix it.") == str(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.warns(UserWarning, match="has no tokenizer .* tokenized as UTF-8 bytes.* Fix it."):
+        assert model_tokenizer(tmp_path, "Fix it.") is None
+
+
 def test_a_misspelt_lora_key_names_the_valid_keys():
     with pytest.raises(ValueError, match=r"Unknown LoRA option\(s\) \['rnk'\]: the valid keys are \['rank', 'alpha'"):
         run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--model.lora.rnk", "8"], run=False)

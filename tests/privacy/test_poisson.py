@@ -126,3 +126,23 @@ def test_a_collate_error_quotes_nothing_of_the_sampled_records():
     assert "could not be collated" in message and "pad" in message
     assert not any(str(number) in message for number in (5, 8, "entry"))
     assert error.value.__cause__ is None and error.value.__suppress_context__
+
+
+@pytest.mark.parametrize("sampler", ["subset", "weighted", "batches"])
+def test_a_sampler_that_selects_records_is_refused(sampler):
+    """Poisson sampling draws from the whole dataset: a sampler that left records out would be dropped, and those
+    records trained on; the error says to select them in the dataset."""
+    from torch.utils.data import DataLoader, SubsetRandomSampler, WeightedRandomSampler
+
+    from lightning_longshield.dp_dataloaders import poisson_dataloader
+
+    dataset = RandomTokens(size=16, seq_len=4)
+    loaders = {
+        "subset": lambda: DataLoader(dataset, batch_size=4, sampler=SubsetRandomSampler(range(8))),
+        "weighted": lambda: DataLoader(dataset, batch_size=4, sampler=WeightedRandomSampler([1.0] * 16, 16)),
+        "batches": lambda: DataLoader(dataset, batch_sampler=[[0, 1], [2, 3]]),
+    }
+    with pytest.raises(ValueError, match="would be replaced by Poisson sampling over all 16 records.*Subset"):
+        poisson_dataloader(loaders[sampler](), SecretKey.from_seed(0), 0, 0, 1)
+    for fine in (DataLoader(dataset, batch_size=4), DataLoader(dataset, batch_size=4, shuffle=True)):
+        assert len(poisson_dataloader(fine, SecretKey.from_seed(0), 0, 0, 1)) > 0
