@@ -59,7 +59,9 @@ class PrivacyAccountant:
     def epsilon_after(self, extra_steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
         """Epsilon if ``extra_steps`` more steps with these parameters were taken."""
         history = list(self.history)
-        if extra_steps > 0:
+        if extra_steps > 0 and history and history[-1][:2] == (noise_multiplier, sample_rate):
+            history[-1] = (noise_multiplier, sample_rate, history[-1][2] + extra_steps)  # as `step` will record them
+        elif extra_steps > 0:
             history.append((noise_multiplier, sample_rate, extra_steps))
         return self._epsilon_of(history, delta)
 

@@ -66,7 +66,7 @@ class PrivacyPlan:
     sample_rate: float
     expected_batch_size: int
     dataset_size: int
-    planned_steps: int
+    planned_steps: Optional[int]  # None: no step limit (max_steps and max_epochs unset); a budget may end it
     target_epsilon: Optional[float]
 
     def state_dict(self) -> dict[str, Any]:
@@ -77,7 +77,8 @@ class PrivacyPlan:
         return (
             f"noise_multiplier={self.noise_multiplier:.4f}, delta={self.delta:.3g}, sampling rate q="
             f"{self.sample_rate:.4g} (expected logical batch {self.expected_batch_size} of {self.dataset_size}"
-            f" samples), {self.planned_steps} planned steps, {budget}"
+            f" samples), {'no step limit' if self.planned_steps is None else f'{self.planned_steps} planned steps'},"
+            f" {budget}"
         )
 
 
@@ -85,11 +86,12 @@ def resolve_plan(
     arguments: PrivacyArguments,
     dataset_size: int,
     expected_batch_size: int,
-    planned_steps: int,
+    planned_steps: float,
     accountant: PrivacyAccountant,
     restored: Optional[Mapping[str, Any]] = None,
 ) -> tuple[PrivacyPlan, list[PlanMessage]]:
-    """Turn the arguments into a plan for ``planned_steps`` more steps; returns the plan and messages to log.
+    """Turn the arguments into a plan for ``planned_steps`` more steps (``inf``: no step limit); returns the plan and
+    messages to log.
 
     With only a target epsilon the noise is calibrated so that the accountant's history plus ``planned_steps``
     steps spend at most the target. With both, the target is a budget that training stops at. ``restored``: the
@@ -98,6 +100,12 @@ def resolve_plan(
     """
     messages: list[PlanMessage] = []
     sample_rate = expected_batch_size / dataset_size
+    if not 0 < sample_rate <= 1:
+        raise ValueError(
+            f"The sampling rate is {sample_rate:.4g} (expected logical batch {expected_batch_size} / dataset size"
+            f" {dataset_size}) but must be in (0, 1]: lower the DataLoader's batch_size or the data-parallel size, or"
+            " add data."
+        )
     if restored is not None:
         noise_multiplier, target_epsilon, delta = _kept_from_checkpoint(arguments, restored, messages)
     else:
@@ -146,7 +154,7 @@ def resolve_plan(
         sample_rate=sample_rate,
         expected_batch_size=expected_batch_size,
         dataset_size=dataset_size,
-        planned_steps=int(planned_steps),
+        planned_steps=int(planned_steps) if math.isfinite(planned_steps) else None,
         target_epsilon=target_epsilon,
     )
     return plan, messages

@@ -8,6 +8,7 @@ a secret). The strategy calls it at fixed points of a fit; nothing here touches 
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import uuid
@@ -27,6 +28,8 @@ from lightning_longshield.privacy.rank_zero import rank_zero_info, rank_zero_war
 from simulate.strategy_config import ProjectedNorms
 
 T = TypeVar("T")
+#: The most steps a budget is searched over when training has no step limit (2^40: far beyond any run).
+MOST_UNPLANNED_STEPS = 2**40
 
 
 class PrivacySession:
@@ -138,7 +141,7 @@ class PrivacySession:
             self.arguments,
             dataset_size=self.dataset_size,
             expected_batch_size=self.dataloader_batch_size * data_parallel_size,
-            planned_steps=planned_steps,  # type: ignore[arg-type]
+            planned_steps=planned_steps,
             accountant=self.accountant,
             restored=self._restored_plan,
         )
@@ -156,7 +159,10 @@ class PrivacySession:
         if self.steps_left_in_budget == 0:
             self._warn_no_step_fits()
             return True
-        if self.steps_left_in_budget is not None and self.steps_left_in_budget < planned_steps:
+        if self.steps_left_in_budget is not None and not math.isfinite(planned_steps):
+            rank_zero_info(f"The privacy budget allows {self.steps_left_in_budget} steps (no step limit is set);"
+                           " training will stop there.")
+        elif self.steps_left_in_budget is not None and self.steps_left_in_budget < planned_steps:
             rank_zero_warn(
                 f"The privacy budget allows {self.steps_left_in_budget} of the {planned_steps} planned steps;"
                 " training will stop there."
@@ -187,7 +193,13 @@ class PrivacySession:
         assert plan is not None
         if plan.target_epsilon is None:
             return None
-        limit = int(min(planned_steps, 10 * plan.planned_steps + 1))
+        if plan.planned_steps is None:  # no step limit: a limit the budget is sure to end before
+            limit = 1
+            while limit < MOST_UNPLANNED_STEPS and self.accountant.epsilon_after(
+                    limit, plan.noise_multiplier, plan.sample_rate, plan.delta) <= plan.target_epsilon:
+                limit *= 2
+        else:
+            limit = int(min(planned_steps, 10 * plan.planned_steps + 1))
         return self.accountant.steps_within_budget(
             plan.target_epsilon, plan.noise_multiplier, plan.sample_rate, plan.delta, limit
         )
@@ -301,10 +313,15 @@ class PrivacySession:
             raise ValueError("No guarantee yet: training has not started.")
         rolled_back = (f", of which {self.rolled_back_steps} were rolled back by a resume"
                        if self.rolled_back_steps else "")
+        claim = (f"Privacy guarantee: (epsilon={self.get_epsilon():.3f}, delta={plan.delta:.3g})-DP"
+                 if self.poisson_sampling else
+                 f"Privacy figure, NOT a guarantee of this run (poisson_sampling=False: its fixed batches get no"
+                 f" amplification by sampling, which the figure assumes): epsilon={self.get_epsilon():.3f},"
+                 f" delta={plan.delta:.3g}")
         return (
-            f"Privacy guarantee: (epsilon={self.get_epsilon():.3f}, delta={plan.delta:.3g})-DP after"
-            f" {self.accountant.steps} steps run{rolled_back} (noise_multiplier={plan.noise_multiplier:.3f},"
-            f" sampling rate q={plan.sample_rate:.3g} = {plan.expected_batch_size}/{plan.dataset_size} samples);"
+            f"{claim} after {self.accountant.steps} steps run{rolled_back}"
+            f" (noise_multiplier={plan.noise_multiplier:.3f}, sampling rate q={plan.sample_rate:.3g} ="
+            f" {plan.expected_batch_size}/{plan.dataset_size} samples);"
             f" privacy unit: {privacy_unit}. {self.describe_randomness()}"
         )
 

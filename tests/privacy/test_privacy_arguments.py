@@ -121,3 +121,51 @@ def test_a_first_step_over_the_budget_says_what_it_would_spend_and_how_to_fix_it
     for fix in ("noise_multiplier", "larger budget", "sampling rate", "batch_size"):
         assert fix in message
     assert "already spent" not in message and "epsilon=0.000" not in message
+
+
+def test_training_without_a_step_limit_runs_to_its_budget():
+    """``max_steps`` and ``max_epochs`` unset (Lightning plans infinitely many steps): the budget alone ends training,
+    at the last step whose epsilon stays within it; without a budget nothing is planned to end."""
+    budgeted = session(noise_multiplier=1.0, target_epsilon=2.0)
+    assert start(budgeted, planned_steps=math.inf) is False
+    allowed = budgeted.steps_left_in_budget
+    assert budgeted.plan.planned_steps is None and "no step limit" in budgeted.plan.describe()
+    assert budgeted.accountant.epsilon_after(allowed, 1.0, 0.1, 1e-3) <= 2.0
+    assert budgeted.accountant.epsilon_after(allowed + 1, 1.0, 0.1, 1e-3) > 2.0
+    open_ended = session(noise_multiplier=1.0)
+    assert start(open_ended, planned_steps=math.inf) is False and open_ended.steps_left_in_budget is None
+    with pytest.raises(ValueError, match="set max_steps or max_epochs"):
+        start(session(target_epsilon=2.0), planned_steps=math.inf)
+
+
+def test_a_sampling_rate_above_one_is_refused_when_planned():
+    """Fixed batches reach the plan unchecked by the Poisson sampler: 2 groups x 60 of 100 samples."""
+    privacy = session(noise_multiplier=1.0)
+    privacy.open_fit(CPU, (0, 0), broadcast=lambda value: value)
+    privacy.record_training_data(100, 60)
+    with pytest.raises(ValueError, match=r"sampling rate is 1.2 .* must be in \(0, 1\]: lower the DataLoader's"):
+        privacy.start_training(global_step=0, planned_steps=10, data_parallel_size=2)
+
+
+def test_the_budget_search_predicts_the_history_the_steps_will_record():
+    """Opacus merges equal consecutive (sigma, q) runs; the prediction does too, so a resumed budget run that ends
+    at the predicted step never ends above its target."""
+    from lightning_longshield.privacy.accountant import PrivacyAccountant
+
+    accountant = PrivacyAccountant("prv")  # where the split and the merged history differ in the last digits
+    for _ in range(300):
+        accountant.step(0.9, 0.01)
+    predicted = accountant.epsilon_after(700, 0.9, 0.01, 1e-5)
+    for _ in range(700):
+        accountant.step(0.9, 0.01)
+    assert accountant.history == [(0.9, 0.01, 1000)] and accountant.get_epsilon(1e-5) == predicted
+
+
+def test_fixed_batches_are_not_printed_as_a_guarantee():
+    privacy = PrivacySession(PrivacyArguments(1.0, None, 1e-3, max_grad_norm=1.0, accountant="rdp"),
+                             poisson_sampling=False)
+    with pytest.warns(UserWarning, match="not a formal guarantee"):
+        start(privacy)
+    described = privacy.describe_guarantee()
+    assert described.startswith("Privacy figure, NOT a guarantee of this run (poisson_sampling=False")
+    assert ")-DP" not in described
