@@ -29,6 +29,7 @@ from lightning_longshield.checkpoints import StrategyCheckpoints
 from lightning_longshield.context_parallel import (
     CONTEXT_PARALLEL,
     DATA_PARALLEL,
+    ContextParallelAttention,
     build_all_ranks_mesh,
     build_device_mesh,
     resolve_parallel_sizes,
@@ -225,6 +226,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
             check_trainer_for_dp_sgd(trainer, self.lightning_module, self.precision_plugin)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if not fitting:
+            self._check_laid_out_for(trainer.state.fn)
         if fitting:
             if self.root_device.type == "cpu":
                 retain_freed_memory()  # per-sample gradients reuse the last micro-batch's pages
@@ -237,6 +240,24 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
             self.setup_optimizers(trainer)
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
+
+    def _check_laid_out_for(self, stage: TrainerFn) -> None:
+        """Refuse to evaluate a model that `fit` has not laid out for this strategy: each rank would attend only within
+        its own shard of every sequence (a wrong loss, silently), or hold the meta-device model unmaterialised."""
+        module = self.lightning_module
+        assert module is not None
+        attentions = (getattr(m, "attention_fn", None) for m in module.modules())
+        unlaid = any(p.is_meta for p in module.parameters()) or (
+            self.is_context_parallel and not any(isinstance(a, ContextParallelAttention) for a in attentions)
+        )
+        if unlaid:
+            size = self.context_parallel_mesh.size()
+            raise RuntimeError(
+                f"Trainer.{stage.value} with LongShieldStrategy(context_parallel_size={size},"
+                f" shard_over={self.config.shard_over!r}) needs the model laid out across the processes, which fit"
+                " does: evaluate within fit (validation runs there), with the Trainer after its fit, or on one process"
+                " (LongShieldStrategy(context_parallel_size=1) on devices=1, or Lightning's default strategy)."
+            )
 
     def _build_engine(self) -> DPSGDEngine:
         """Parallelise the model and wire the exchange of its layout into a fresh DP engine."""

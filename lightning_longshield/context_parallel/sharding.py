@@ -71,7 +71,8 @@ def shard_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int) -> dict[st
     """Shard a micro-batch for CP rank ``cp_rank`` (a new dict; the input is not modified).
 
     Every tensor whose first two dims are ``(B, T)`` of ``input_ids`` (or ``labels``) is sharded along dim 1.
-    ``position_ids`` (the global positions of the kept tokens) is added, or sharded if the batch has it, and
+    ``position_ids`` (the global positions of the kept tokens) is added, or sharded if the batch has it (a ``(T,)``
+    or ``(1, T)`` one, shared by the samples, first expanded to ``(B, T)``), and
     ``token_counts`` (B,) is added: each sample's number of labels != -100 over the WHOLE sequence, so that
     ``per_sample_token_loss(local_logits, local_labels, token_counts)`` summed over CP ranks is the sample's loss.
     Other values pass through unchanged.
@@ -85,6 +86,9 @@ def shard_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int) -> dict[st
     bsz, seq_len = reference.shape[:2]
     check_shardable(seq_len, cp_size)
     out: dict[str, Any] = {}
+    positions = batch.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.shape[-1] == seq_len and positions.dim() <= 2:
+        batch = {**batch, "position_ids": positions.reshape(-1, seq_len).expand(bsz, seq_len)}  # (T,), (1, T): shared
     for name, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (bsz, seq_len):
             out[name] = shard_sequence(value, cp_rank, cp_size, dim=1)

@@ -23,13 +23,13 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """Causal SDPA of q (B, H, T, head_dim) over k, v (B, H_kv, T, head_dim), H a multiple of H_kv (GQA); with
-    ``position_ids`` the mask compares positions, not indices."""
+    """Causal SDPA of q (B, H, T, head_dim) over k, v (B, H_kv, T, head_dim), H a multiple of H_kv (GQA): each token
+    attends to the tokens before it in the sequence, as under context parallelism. ``position_ids`` only place the
+    rotary embeddings: a mask that compared positions would let a token see later ones whose positions restart (packed
+    documents) and would build a T x T tensor."""
+    del position_ids  # the rotary embeddings already carry the positions
     gqa = k.shape[1] != q.shape[1]
-    if position_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    mask = position_ids[:, None, :, None] >= position_ids[:, None, None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 class Attention(nn.Module):

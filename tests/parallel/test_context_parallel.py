@@ -78,6 +78,16 @@ def test_shard_batch_counts_tokens_over_the_whole_sequence() -> None:
     assert set(batch) == {"input_ids", "labels", "weights", "name"}  # the input is not modified
 
 
+def test_shard_batch_expands_positions_shared_by_the_samples() -> None:
+    """``position_ids`` of shape (T,) or (1, T), broadcast over the batch at CP 1, are sharded like a (B, T) one."""
+    batch = {"input_ids": torch.zeros(3, 8, dtype=torch.long), "labels": torch.zeros(3, 8, dtype=torch.long)}
+    offset = torch.arange(8) + 100
+    for rank in range(2):
+        expected = shard_batch({**batch, "position_ids": offset.expand(3, -1)}, rank, 2)["position_ids"]
+        for shared in (offset, offset[None]):
+            assert torch.equal(shard_batch({**batch, "position_ids": shared}, rank, 2)["position_ids"], expected)
+
+
 def test_shard_batch_with_one_rank_is_the_identity_plus_positions() -> None:
     batch = {"input_ids": torch.zeros(2, 7, dtype=torch.long), "labels": torch.zeros(2, 7, dtype=torch.long)}
     local = shard_batch(batch, 0, 1)
@@ -198,3 +208,17 @@ def test_materialising_a_meta_model_leaves_the_real_tensors_beside_it_alone():
     holder.perplexity.reset()
     assert holder.perplexity.loss_sum.item() == 0.0 and holder.perplexity.tokens.item() == 0
     assert torch.equal(holder.kept, torch.full((1024,), 7.0))
+
+
+def test_position_ids_place_rotary_embeddings_and_never_let_a_token_see_later_ones():
+    """Packed documents whose positions restart: a token's output depends on no later token (a mask comparing
+    positions let it see later tokens of smaller position), as under context parallelism."""
+    torch.manual_seed(0)
+    model = Llama(small_config()).double()
+    tokens = torch.randint(0, 64, (1, 12))
+    positions = torch.cat([torch.arange(8), torch.arange(4)])[None]  # a document of 8 tokens, then one of 4
+    changed = tokens.clone()
+    changed[0, 9:] = (changed[0, 9:] + 1) % 64  # only tokens after index 8
+    with torch.no_grad():
+        before, after = model(tokens, positions), model(changed, positions)
+    torch.testing.assert_close(before[0, :9], after[0, :9], rtol=0, atol=0)

@@ -5,6 +5,7 @@ per-sample-loop reference (noise 0, SGD lr 1, clipping active)."""
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterable
 from typing import Optional
 
@@ -283,6 +284,9 @@ def test_context_parallel_errors_name_the_fix(tmp_path):
     messages = torch.load(tmp_path / "errors.pt")
     assert "not divisible by 2 x context_parallel_size" in messages["seq_len"]
     assert "attention_fn" in messages["attention"] and "context_parallel_size=1" in messages["attention"]
+    assert "Trainer.validate with LongShieldStrategy(context_parallel_size=2" in messages["validate"]
+    assert "evaluate within fit" in messages["validate"]
+    assert math.isfinite(messages["validate_after_fit"])  # fit lays the model out; evaluating it then works
 
 
 @pytest.mark.slow

@@ -199,6 +199,18 @@ def context_parallel_errors(rank: int, world_size: int, out_dir: str) -> None:
         trainer.fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
     except TypeError as error:
         messages["attention"] = str(error)
+    data = loader(RandomTokens(size=8, seq_len=8), 2)
+    trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False), max_steps=1,
+                           devices=world_size)
+    try:  # a standalone evaluation: the model is not laid out for context parallelism
+        trainer.validate(make_module(small_config()), data, verbose=False)
+    except RuntimeError as error:
+        messages["validate"] = str(error)
+    module = make_module(small_config())
+    trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False), max_steps=1,
+                           devices=world_size)
+    trainer.fit(module, data)
+    messages["validate_after_fit"] = trainer.validate(module, data, verbose=False)[0]["val_loss"]
     if rank == 0:
         torch.save(messages, Path(out_dir) / "errors.pt")
 
