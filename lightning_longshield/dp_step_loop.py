@@ -13,12 +13,15 @@ from torch.optim import Optimizer
 
 from lightning_longshield.batching import batch_size_of, split_into_microbatches
 from lightning_longshield.padding import logging_discarded
+from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
 
 class DPStepLoop:
     """Strategy mix-in (before Lightning's strategy in the bases): one optimizer step is one DP step over one logical
     batch. Uses the strategy's ``dp_engine``, ``privacy`` (`PrivacySession`), ``config``, ``_padding``
     (`ZeroWeightPadding`), ``_check_logged_metrics`` and ``_shard_sequence``."""
+
+    _warned_scalar_loss = False  # once per strategy: a scalar loss of several samples is taken as their mean
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One DP step's forward and backward: every micro-batch of the logical batch is run and back-propagated here
@@ -50,8 +53,32 @@ class DPStepLoop:
                 " contributes its clipped gradient, and none is skipped. To leave samples out, weight their tokens'"
                 " loss by 0 (labels -100) and return the loss."
             )
-        self._backward_microbatch(loss, size)
-        return {**output, "loss": loss.detach()} if isinstance(output, Mapping) else loss.detach()
+        total, mean = self._summed_loss(loss, size)
+        self._backward_microbatch(total, mean, size)
+        return {**output, "loss": mean.detach()} if isinstance(output, Mapping) else mean.detach()
+
+    def _summed_loss(self, loss: Tensor, size: int) -> tuple[Tensor, Tensor]:
+        """The sum over the micro-batch's samples of each sample's loss (whose gradient gives each sample its own
+        gradient) and their mean (what hooks see), from ``training_step``'s loss: a vector of per-sample losses, or
+        their mean."""
+        if loss.dim() == 1 and loss.numel() == size:
+            return loss.sum(), loss.mean()
+        if loss.dim() != 0:
+            # Its shape not quoted: under Poisson sampling a micro-batch's size is a value of the private data.
+            raise ValueError(f"training_step returned a {loss.dim()}-D loss: return each sample's loss (a vector over"
+                             " the micro-batch's samples) or their mean (a scalar).")
+        if size > 1 and not getattr(self.lightning_module, "per_sample_mean_loss", False) \
+                and not self._warned_scalar_loss:
+            self._warned_scalar_loss = True
+            rank_zero_warn(
+                "training_step returned a scalar loss for a micro-batch of several samples: LongShieldStrategy takes"
+                " it as the MEAN over the samples of each sample's own loss, which the clipping bound relies on. A"
+                " loss averaged over all tokens of the micro-batch (F.cross_entropy over flattened logits) is not:"
+                " each sample's gradient then depends on the other samples, and the guarantee does not hold. Return"
+                " each sample's loss (a vector), or set per_sample_mean_loss = True on the LightningModule to state"
+                " that the scalar is that mean."
+            )
+        return loss * size, loss
 
     def _padding_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """One zero-weight micro-batch (`ZeroWeightPadding`): the collectives of a real one, a contribution of exactly
@@ -60,23 +87,23 @@ class DPStepLoop:
         with logging_discarded(self.lightning_module):
             output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
-        self.precision_plugin.backward(loss * 0.0, self.lightning_module, None)
+        self.precision_plugin.backward(loss.sum() * 0.0, self.lightning_module, None)
         self.dp_engine.accumulate_microbatch(1)
 
-    def _backward_microbatch(self, loss: Tensor, size: int) -> None:
-        """Back-propagate one micro-batch and fold its clipped per-sample gradients into the logical batch.
+    def _backward_microbatch(self, total: Tensor, mean: Tensor, size: int) -> None:
+        """Back-propagate one micro-batch's ``total`` (the sum of its samples' losses, so that each sample's gradient
+        is its own loss's) and fold its clipped per-sample gradients into the logical batch; hooks see the ``mean``.
 
         The gradients are folded (and ``.grad`` cleared) before ``on_after_backward`` runs, so no hook ever sees a
         sample's unclipped gradient; ``on_before_optimizer_step`` sees the private one.
         """
         module = self.lightning_module
-        self.pre_backward(loss)
-        loss = self.precision_plugin.pre_backward(loss, module)
-        # The loss is a mean over samples; scaling by the size makes each sample's gradient its own loss's gradient.
-        self.precision_plugin.backward(loss * size, module, None)
+        self.pre_backward(mean)
+        self.precision_plugin.pre_backward(mean, module)  # `on_before_backward`; no loss scaling (fp16 is refused)
+        self.precision_plugin.backward(total, module, None)
         self.dp_engine.accumulate_microbatch(size)
-        loss = self.precision_plugin.post_backward(loss, module)
-        self.post_backward(loss)
+        mean = self.precision_plugin.post_backward(mean, module)
+        self.post_backward(mean)
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's closure calls this after `training_step`, which has already back-propagated every micro-batch

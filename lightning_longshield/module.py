@@ -145,6 +145,10 @@ class CausalLMModule(L.LightningModule):
     covered by the privacy guarantee: off by default, and a warning says so when on.
     """
 
+    #: ``training_step`` returns the mean over the micro-batch's samples of each sample's loss (the contract
+    #: `LongShieldStrategy` relies on for a scalar loss).
+    per_sample_mean_loss = True
+
     def __init__(
         self,
         config: Union[LlamaConfig, str, os.PathLike, Mapping[str, Any]] = "tiny",

@@ -51,7 +51,13 @@ def _block_norms_of(grad_samples: Iterable[torch.Tensor], batch_size: int) -> li
         raise ValueError("No per-sample gradients were captured: does the model have trainable parameters?")
     sizes = {t.shape[0] for t in tensors}
     if sizes != {batch_size}:
-        raise RuntimeError(f"Per-sample gradients have batch sizes {sorted(sizes)}, expected {batch_size}.")
+        # Sizes not quoted: under Poisson sampling a micro-batch's size is a value of the private data.
+        raise RuntimeError(
+            "Per-sample gradients do not have the micro-batch's samples along their first dimension: every trainable"
+            " layer must take its input batch-first, the samples along dimension 0 (not (T, B, d): transpose it, or"
+            " use batch_first=True), and be applied to every sample of the micro-batch (not to a selection such as"
+            " layer(h[mask]))."
+        )
     return [_block_norms(t.reshape(batch_size, -1)) for t in tensors]
 
 

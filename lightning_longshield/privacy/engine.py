@@ -108,6 +108,7 @@ class DPSGDEngine:
 
     def begin_logical_batch(self) -> None:
         """Drop the previous step's gradients: until `release`, ``.grad`` only ever holds one micro-batch's."""
+        self.capture.check_trainable_unchanged()
         for param in self.capture.parameters.values():
             param.grad = None
         if self.norm_estimate is not None:

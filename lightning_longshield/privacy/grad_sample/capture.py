@@ -58,6 +58,7 @@ class PerSampleGradCapture:
             raise ValueError(f"per_sample={per_sample!r}; choose one of {PER_SAMPLE_METHODS}.")
         check_supported_layers(model)
         self.exchange = exchange or LocalExchange()
+        self.model = model
         self.parameters: dict[str, nn.Parameter] = {
             name: p for name, p in model.named_parameters() if p.requires_grad
         }
@@ -123,7 +124,8 @@ class PerSampleGradCapture:
             output = forward(*args, **kwargs)
         finally:
             parameters.update(originals)
-        return PerSampleGradTap.apply(self._receive, layer, output, args[0], *originals.values())
+        return PerSampleGradTap.apply(self._receive, layer, output, _layer_input(layer, args, kwargs),
+                                      *originals.values())
 
     def _count_call(self, layer: nn.Module) -> None:
         """One more use of each of ``layer``'s parameters in this micro-batch. A weight used more than once is summed
@@ -179,6 +181,18 @@ class PerSampleGradCapture:
         if self.bookkeeper is not None:
             self.bookkeeper.shared = set(self._tied)
 
+    def check_trainable_unchanged(self) -> None:
+        """Refuse a step once parameters were frozen or unfrozen after the capture began: an unfrozen one would get an
+        unclipped summed gradient, a frozen one would still be noised and updated."""
+        now = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        changed = sorted(now.symmetric_difference(self.parameters))
+        if changed:
+            raise RuntimeError(
+                f"Parameters were frozen or unfrozen after fit began: {changed[:5]}{' ...' * (len(changed) > 5)}."
+                " The DP step clips, noises and accounts the parameters that were trainable when fit began. Set"
+                " requires_grad before fit (e.g. in configure_model or setup), or run a new fit after changing it."
+            )
+
     def collect(self) -> dict[str, torch.Tensor]:
         """Per-sample gradients of the last backward, then forget them (and any ``.grad``) to free memory."""
         if not self.enabled:
@@ -192,6 +206,15 @@ class PerSampleGradCapture:
                 " them (tie weights by sharing the nn.Parameter between modules, not with functional calls)."
             )
         return self.exchange.finish()
+
+
+def _layer_input(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The input of a supported layer's call (its one argument: positional, or by keyword as ``input``)."""
+    if args:
+        return args[0]
+    if len(kwargs) == 1:
+        return next(iter(kwargs.values()))
+    raise TypeError(f"{type(layer).__name__} was called without its input argument; call it as layer(x).")
 
 
 class CapturedForward:

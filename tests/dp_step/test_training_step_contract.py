@@ -1,0 +1,122 @@
+"""What a user's LightningModule must give the DP step, and what is refused: the loss as each sample's loss or their
+mean (a token mean over the micro-batch is warned about), batch-first layers called with their input, and the
+trainable parameters fixed for the whole fit."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lightning_longshield import CausalLMModule, LongShieldStrategy
+from lightning_longshield.loss import loss_divisors
+from lightning_longshield.module import unpack_batch
+from lightning_longshield.privacy import PerSampleGradCapture
+from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
+
+DATA = RandomTokens(size=8, seq_len=8)
+
+
+def _strategy() -> LongShieldStrategy:
+    return LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=0.05, micro_batch_size=4, poisson_sampling=False)
+
+
+class PerSampleLosses(CausalLMModule):
+    """Returns each sample's loss, a vector, instead of their mean."""
+
+    per_sample_mean_loss = False
+
+    def training_step(self, batch, batch_idx):
+        input_ids, labels, position_ids, token_counts = unpack_batch(batch)
+        return self._token_loss_sums(input_ids, labels, position_ids) / loss_divisors(labels, token_counts)
+
+
+class TokenMean(CausalLMModule):
+    """A scalar loss the module does not declare a mean over samples (here it is one, only undeclared)."""
+
+    per_sample_mean_loss = False
+
+
+def _trained(module: CausalLMModule) -> dict[str, torch.Tensor]:
+    make_trainer(_strategy(), max_steps=1).fit(module, loader(DATA, 8))
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def test_a_vector_of_per_sample_losses_trains_as_their_mean():
+    kwargs = dict(optimizer="sgd", learning_rate=1.0)
+    reference = _trained(make_module(small_config(n_layers=1), **kwargs))
+    torch.manual_seed(0)
+    vector = PerSampleLosses(small_config(n_layers=1), **kwargs)
+    vector.configure_model()
+    for name, value in _trained(vector).items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=1e-7)
+
+
+def test_an_undeclared_scalar_loss_of_several_samples_is_warned_about_once():
+    torch.manual_seed(0)
+    module = TokenMean(small_config(n_layers=1), optimizer="sgd")
+    module.configure_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(_strategy(), max_steps=2).fit(module, loader(DATA, 8))
+    flagged = [w for w in caught if "scalar loss for a micro-batch of several samples" in str(w.message)]
+    assert len(flagged) == 1 and "per_sample_mean_loss = True" in str(flagged[0].message)
+
+
+def test_parameters_frozen_or_unfrozen_during_fit_are_refused():
+    """An unfrozen parameter would get an unclipped summed gradient; a frozen one would still be noised."""
+    class Unfreeze(Callback):
+        def on_train_batch_start(self, trainer, module, *_):
+            if trainer.global_step == 1:
+                module.model.norm.weight.requires_grad_(True)
+
+    module = make_module(small_config(n_layers=1), optimizer="sgd")
+    module.model.norm.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"frozen or unfrozen after fit began: \['model.norm.weight'\]"):
+        make_trainer(_strategy(), max_steps=3, callbacks=[Unfreeze()]).fit(module, loader(DATA, 8))
+
+
+class KeywordCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.norm = nn.LayerNorm(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(input=self.lin(input=x))
+
+
+def test_a_layer_called_with_its_input_by_keyword_is_captured():
+    torch.manual_seed(0)
+    model, x = KeywordCalls().double(), torch.randn(3, 5, 4, dtype=torch.float64)
+    capture = PerSampleGradCapture(model)
+    capture.start_microbatch(3)
+    model(x).square().sum().backward()
+    got = capture.collect()
+    for i in range(3):
+        expected = torch.autograd.grad(model(x[i : i + 1]).square().sum(), list(model.parameters()))
+        for (name, _), value in zip(model.named_parameters(), expected):
+            torch.testing.assert_close(got[name][i], value)
+
+
+def test_a_layer_that_takes_the_samples_second_is_refused_with_the_fix():
+    class SequenceFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x.transpose(0, 1)).transpose(0, 1)  # (B, T, d) -> (T, B, d) through the layer
+
+    from lightning_longshield.privacy.clipping import per_sample_squared_norms
+
+    model = SequenceFirst()
+    capture = PerSampleGradCapture(model)
+    capture.start_microbatch(2)
+    model(torch.randn(2, 5, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="batch-first, the samples along dimension 0") as error:
+        per_sample_squared_norms(capture.collect().values(), 2)
+    assert not any(digit in str(error.value) for digit in "0123456789".replace("0", ""))
