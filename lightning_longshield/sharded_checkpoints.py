@@ -13,9 +13,11 @@ and refuses a missing or damaged file by name (`CorruptCheckpointError`), loadin
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import sys
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -229,7 +231,15 @@ def _crc32(path: Path) -> int:
 
 
 def _replace_folder(temporary: Path, final: Path) -> None:
-    """Rename ``temporary`` to ``final`` (replacing a previous checkpoint of that name) and make it durable."""
+    """Rename ``temporary`` to ``final`` (replacing a previous checkpoint of that name) and make it durable.
+
+    A previous folder is swapped with the new one in one atomic step where the system can (Linux's ``renameat2``
+    with ``RENAME_EXCHANGE``), so ``final`` names a whole checkpoint at every instant; elsewhere it is renamed aside
+    first, and a crash between the two renames leaves both whole under hidden names."""
+    if final.is_dir() and _exchange(temporary, final):  # ``temporary`` now holds the previous checkpoint
+        fsync_directory(final.parent)
+        shutil.rmtree(temporary, ignore_errors=True)
+        return
     previous = final.with_name(f".{final.name}.previous")
     shutil.rmtree(previous, ignore_errors=True)
     if final.is_dir():
@@ -239,6 +249,24 @@ def _replace_folder(temporary: Path, final: Path) -> None:
     temporary.rename(final)
     fsync_directory(final.parent)
     shutil.rmtree(previous, ignore_errors=True)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap the two paths atomically (Linux ``renameat2(..., RENAME_EXCHANGE)``); ``False`` where the system or the
+    file system cannot, and nothing was moved."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library without the call (glibc < 2.28, musl < 1.2.3)
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    return renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0
 
 
 def _all_gathered(value: Any) -> list[Any]:

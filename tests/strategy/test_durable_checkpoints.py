@@ -81,6 +81,25 @@ def test_a_sharded_checkpoint_appears_whole_and_replaces_its_name(tmp_path):
     assert is_whole_sharded_checkpoint(path)
 
 
+@pytest.mark.parametrize("atomic", [True, False], ids=["exchanged", "renamed-aside"])
+def test_a_folder_of_the_same_name_is_replaced_whole(tmp_path, monkeypatch, atomic):
+    """On Linux the new folder and the previous one are swapped in one step (``final`` never missing); elsewhere, or
+    where the file system cannot, the previous one is renamed aside first. Either way nothing is left behind."""
+    from lightning_longshield import sharded_checkpoints
+
+    if atomic and not sharded_checkpoints._exchange(tmp_path, tmp_path):  # swapping a path with itself: a no-op
+        pytest.skip("no atomic exchange of paths here")
+    if not atomic:
+        monkeypatch.setattr(sharded_checkpoints, "_exchange", lambda first, second: False)
+    final, new = tmp_path / "last.ckpt", tmp_path / ".last.ckpt.partial"
+    for folder, text in ((final, "previous"), (new, "new")):
+        folder.mkdir()
+        (folder / "meta.pt").write_text(text)
+    sharded_checkpoints._replace_folder(new, final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert (final / "meta.pt").read_text() == "new"
+
+
 @pytest.mark.parametrize("damage", ["truncated shard", "flipped shard", "no engine metadata", "no manifest"])
 def test_a_damaged_sharded_checkpoint_is_refused_with_the_last_good_one(tmp_path, damage):
     """A shard cut short or altered, the engine's metadata missing, or a save that never wrote its manifest: refused
