@@ -33,7 +33,9 @@ def spec_from_hf_config(hf_config: Mapping[str, Any], spec_class: type[Spec] = M
     ``torch_dtype`` is not part of the shape: the training precision is chosen separately.
     """
     model_type, architectures = hf_config.get("model_type"), hf_config.get("architectures") or []
-    if model_type != "llama" and "LlamaForCausalLM" not in architectures:
+    # transformers builds the class of ``model_type``: another type (e.g. Mistral's sliding window) is not a Llama
+    # whatever ``architectures`` says; the architectures decide only where the type is missing.
+    if model_type != "llama" and (model_type is not None or "LlamaForCausalLM" not in architectures):
         raise ValueError(
             f"Found a checkpoint with model_type={model_type!r} and architectures={architectures}; only Llama"
             " checkpoints (model_type 'llama', LlamaForCausalLM) are supported."

@@ -212,6 +212,8 @@ def load_pretrained_weights(model: nn.Module, directory: PathLike) -> None:
     sources = {name: name for name in params}
     if "lm_head.weight" in params and "lm_head.weight" not in files and model.config.tie_embeddings:
         sources["lm_head.weight"] = "model.embed_tokens.weight"  # a tied model whose parameters were untied
+    if model.config.tie_embeddings and "lm_head.weight" in files:
+        _refuse_a_stored_head_unlike_the_embedding(files)
     ignored = {"lm_head.weight"} | {name for name in files if name.endswith("rotary_emb.inv_freq")}
     missing = sorted(set(sources.values()) - set(files))
     unexpected = sorted(set(files) - set(sources.values()) - ignored)
@@ -229,6 +231,25 @@ def load_pretrained_weights(model: nn.Module, directory: PathLike) -> None:
             for name in names:
                 rotary_head_dim = head_dim if _is_rotary(name) else 0
                 _copy_local_part(params[name], handle.get_slice(sources[name]), name, rotary_head_dim)
+
+
+def _refuse_a_stored_head_unlike_the_embedding(files: dict[str, Path], rows: int = 8192) -> None:
+    """A tied checkpoint may store ``lm_head.weight`` too, as a copy of the embedding; one that differs would be
+    dropped silently (transformers 4 ties it, transformers 5 keeps it): refuse it. Compared ``rows`` rows at a time."""
+    safe_open = require_hf("safetensors").safe_open
+    with safe_open(files["lm_head.weight"], framework="pt") as head_file, \
+            safe_open(files["model.embed_tokens.weight"], framework="pt") as embedding_file:
+        head, embedding = head_file.get_slice("lm_head.weight"), embedding_file.get_slice("model.embed_tokens.weight")
+        same = list(head.get_shape()) == list(embedding.get_shape()) and all(
+            torch.equal(head[start:start + rows], embedding[start:start + rows])
+            for start in range(0, head.get_shape()[0], rows)
+        )
+    if not same:
+        raise ValueError(
+            "config.json ties the output head to the embedding (tie_word_embeddings: true), but the checkpoint stores"
+            " an lm_head.weight that differs from model.embed_tokens.weight. Set tie_word_embeddings to false in"
+            " config.json to train with the stored head, or remove lm_head.weight from the checkpoint to tie them."
+        )
 
 
 def _copy_local_part(param: torch.Tensor, source: Any, name: str, head_dim: int) -> None:

@@ -150,6 +150,8 @@ def test_legacy_rope_fields_read_like_rope_parameters() -> None:
     ("override", "message"),
     [
         (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type='gpt2'.*only Llama"),
+        # transformers builds Mistral (its sliding window) whatever the architectures say
+        (dict(model_type="mistral", architectures=["LlamaForCausalLM"], sliding_window=4), "model_type='mistral'"),
         (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "RoPE type 'yarn'"),
         (dict(rope_theta=1e4, rope_scaling=dict(type="linear", factor=2.0)), "RoPE type 'linear'"),
         (dict(head_dim=16), "head_dim=16"),
@@ -166,6 +168,20 @@ def test_unsupported_configs_are_refused(override: dict, message: str) -> None:
 def test_a_gpt2_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"])))
     with pytest.raises(ValueError, match="only Llama checkpoints"):
+        checkpoint.load_model(tmp_path)
+
+
+def test_a_tied_checkpoint_storing_another_head_is_refused(tmp_path: Path, ids: torch.Tensor) -> None:
+    """A tied config whose file also stores ``lm_head.weight``: a copy of the embedding loads (tied), a different
+    head is refused (transformers 4 would drop it, 5 keeps it) with the fix."""
+    hf_model = write_hf_llama(tmp_path, tie=True)
+    tensors = safetensors_torch.load_file(tmp_path / checkpoint.WEIGHTS_FILE)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    safetensors_torch.save_file(tensors, tmp_path / checkpoint.WEIGHTS_FILE, metadata={"format": "pt"})
+    torch.testing.assert_close(our_logits(checkpoint.load_model(tmp_path), ids), hf_logits(hf_model, ids), **CLOSE)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1.0
+    safetensors_torch.save_file(tensors, tmp_path / checkpoint.WEIGHTS_FILE, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="stores an lm_head.weight that differs.*tie_word_embeddings to false"):
         checkpoint.load_model(tmp_path)
 
 
