@@ -67,8 +67,7 @@ class DPStepLoop:
             # Its shape not quoted: under Poisson sampling a micro-batch's size is a value of the private data.
             raise ValueError(f"training_step returned a {loss.dim()}-D loss: return each sample's loss (a vector over"
                              " the micro-batch's samples) or their mean (a scalar).")
-        if size > 1 and not getattr(self.lightning_module, "per_sample_mean_loss", False) \
-                and not self._warned_scalar_loss:
+        if size > 1 and not declares_per_sample_mean_loss(self.lightning_module) and not self._warned_scalar_loss:
             self._warned_scalar_loss = True
             rank_zero_warn(
                 "training_step returned a scalar loss for a micro-batch of several samples: LongShieldStrategy takes"
@@ -131,3 +130,15 @@ class DPStepLoop:
             return result
 
         return super().optimizer_step(optimizer, closure_then_release, model, **kwargs)
+
+
+def declares_per_sample_mean_loss(module: Any) -> bool:
+    """Whether ``module`` states (``per_sample_mean_loss = True``) that its scalar ``training_step`` loss is the mean
+    over samples of each sample's loss. The statement counts only where made by the class whose ``training_step``
+    runs, or a subclass of it: a subclass that overrides ``training_step`` must state it anew."""
+    classes = type(module).__mro__
+    defining = next((c for c in classes if "training_step" in c.__dict__), None)
+    declaring = next((c for c in classes if "per_sample_mean_loss" in c.__dict__), None)
+    if defining is None or declaring is None or not issubclass(declaring, defining):
+        return bool(module.__dict__.get("per_sample_mean_loss", False))  # stated on the instance itself
+    return bool(module.per_sample_mean_loss)

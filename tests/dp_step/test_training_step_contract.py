@@ -66,6 +66,28 @@ def test_an_undeclared_scalar_loss_of_several_samples_is_warned_about_once():
     assert len(flagged) == 1 and "per_sample_mean_loss = True" in str(flagged[0].message)
 
 
+def test_a_subclass_that_overrides_training_step_states_its_loss_anew():
+    """``per_sample_mean_loss`` of `CausalLMModule` speaks for its own ``training_step``, not an override's."""
+    from lightning_longshield.dp_step_loop import declares_per_sample_mean_loss
+
+    class Override(CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx)
+
+    class Restated(Override):
+        per_sample_mean_loss = True
+
+    class Inherits(CausalLMModule):
+        pass
+
+    config = small_config(n_layers=1)
+    assert declares_per_sample_mean_loss(CausalLMModule(config)) and declares_per_sample_mean_loss(Inherits(config))
+    assert not declares_per_sample_mean_loss(Override(config)) and declares_per_sample_mean_loss(Restated(config))
+    stated = Override(config)
+    stated.per_sample_mean_loss = True
+    assert declares_per_sample_mean_loss(stated)
+
+
 def test_parameters_frozen_or_unfrozen_during_fit_are_refused():
     """An unfrozen parameter would get an unclipped summed gradient; a frozen one would still be noised."""
     class Unfreeze(Callback):
