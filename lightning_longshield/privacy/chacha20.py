@@ -106,6 +106,8 @@ def secure_gaussians(key: bytes, count: int, device: torch.device, chunk: int = 
     """``count`` fp32 ``N(0, 1)`` entries from ChaCha20 keyed by ``key`` (nonce 0), four-draw hardened, ``chunk``
     coordinates (``chunk / 2`` blocks) at a time so the integer and fp64 working sets stay bounded."""
     per_block = 8 // UNIFORMS_PER_COORDINATE
+    if chunk < per_block or chunk % per_block:  # a chunk must start on a block, or a block's values repeat
+        raise ValueError(f"chunk={chunk} must be a positive multiple of {per_block} coordinates (one ChaCha20 block).")
     if count > per_block * 2**32:
         raise ValueError(f"A secure-mode noise tensor is limited to {per_block} * 2^32 entries per key.")
     out = torch.empty(count, dtype=torch.float32, device=device)

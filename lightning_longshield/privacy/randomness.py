@@ -33,6 +33,7 @@ import secrets
 import struct
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -128,6 +129,12 @@ class SecretKey:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(<secret>)"
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        # Pickling (and deep copies, which go through it) would write the key out, or share it with a copy that
+        # draws the same noise: a key stays in the process that drew it.
+        raise TypeError("A SecretKey is never pickled or copied: each process draws its own (LongShieldStrategy draws"
+                        " fresh keys in every fit).")
 
 
 def _mt19937_generator(state_bytes: bytes) -> torch.Generator:

@@ -60,7 +60,7 @@ class PrivacySession:
             )
         if noise_seed is not None:
             rank_zero_warn(
-                f"noise_seed={noise_seed}: the noise and the Poisson sampling are reproducible from this seed. The"
+                "noise_seed is set: the noise and the Poisson sampling are reproducible from this seed. The"
                 " privacy guarantee holds only while the seed stays secret: anyone who knows it can subtract the noise"
                 " and see which samples each step used. Use it for tests, never for a release."
             )
@@ -341,7 +341,11 @@ class PrivacySession:
         else:
             noise = ("noise: Philox generators keyed by 256 OS-entropy bits (hardened, not cryptographic;"
                      " secure_mode=True for a cryptographic stream)")
-        return f"Randomness: {sampling}; {noise}."
+        projections = ""
+        if self.randomized:
+            projections = (f"; norm projections: MT19937 generators keyed by {key} through SHAKE-256 (all 624 state"
+                           " words secret; not a cryptographic stream)")
+        return f"Randomness: {sampling}; {noise}{projections}."
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -144,3 +144,30 @@ def test_secure_mode_noise_is_keyed_per_tensor():
     assert not torch.equal(a, b) and abs(a.std().item() - 2.0) < 0.2
     with pytest.raises(ValueError, match="key cannot be combined"):
         GaussianNoise(CPU, SecretKey.fresh(), secure_mode=True)
+
+
+def test_a_secret_key_is_never_pickled_or_copied():
+    """Not even inside a trained strategy: pickling it would write the keys out, a copy would draw the same noise."""
+    import copy
+    import pickle
+
+    from lightning_longshield import LongShieldStrategy
+    from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
+
+    key = SecretKey.fresh()
+    for attempt in (pickle.dumps, copy.deepcopy, copy.copy):
+        with pytest.raises(TypeError, match="never pickled or copied"):
+            attempt(key)
+    strategy = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    make_trainer(strategy, max_steps=1).fit(make_module(small_config(n_layers=1)), loader(RandomTokens(8, 8), 2))
+    with pytest.raises(TypeError, match="never pickled or copied"):
+        pickle.dumps(strategy)
+
+
+def test_secure_gaussians_refuse_a_chunk_that_splits_a_block():
+    """A chunk of odd size starts mid-block and would draw a block's first values again."""
+    key = bytes(range(32))
+    with pytest.raises(ValueError, match="multiple of 2 coordinates"):
+        secure_gaussians(key, 10, torch.device("cpu"), chunk=3)
+    torch.testing.assert_close(secure_gaussians(key, 10, torch.device("cpu"), chunk=4),
+                               secure_gaussians(key, 10, torch.device("cpu")), rtol=0, atol=0)
