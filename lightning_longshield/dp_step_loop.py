@@ -21,7 +21,7 @@ class DPStepLoop:
     batch. Uses the strategy's ``dp_engine``, ``privacy`` (`PrivacySession`), ``config``, ``_padding``
     (`ZeroWeightPadding`), ``_check_logged_metrics`` and ``_shard_sequence``."""
 
-    _warned_scalar_loss = False  # once per strategy: a scalar loss of several samples is taken as their mean
+    _scalar_loss_settled = False  # whether a scalar loss of several samples was checked (and warned about) yet
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One DP step's forward and backward: every micro-batch of the logical batch is run and back-propagated here
@@ -61,14 +61,13 @@ class DPStepLoop:
         """The sum over the micro-batch's samples of each sample's loss (whose gradient gives each sample its own
         gradient) and their mean (what hooks see), from ``training_step``'s loss: a vector of per-sample losses, or
         their mean."""
-        if loss.dim() == 1 and loss.numel() == size:
+        loss = checked_loss_shape(loss, size)
+        if loss.dim() == 1:
             return loss.sum(), loss.mean()
-        if loss.dim() != 0:
-            # Its shape not quoted: under Poisson sampling a micro-batch's size is a value of the private data.
-            raise ValueError(f"training_step returned a {loss.dim()}-D loss: return each sample's loss (a vector over"
-                             " the micro-batch's samples) or their mean (a scalar).")
-        if size > 1 and not declares_per_sample_mean_loss(self.lightning_module) and not self._warned_scalar_loss:
-            self._warned_scalar_loss = True
+        if size > 1 and not self._scalar_loss_settled:  # decided once: the module's statement does not change
+            self._scalar_loss_settled = True
+            if declares_per_sample_mean_loss(self.lightning_module):
+                return loss * size, loss
             rank_zero_warn(
                 "training_step returned a scalar loss for a micro-batch of several samples: LongShieldStrategy takes"
                 " it as the MEAN over the samples of each sample's own loss, which the clipping bound relies on. A"
@@ -86,7 +85,8 @@ class DPStepLoop:
         with logging_discarded(self.lightning_module):
             output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
-        self.precision_plugin.backward(loss.sum() * 0.0, self.lightning_module, None)
+        # Checked as a real micro-batch's is, so that a malformed loss fails on every rank, not only those with data.
+        self.precision_plugin.backward(checked_loss_shape(loss, 1).sum() * 0.0, self.lightning_module, None)
         self.dp_engine.accumulate_microbatch(1)
 
     def _backward_microbatch(self, total: Tensor, mean: Tensor, size: int) -> None:
@@ -130,6 +130,18 @@ class DPStepLoop:
             return result
 
         return super().optimizer_step(optimizer, closure_then_release, model, **kwargs)
+
+
+def checked_loss_shape(loss: Tensor, size: int) -> Tensor:
+    """``training_step``'s loss for a micro-batch of ``size`` samples as a scalar (their mean; any one-element loss)
+    or a vector with one loss per sample; anything else is refused."""
+    if loss.numel() == 1:
+        return loss.reshape(())
+    if loss.dim() == 1 and loss.numel() == size:
+        return loss
+    # Its shape not quoted: under Poisson sampling a micro-batch's size is a value of the private data.
+    raise ValueError(f"training_step returned a {loss.dim()}-D loss: return each sample's loss (a vector over the"
+                     " micro-batch's samples) or their mean (a scalar).")
 
 
 def declares_per_sample_mean_loss(module: Any) -> bool:

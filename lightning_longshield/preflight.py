@@ -318,7 +318,6 @@ def run_preflight(
     reason = _skip_reason(model, seq_len, planner_precision, precision)
     if reason is None and lora_rank and config.per_sample != "materialize":
         reason = "the planner does not model LoRA adapters with book-kept norms (norms='ghost' or 'mixed')"
-
     if reason is not None:
         rank_zero_info(f"LongShield pre-flight memory check skipped: {reason}.")
         return None

@@ -104,11 +104,7 @@ def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) ->
         notes += ("Note: the run file does not set trainer.devices (Lightning then takes every visible GPU): planned"
                   " on --gpus.",)
     if method == "zero-dp":  # estimated as ZeRO-DP+, which runs at CP 1 (`method_for`'s note says so)
-        cp = 1
-        if run.lora_rank:
-            raise ValueError(f"{path}: the planner does not model LoRA adapters with book-kept norms (norms="
-                             f"{run.strategy.norms!r}); plan with --lora-rank 0 for full fine-tuning's (higher)"
-                             f" memory, or norms='materialize'.")
+        cp = 1  # with LoRA, planning refuses it and names --lora-rank 0, which then overrides the file
     elif gpus is not None and cp is not None and gpus > cp and gpus % cp == 0 \
             and run.strategy.shard_over == "context_parallel":
         notes += (f"Note: planned per context-parallel group of {cp} GPUs: with shard_over='context_parallel'"

@@ -212,7 +212,7 @@ def load_pretrained_weights(model: nn.Module, directory: PathLike) -> None:
     sources = {name: name for name in params}
     if "lm_head.weight" in params and "lm_head.weight" not in files and model.config.tie_embeddings:
         sources["lm_head.weight"] = "model.embed_tokens.weight"  # a tied model whose parameters were untied
-    if model.config.tie_embeddings and "lm_head.weight" in files:
+    if model.config.tie_embeddings and {"lm_head.weight", "model.embed_tokens.weight"} <= set(files):
         _refuse_a_stored_head_unlike_the_embedding(files)
     ignored = {"lm_head.weight"} | {name for name in files if name.endswith("rotary_emb.inv_freq")}
     missing = sorted(set(sources.values()) - set(files))

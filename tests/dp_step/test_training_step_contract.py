@@ -55,6 +55,16 @@ def test_a_vector_of_per_sample_losses_trains_as_their_mean():
         torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=1e-7)
 
 
+def test_a_one_element_loss_is_a_scalar_and_other_shapes_are_refused():
+    from lightning_longshield.dp_step_loop import checked_loss_shape
+
+    assert checked_loss_shape(torch.ones(1), 4).shape == () and checked_loss_shape(torch.ones(()), 4).shape == ()
+    assert checked_loss_shape(torch.ones(4), 4).shape == (4,)
+    for wrong in (torch.ones(3), torch.ones(2, 2)):
+        with pytest.raises(ValueError, match="return each sample's loss"):
+            checked_loss_shape(wrong, 4)
+
+
 def test_an_undeclared_scalar_loss_of_several_samples_is_warned_about_once():
     torch.manual_seed(0)
     module = TokenMean(small_config(n_layers=1), optimizer="sgd")

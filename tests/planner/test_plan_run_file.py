@@ -173,9 +173,10 @@ def test_a_run_file_is_planned_as_longshield_train_reads_it(tmp_path: Path,
     for body, message in [
         ("trainer: {devices: 1, precision: 16-mixed}\n", "LongShieldStrategy refuses fp16"),
         ("model: {config: llama3.2-1b, lora: {rank: 8}}\ntrainer:\n  devices: 1\n  strategy: {init_args: {norms:"
-         " mixed}}\n", "does not model LoRA adapters with book-kept norms (norms='mixed')"),
+         " mixed}}\n", "not zero-dp; drop --lora-rank"),
     ]:
         path.write_text("data: {init_args: {seq_len: 256}}\n" + body)
         with pytest.raises(SystemExit) as exit_info:
             main(["fit", "--config", str(path)])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert _json(capsys, "fit", "--config", str(path), "--lora-rank", "0")["lora_rank"] == 0  # the fix it names

@@ -58,10 +58,8 @@ class PerSampleGradCapture:
             raise ValueError(f"per_sample={per_sample!r}; choose one of {PER_SAMPLE_METHODS}.")
         check_supported_layers(model)
         self.exchange = exchange or LocalExchange()
-        self.model = model
-        self.parameters: dict[str, nn.Parameter] = {
-            name: p for name, p in model.named_parameters() if p.requires_grad
-        }
+        self._all_parameters = list(model.named_parameters())  # to see `requires_grad` change, without a module walk
+        self.parameters: dict[str, nn.Parameter] = {name: p for name, p in self._all_parameters if p.requires_grad}
         name_of_param = {id(p): name for name, p in self.parameters.items()}
         self._layer_names: dict[int, dict[str, str]] = {}
         self._forwards: list[CapturedForward] = []
@@ -184,8 +182,7 @@ class PerSampleGradCapture:
     def check_trainable_unchanged(self) -> None:
         """Refuse a step once parameters were frozen or unfrozen after the capture began: an unfrozen one would get an
         unclipped summed gradient, a frozen one would still be noised and updated."""
-        now = {name for name, p in self.model.named_parameters() if p.requires_grad}
-        changed = sorted(now.symmetric_difference(self.parameters))
+        changed = [name for name, p in self._all_parameters if p.requires_grad != (name in self.parameters)]
         if changed:
             raise RuntimeError(
                 f"Parameters were frozen or unfrozen after fit began: {changed[:5]}{' ...' * (len(changed) > 5)}."
