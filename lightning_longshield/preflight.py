@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_longshield.privacy.per_layer import use_fused_kernel
 from simulate import GPU_PRESETS, GPUSpec, MemoryBreakdown, ModelSpec, RunConfig, estimate_memory, plan_strategy
-from simulate.config import precision_of
+from simulate.config import method_for, precision_of
 from simulate.loss_chunks import LossChunking
 from simulate.strategy_config import StrategyConfig, describe_arguments
 from simulate.throughput import estimate_step_time
@@ -233,17 +233,16 @@ def _fastest_fit(
     """The fitting candidate over ``cp_sizes`` x layouts x micro-batch sizes with the most tokens/s per GPU."""
     best: Optional[tuple[float, StrategyConfig, MemoryBreakdown]] = None
     sharded_over_all = strategy.shard_over == "all"  # model states over every rank
-    book_kept = strategy.per_sample != "materialize"  # planned as ZeRO-DP+: no context parallelism
+    zero_dp = method_for(strategy)[0] == "zero-dp"  # planned as ZeRO-DP+: no context parallelism
     for cp in cp_sizes:
-        if config.seq_len % (2 * cp) or (book_kept and cp > 1):
+        if config.seq_len % (2 * cp) or (zero_dp and cp > 1):
             continue
+        gpus = _processes_for(cp, world_size, config) if sharded_over_all else cp
         for layout in _lighter_layouts(strategy):
             for mbs in _smaller_micro_batches(strategy.micro_batch_size):
                 candidate = layout.replace(context_parallel_size=cp, micro_batch_size=mbs)
                 if candidate == strategy:
                     continue
-                more_gpus = cp * (world_size // config.cp_size)  # a group size beyond the world keeps DP groups
-                gpus = (world_size if world_size % cp == 0 else more_gpus) if sharded_over_all else cp
                 planned, _ = plan_strategy(config.model, candidate, gpus, config.seq_len, config.precision.name,
                                            config.gpu, config.per_layer_kernel, config.loss_chunk_tokens,
                                            config.lora_rank)
@@ -257,12 +256,16 @@ def _fastest_fit(
     if best is None:
         return None
     _, candidate, memory = best
-    # A group size that divides the world size reuses the GPUs; a larger one keeps the data-parallel groups.
     cp = candidate.context_parallel_size or 1
-    more_gpus = world_size % cp != 0
-    gpus = cp * (world_size // config.cp_size) if more_gpus else None
+    gpus = None if world_size % cp == 0 else _processes_for(cp, world_size, config)
     changed = strategy.changed_arguments(candidate)
     return Alternative(tuple(describe_arguments({name: value}) for name, value in changed.items()), memory, gpus)
+
+
+def _processes_for(cp: int, world_size: int, config: RunConfig) -> int:
+    """The processes a candidate with context-parallel groups of ``cp`` runs on: the world, where ``cp`` divides it
+    (the GPUs are reused); else ``cp`` times the data-parallel groups of ``config`` (a larger group keeps them)."""
+    return world_size if world_size % cp == 0 else cp * (world_size // config.cp_size)
 
 
 def _lighter_layouts(strategy: StrategyConfig) -> list[StrategyConfig]:
@@ -316,7 +319,7 @@ def run_preflight(
     planner_precision = precision_of(precision)
     lora_rank = lora_rank_of(module)
     reason = _skip_reason(model, seq_len, planner_precision, precision)
-    if reason is None and lora_rank and config.per_sample != "materialize":
+    if reason is None and lora_rank and method_for(config)[0] == "zero-dp":
         reason = "the planner does not model LoRA adapters with book-kept norms (norms='ghost' or 'mixed')"
     if reason is not None:
         rank_zero_info(f"LongShield pre-flight memory check skipped: {reason}.")
