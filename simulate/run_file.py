@@ -2,7 +2,8 @@
 
 The file is LightningCLI's (``model``, ``data``, ``trainer`` with ``trainer.strategy.init_args`` the strategy's own
 arguments). What the planner needs: the model (``model.config``: a preset or a Hugging Face directory), its LoRA
-rank, the sequence length (``data.init_args.seq_len``), the GPU count (``trainer.devices`` x ``trainer.num_nodes``),
+rank, the sequence length (``data.init_args.seq_len``, else the default of the library's data module that the file
+names), the GPU count (``trainer.devices`` x ``trainer.num_nodes``),
 the precision (Lightning's default, 32-true, when unset) and the strategy's layout (`StrategyConfig.from_arguments`).
 """
 
@@ -21,6 +22,9 @@ from simulate.strategy_config import StrategyConfig
 LIGHTNING_DEFAULT_PRECISION = "32-true"
 #: `CausalLMModule`'s model when ``model.init_args.config`` is not given.
 MODULE_DEFAULT_MODEL = "tiny"
+#: The sequence length of the library's data modules (`LocalTextDataModule`, `StdlibTextDataModule`) when
+#: ``data.init_args.seq_len`` is not given.
+DATA_MODULES_DEFAULT_SEQ_LEN = {"LocalTextDataModule": 1024, "StdlibTextDataModule": 1024}
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ def planned_run(document: Mapping[str, Any], source: str = "the run file") -> Pl
     return PlannedRun(
         model=None if config is None else os.fspath(config),
         lora_rank=0 if lora is None else int(lora.get("rank", DEFAULT_LORA_RANK)),
-        seq_len=_positive_int(data.get("seq_len"), "data.init_args.seq_len", source),
+        seq_len=_seq_len(document.get("data"), data, source),
         gpus=_gpus(trainer, source),
         precision=precision_of(precision),
         strategy=StrategyConfig.from_arguments(strategy_args),
@@ -97,6 +101,15 @@ def _init_args(section: object) -> Mapping[str, Any]:
     if not isinstance(section, Mapping):
         return {}
     return section.get("init_args") or {} if "class_path" in section or "init_args" in section else section
+
+
+def _seq_len(section: object, data: Mapping[str, Any], source: str) -> int | None:
+    """``data.init_args.seq_len``, else the default of the library's data module the file names (another module's
+    default is ``--seq-len``'s to say)."""
+    if "seq_len" in data:
+        return _positive_int(data["seq_len"], "data.init_args.seq_len", source)
+    class_path = str(section.get("class_path", "")) if isinstance(section, Mapping) else ""
+    return DATA_MODULES_DEFAULT_SEQ_LEN.get(class_path.split(".")[-1])
 
 
 def _positive_int(value: object, key: str, source: str) -> int | None:

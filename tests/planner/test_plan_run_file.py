@@ -180,3 +180,36 @@ def test_a_run_file_is_planned_as_longshield_train_reads_it(tmp_path: Path,
             main(["fit", "--config", str(path)])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert _json(capsys, "fit", "--config", str(path), "--lora-rank", "0")["lora_rank"] == 0  # the fix it names
+
+
+def test_a_run_file_without_seq_len_is_planned_with_its_data_module_default(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The library's data modules build windows of their own default length when the file gives none; another
+    module's default is unknown to the planner, which then asks for ``--seq-len``."""
+    from simulate.run_file import DATA_MODULES_DEFAULT_SEQ_LEN
+
+    path = tmp_path / "run.yaml"
+    for name, default in DATA_MODULES_DEFAULT_SEQ_LEN.items():
+        path.write_text(f"data: {{class_path: lightning_longshield.some_module.{name}, init_args: {{batch_size: 4}}}}\n"
+                        "trainer: {devices: 1}\n")
+        assert read_run_file(path).seq_len == default
+        assert _json(capsys, "fit", "--config", str(path))["seq_len"] == default
+    path.write_text("data: {class_path: my.Data}\ntrainer: {devices: 1}\n")
+    assert read_run_file(path).seq_len is None
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(path)])
+    assert "--seq-len" in capsys.readouterr().err
+
+
+def test_the_planned_data_module_defaults_are_the_modules_own() -> None:
+    pytest.importorskip("torch")
+    import inspect
+
+    from lightning_longshield.local_text_data import LocalTextDataModule
+    from lightning_longshield.text_data import StdlibTextDataModule
+    from simulate.run_file import DATA_MODULES_DEFAULT_SEQ_LEN
+
+    modules = {module.__name__: module for module in (LocalTextDataModule, StdlibTextDataModule)}
+    assert set(modules) == set(DATA_MODULES_DEFAULT_SEQ_LEN)
+    for name, default in DATA_MODULES_DEFAULT_SEQ_LEN.items():
+        assert inspect.signature(modules[name]).parameters["seq_len"].default == default
