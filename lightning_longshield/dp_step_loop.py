@@ -117,8 +117,19 @@ class DPStepLoop:
         **kwargs: Any,
     ) -> Any:
         self.privacy.check_release_allowed()
+        evaluated = False
 
         def closure_then_release() -> Any:
+            nonlocal evaluated
+            if evaluated:
+                # Before training_step runs again: nothing of this step is released twice.
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} evaluated its closure more than once in one step (as LBFGS or"
+                    " sharpness-aware optimizers do). Each evaluation would release the same private batch again, with"
+                    " fresh noise, which the accountant would count as new batches and the guarantee does not cover."
+                    " Use an optimizer that evaluates the closure once per step (SGD, Adam, AdamW, ...)."
+                )
+            evaluated = True
             result = closure()
             plan = self.privacy.plan
             assert plan is not None

@@ -158,3 +158,19 @@ def test_presets_have_the_published_parameter_counts(name, published):
     count = sum(p.numel() for p in model.parameters())
     assert count == get_model_spec(name).num_parameters
     assert count == pytest.approx(published, rel=2e-3)
+
+
+def test_an_optimizer_that_evaluates_its_closure_twice_is_refused_after_one_release():
+    """LBFGS calls the closure up to ``max_iter`` times per step: each call would release the same Poisson batch
+    again with fresh noise, accounted as a new batch. The second evaluation is refused; one release was made."""
+
+    class LBFGSModule(type(make_module(small_config(n_layers=1)))):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS([p for p in self.parameters() if p.requires_grad], lr=0.1, max_iter=4,
+                                     tolerance_grad=0.0, tolerance_change=0.0)
+
+    module = LBFGSModule(small_config(n_layers=1), optimizer="sgd", learning_rate=0.1)
+    strategy = LongShieldStrategy(noise_multiplier=1.0)
+    with pytest.raises(RuntimeError, match="LBFGS evaluated its closure more than once"):
+        fit(strategy, module=module)
+    assert strategy.accountant.steps == 1
