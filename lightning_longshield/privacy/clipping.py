@@ -25,6 +25,15 @@ CLIP_MARGIN = 2.0**-18
 # exceed C.
 NORM_BLOCK = 64
 
+# Sizes not quoted: under Poisson sampling a micro-batch's size is a value of the private data.
+NOT_BATCH_FIRST = (
+    "Per-sample gradients do not have the micro-batch's samples along their first dimension: every trainable layer"
+    " must take its input batch-first, the samples along dimension 0 (not (T, B, d): transpose it, or use"
+    " batch_first=True), and be applied to every sample of the micro-batch (not to a selection such as"
+    " layer(h[mask]), nor to an input shared by the batch such as a positional table looked up with"
+    " torch.arange(T)[None]: expand it to (B, T))."
+)
+
 
 def per_sample_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: int) -> torch.Tensor:
     """Squared L2 norm (fp64, shape (B,)) of each sample's gradient over all given per-sample tensors.
@@ -51,13 +60,7 @@ def _block_norms_of(grad_samples: Iterable[torch.Tensor], batch_size: int) -> li
         raise ValueError("No per-sample gradients were captured: does the model have trainable parameters?")
     sizes = {t.shape[0] for t in tensors}
     if sizes != {batch_size}:
-        # Sizes not quoted: under Poisson sampling a micro-batch's size is a value of the private data.
-        raise RuntimeError(
-            "Per-sample gradients do not have the micro-batch's samples along their first dimension: every trainable"
-            " layer must take its input batch-first, the samples along dimension 0 (not (T, B, d): transpose it, or"
-            " use batch_first=True), and be applied to every sample of the micro-batch (not to a selection such as"
-            " layer(h[mask]))."
-        )
+        raise RuntimeError(NOT_BATCH_FIRST)
     return [_block_norms(t.reshape(batch_size, -1)) for t in tensors]
 
 

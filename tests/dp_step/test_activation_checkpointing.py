@@ -67,7 +67,7 @@ def test_model_with_its_own_checkpointing_is_handled(use_reentrant):
 def saved_tensor_bytes(model: torch.nn.Module, micro_batch: int = 2, seq_len: int = 256) -> int:
     """Bytes of the tensors autograd saves for backward during one per-sample-mode forward."""
     capture = PerSampleGradCapture(model)
-    capture.enabled = True
+    capture.start_microbatch(micro_batch)
     total = 0
 
     def pack(tensor):

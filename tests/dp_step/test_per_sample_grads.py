@@ -24,7 +24,7 @@ def test_capture_matches_torch_func(tie_embeddings):
     labels[0, :5] = -100
 
     capture = PerSampleGradCapture(model)
-    capture.enabled = True
+    capture.start_microbatch(3)
     per_sample_token_loss(model(input_ids), labels).sum().backward()
     captured = capture.collect()
     assert all(p.grad is None for p in model.parameters()), "no summed gradient may be formed"
@@ -101,7 +101,7 @@ def test_capture_replaces_forwards_without_hooks_and_is_removable():
     layers = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
     assert all("forward" in layer.__dict__ for layer in layers)
     ids = torch.randint(0, 64, (2, 8))
-    capture.enabled = True
+    capture.start_microbatch(2)
     model(ids).sum().backward()
     assert calls == [1] and set(capture.collect()) == {n for n, p in model.named_parameters() if p.requires_grad}
     capture.remove()
@@ -125,7 +125,7 @@ def test_a_captured_linear_layer_gives_autograds_input_gradient(bias, autocast):
     def loss_and_input_grad(net, capture=None):
         x = inputs.clone().requires_grad_()
         if capture is not None:
-            capture.enabled = True
+            capture.start_microbatch(inputs.shape[0])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = net(x)
         ((out.float() - targets) ** 2).sum().backward()
@@ -259,7 +259,7 @@ def test_a_tied_embedding_forms_no_vocabulary_sized_per_sample_tensor():
             return out
 
     capture = capture_module.PerSampleGradCapture(model)
-    capture.enabled = True
+    capture.start_microbatch(3)
     loss = per_sample_token_loss(model(input_ids), labels).sum()
     with Sizes():
         loss.backward()

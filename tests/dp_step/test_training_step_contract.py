@@ -143,12 +143,39 @@ def test_a_layer_that_takes_the_samples_second_is_refused_with_the_fix():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.lin(x.transpose(0, 1)).transpose(0, 1)  # (B, T, d) -> (T, B, d) through the layer
 
-    from lightning_longshield.privacy.clipping import per_sample_squared_norms
-
     model = SequenceFirst()
     capture = PerSampleGradCapture(model)
     capture.start_microbatch(2)
-    model(torch.randn(2, 5, 4)).sum().backward()
+    loss = model(torch.randn(2, 5, 4)).sum()
     with pytest.raises(RuntimeError, match="batch-first, the samples along dimension 0") as error:
-        per_sample_squared_norms(capture.collect().values(), 2)
+        loss.backward()  # refused as the layer's gradient arrives, on every path (materialised, book-kept, fused)
     assert not any(digit in str(error.value) for digit in "0123456789".replace("0", ""))
+
+
+@pytest.mark.parametrize("norms", ["materialize", "ghost", "mixed"])
+def test_a_table_looked_up_with_ids_shared_by_the_batch_is_refused(norms):
+    """A GPT-2 style positional table looked up with ``arange(T)[None]``, broadcast over the batch: its gradient is the
+    whole batch's, so one sample would move every sample's norm (book-kept norms broadcast it to every sample: 5.1 C
+    between neighbouring batches at C, against DP-SGD's 2 C). Refused on every path, even with nothing else
+    materialised."""
+    from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
+    from simulate.strategy_config import StrategyConfig
+
+    class SharedPositions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(16, 8), nn.Embedding(6, 8)
+            self.tok.weight.requires_grad_(False)  # only the table (and the norm) train
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.tok(ids) + self.pos(torch.arange(ids.shape[1])[None]))
+
+    model = SharedPositions()
+    engine = DPSGDEngine(model, 1.0, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
+                         config=StrategyConfig(norms=norms))
+    engine.begin_logical_batch()
+    engine.prepare_microbatch(4)
+    loss = model(torch.randint(0, 16, (4, 6))).square().sum()
+    with pytest.raises(RuntimeError, match="an input shared by the batch"):
+        loss.backward()

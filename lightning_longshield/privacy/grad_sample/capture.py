@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_longshield.privacy.clipping import NOT_BATCH_FIRST
 from lightning_longshield.privacy.grad_sample.bookkeeping import (
     PER_SAMPLE_METHODS,
     BookKeeper,
@@ -65,6 +66,7 @@ class PerSampleGradCapture:
         self._forwards: list[CapturedForward] = []
         self._layers: list[nn.Module] = []
         self.enabled = False
+        self.batch_size = 0  # of the micro-batch being captured
         for _, layer in trainable_layers(model):
             self._layers.append(layer)
             self._layer_names[id(layer)] = {
@@ -135,6 +137,10 @@ class PerSampleGradCapture:
             self.bookkeeper.shared = self.bookkeeper.shared | set(names)
 
     def _receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
+        if grad_output.dim() == 0 or grad_output.shape[0] != self.batch_size:
+            # Every path (materialised, book-kept, fused) would take dimension 0 as the samples: a layer applied to an
+            # input shared by the batch would spread one sample's gradient over every sample's norm.
+            raise RuntimeError(NOT_BATCH_FIRST)
         self._calls[id(layer)] += 1
         if self._calls[id(layer)] > max(1, self._forward_calls[id(layer)]):
             self._check_repeated_call(layer)
@@ -173,6 +179,7 @@ class PerSampleGradCapture:
     def start_microbatch(self, batch_size: int) -> None:
         """Capture per-sample gradients in the next backward if the exchange needs them (more than one sample)."""
         self.enabled = self.exchange.start_microbatch(batch_size)
+        self.batch_size = batch_size
         self._calls.clear()
         self._forward_calls.clear()
         self.uses.clear()
