@@ -30,8 +30,11 @@ class CheckpointedForward:
 
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the children of every `nn.ModuleList`, in order."""
-    return [block for child in module.modules() if isinstance(child, nn.ModuleList) for block in child]
+    """The repeated blocks of a model: the children of every `nn.ModuleList`, in order, except trainable layers
+    themselves (a list of ``nn.Linear``). A checkpoint of one layer would keep its input, all it saves anyway, and
+    its recomputation would run outside the per-sample capture that the layer's first forward ran through."""
+    return [block for child in module.modules() if isinstance(child, nn.ModuleList) for block in child
+            if not any(param.requires_grad for param in block.parameters(recurse=False))]
 
 
 def select_blocks(blocks: list[nn.Module], policy: CheckpointPolicy) -> list[nn.Module]:
@@ -54,8 +57,9 @@ def apply_activation_checkpointing(module: nn.Module, policy: CheckpointPolicy =
     blocks = transformer_blocks(module)
     if policy is not False and not blocks:
         raise TypeError(
-            f"{type(module).__name__} has no nn.ModuleList of blocks to checkpoint; keep the repeated blocks in an"
-            " nn.ModuleList (as Llama.layers) or set activation_checkpointing=False."
+            f"{type(module).__name__} has no nn.ModuleList of blocks to checkpoint (a list of trainable layers"
+            " themselves, such as nn.Linear, is not checkpointed); keep the repeated blocks in an nn.ModuleList (as"
+            " Llama.layers) or set activation_checkpointing=False."
         )
     selected = select_blocks(blocks, policy)
     for block in selected:

@@ -54,6 +54,47 @@ def test_checkpointed_updates_match_reference(policy, expected, micro_batch_size
     assert [isinstance(b.__dict__.get("forward"), CheckpointedForward) for b in layers] == expected
 
 
+def test_trainable_layers_in_a_module_list_are_not_checkpointed():
+    """A list of plain layers is not a list of blocks: checkpointing a layer keeps its input, all it saves anyway, and
+    its recomputation would run outside the capture (with the real parameters where the first forward had detached
+    ones). With B x T equal to the width the recomputed input silently took the weight's place."""
+
+    class LinearList(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 8)
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())])
+            self.head = torch.nn.Linear(8, 64, bias=False)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.emb(ids)
+            for layer in [*self.layers, *self.blocks]:
+                h = h + torch.tanh(layer(h))
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model = LinearList()
+    ids = torch.randint(0, 64, (2, 4))  # B x T = 8, the width
+
+    def per_sample_gradients(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+        capture = PerSampleGradCapture(net)
+        capture.start_microbatch(2)
+        per_sample_token_loss(net(ids), ids).sum().backward()
+        grads = capture.collect()
+        capture.remove()
+        return grads
+
+    expected = per_sample_gradients(copy.deepcopy(model))
+    assert apply_activation_checkpointing(model, True) == 1  # the block only
+    assert not any(isinstance(layer.__dict__.get("forward"), CheckpointedForward) for layer in model.layers)
+    got = per_sample_gradients(model)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, msg=name)
+    with pytest.raises(TypeError, match="a list of trainable layers"):
+        apply_activation_checkpointing(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)])), True)
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_model_with_its_own_checkpointing_is_handled(use_reentrant):
     """A model that checkpoints inside DP-hooked layers still gets exact per-sample gradients."""
