@@ -179,3 +179,20 @@ def test_a_table_looked_up_with_ids_shared_by_the_batch_is_refused(norms):
     loss = model(torch.randint(0, 16, (4, 6))).square().sum()
     with pytest.raises(RuntimeError, match="an input shared by the batch"):
         loss.backward()
+
+
+@pytest.mark.parametrize("register", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_gradient_hooks_on_trainable_parameters_are_refused(register):
+    """Per-sample gradients never pass through a parameter's gradient hooks (a one-sample micro-batch's ``.grad``
+    would): a hook masking rows zeroed them at micro-batch 1 and not at 2 or 4. Refused at the start and, for a hook
+    added during a fit, at the next step."""
+    model = nn.Sequential(nn.Embedding(16, 4), nn.Linear(4, 16))
+    getattr(model[0].weight, register)(lambda grad: None)
+    with pytest.raises(RuntimeError, match=r"gradient hooks .*\['0.weight'\].*on_before_optimizer_step"):
+        PerSampleGradCapture(model)
+    model = nn.Sequential(nn.Embedding(16, 4), nn.Linear(4, 16))
+    capture = PerSampleGradCapture(model)
+    capture.check_trainable_unchanged()
+    getattr(model[1].weight, register)(lambda grad: None)
+    with pytest.raises(RuntimeError, match=r"\['1.weight'\]"):
+        capture.check_trainable_unchanged()

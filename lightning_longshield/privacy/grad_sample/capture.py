@@ -61,6 +61,7 @@ class PerSampleGradCapture:
         self.exchange = exchange or LocalExchange()
         self._all_parameters = list(model.named_parameters())  # to see `requires_grad` change, without a module walk
         self.parameters: dict[str, nn.Parameter] = {name: p for name, p in self._all_parameters if p.requires_grad}
+        self._check_no_gradient_hooks()
         name_of_param = {id(p): name for name, p in self.parameters.items()}
         self._layer_names: dict[int, dict[str, str]] = {}
         self._forwards: list[CapturedForward] = []
@@ -189,12 +190,27 @@ class PerSampleGradCapture:
     def check_trainable_unchanged(self) -> None:
         """Refuse a step once parameters were frozen or unfrozen after the capture began: an unfrozen one would get an
         unclipped summed gradient, a frozen one would still be noised and updated."""
+        self._check_no_gradient_hooks()
         changed = [name for name, p in self._all_parameters if p.requires_grad != (name in self.parameters)]
         if changed:
             raise RuntimeError(
                 f"Parameters were frozen or unfrozen after fit began: {changed[:5]}{' ...' * (len(changed) > 5)}."
                 " The DP step clips, noises and accounts the parameters that were trainable when fit began. Set"
                 " requires_grad before fit (e.g. in configure_model or setup), or run a new fit after changing it."
+            )
+
+    def _check_no_gradient_hooks(self) -> None:
+        """Refuse gradient hooks on trainable parameters: the per-sample gradients never pass through them (only a
+        one-sample micro-batch's ``.grad`` would), so what they do to a gradient would depend on the micro-batch
+        size."""
+        hooked = [name for name, p in self.parameters.items()
+                  if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+        if hooked:
+            raise RuntimeError(
+                f"Trainable parameters have gradient hooks (Tensor.register_hook or"
+                f" register_post_accumulate_grad_hook): {hooked[:5]}{' ...' * (len(hooked) > 5)}. DP-SGD clips"
+                " per-sample gradients that these hooks never see. Remove them; to change the private gradient (e.g."
+                " mask rows that must not train), do it in on_before_optimizer_step, which sees the released one."
             )
 
     def collect(self) -> dict[str, torch.Tensor]:
