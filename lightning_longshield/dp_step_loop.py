@@ -22,6 +22,7 @@ class DPStepLoop:
     (`ZeroWeightPadding`), ``_check_logged_metrics`` and ``_shard_sequence``."""
 
     _scalar_loss_settled = False  # whether a scalar loss of several samples was checked (and warned about) yet
+    _release_pending = False  # a logical batch ran through training_step and was not released yet
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One DP step's forward and backward: every micro-batch of the logical batch is run and back-propagated here
@@ -29,6 +30,8 @@ class DPStepLoop:
         micro-batch's output with its loss detached: Lightning's closure finds nothing left to back-propagate. With
         FSDP2 over every rank, padding micro-batches follow (`ZeroWeightPadding`)."""
         batch, rest = args[0], args[1:]
+        self._check_previous_batch_released()
+        self._release_pending = True
         self.dp_engine.begin_logical_batch()
         microbatches = split_into_microbatches(batch, self.config.micro_batch_size)
         padding = self._padding.count(len(microbatches), self.root_device)
@@ -40,6 +43,22 @@ class DPStepLoop:
             return torch.zeros((), device=self.root_device)
         self._check_logged_metrics()
         return output
+
+    def _check_previous_batch_released(self) -> None:
+        """Refuse a logical batch while the previous one's clipped sum is unreleased: it would be added to this one's
+        and released once, two Poisson batches as one DP step (a sample drawn in both adding up to 2 C)."""
+        accumulating = self.lightning_module.trainer.accumulate_grad_batches != 1
+        if not (self._release_pending or accumulating):
+            return
+        raise RuntimeError(
+            "The previous logical batch ran through training_step without an optimizer step, so its clipped"
+            " gradients were never released: they would be added to this batch's and released as one DP step."
+            + (" accumulate_grad_batches was changed during fit (e.g. by GradientAccumulationScheduler); it must"
+               " stay 1." if accumulating else " An optimizer_step override must call optimizer.step(closure=...)"
+               " on every batch, not optimizer_closure() alone.")
+            + " One optimizer step is one DP step over one logical batch: set the logical batch with the DataLoader's"
+            " batch_size and the memory with micro_batch_size."
+        )
 
     def _microbatch_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         size = batch_size_of(microbatch)
@@ -135,6 +154,7 @@ class DPStepLoop:
             assert plan is not None
             self.privacy.record_release()
             self.dp_engine.release(plan.noise_multiplier, plan.sample_rate, plan.expected_batch_size)
+            self._release_pending = False
             trainer = self.lightning_module.trainer
             if self.privacy.released(trainer.global_step):
                 trainer.should_stop = True

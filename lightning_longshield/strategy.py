@@ -234,6 +234,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
             stream = (self.data_parallel_rank, self.context_parallel_mesh.get_local_rank())
             self.privacy.open_fit(self.root_device, stream, self.broadcast)
             self._engine = self._build_engine()
+            self._release_pending = False  # a fresh clipped sum: nothing of an interrupted fit is carried over
             for callback in (PrivacyMonitor, *((PreemptionCheckpoint,) if trainer.checkpoint_callbacks else ())):
                 if not any(isinstance(cb, callback) for cb in trainer.callbacks):
                     trainer.callbacks.append(callback())

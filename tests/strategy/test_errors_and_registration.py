@@ -174,3 +174,27 @@ def test_an_optimizer_that_evaluates_its_closure_twice_is_refused_after_one_rele
     with pytest.raises(RuntimeError, match="LBFGS evaluated its closure more than once"):
         fit(strategy, module=module)
     assert strategy.accountant.steps == 1
+
+
+def test_a_logical_batch_left_unreleased_is_refused_before_the_next_one():
+    """Two Poisson batches must never be released as one DP step (a sample drawn in both would add up to 2 C): an
+    ``optimizer_step`` override that runs the closure without ``optimizer.step`` on some batches, and gradient
+    accumulation switched on during fit (``GradientAccumulationScheduler``), are refused at the next batch."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    class ClosureOnly(type(make_module(small_config(n_layers=1)))):
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+            if batch_idx % 2:
+                optimizer.step(closure=optimizer_closure)
+            else:
+                optimizer_closure()
+
+    strategy = LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False)
+    module = ClosureOnly(small_config(n_layers=1), optimizer="sgd", learning_rate=0.1)
+    with pytest.raises(RuntimeError, match="must call optimizer.step"):
+        make_trainer(strategy, max_steps=2).fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
+    assert strategy.accountant.steps == 0
+    strategy = LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False)
+    with pytest.raises(RuntimeError, match="GradientAccumulationScheduler"):
+        fit(strategy, callbacks=[GradientAccumulationScheduler({0: 2})])
+    assert strategy.accountant.steps == 0
