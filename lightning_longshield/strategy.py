@@ -20,7 +20,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_longshield import preflight as _preflight
@@ -301,6 +301,12 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         rank, size = self.data_parallel_rank, self.data_parallel_size
         if not self.lightning_module.trainer.training:
             return data_parallel_dataloader(dataloader, rank, size)
+        if isinstance(dataloader.dataset, IterableDataset) or not hasattr(dataloader.dataset, "__len__"):
+            raise TypeError(
+                f"The training dataset ({type(dataloader.dataset).__name__}) has no length: Poisson sampling draws"
+                " every record independently by its index, and the sampling rate is the batch size over the"
+                " dataset's size. Use a map-style dataset (with __getitem__ and __len__), not an IterableDataset."
+            )
         self.privacy.record_training_data(len(dataloader.dataset), dataloader.batch_size)  # type: ignore[arg-type]
         self._padding.use_data(dataloader.dataset, dataloader.collate_fn)
         if self.preflight:

@@ -78,6 +78,7 @@ class PrivacySession:
             envelope = accountant_envelope(projected_norms.estimator, projected_norms.projection_dim)
             self.accountant = RandomizedClippingAccountant(envelope.estimator, envelope.projections)
         self.plan: Optional[PrivacyPlan] = None
+        self._fit_data: Optional[tuple[int, int]] = None  # this fit's (dataset size, batch size), once its data is seen
         self.noise: Optional[GaussianNoise] = None
         self.sampling: Optional[SecretKey] = None
         self.projection_key: Optional[SecretKey] = None
@@ -113,6 +114,7 @@ class PrivacySession:
             shared, noise_key = SecretKey(broadcast(secrets.token_bytes(KEY_BYTES))), None
         self.sampling = shared.derive("sampling")
         self.noise = GaussianNoise(device, noise_key, stream, self.secure_mode)
+        self._fit_data = None
         if self.randomized:  # one key for all processes: a sequence's shards are projected alike
             self.projection_key = shared.derive("projection")
 
@@ -125,6 +127,14 @@ class PrivacySession:
                 "The training DataLoader must set batch_size: it is the expected logical (privacy) batch per"
                 " data-parallel group. A custom batch_sampler is replaced by Poisson sampling."
             )
+        if self._fit_data is not None and self._fit_data != (dataset_size, batch_size):
+            raise ValueError(
+                "The training DataLoader changed during fit (reload_dataloaders_every_n_epochs, or a train_dataloader"
+                " that returns another one): its dataset size and batch_size set the Poisson sampling rate and the"
+                " expected logical batch that the noise and the accountant were planned with. Keep both fixed within a"
+                " fit; start a new fit for other data."
+            )
+        self._fit_data = (dataset_size, batch_size)
         self.dataset_size, self.dataloader_batch_size = dataset_size, batch_size
 
     # ------------------------------------------------------------------ plan and budget

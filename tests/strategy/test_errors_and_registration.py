@@ -198,3 +198,35 @@ def test_a_logical_batch_left_unreleased_is_refused_before_the_next_one():
     with pytest.raises(RuntimeError, match="GradientAccumulationScheduler"):
         fit(strategy, callbacks=[GradientAccumulationScheduler({0: 2})])
     assert strategy.accountant.steps == 0
+
+
+def test_training_data_changed_during_fit_is_refused():
+    """A reloaded DataLoader with another batch size (or dataset) would sample at another rate than the plan's: the
+    accountant would record the planned rate (epsilon 1.34 reported against 2.69 spent in one such run)."""
+
+    class Curriculum(type(make_module(small_config(n_layers=1)))):
+        def train_dataloader(self):
+            return loader(RandomTokens(size=16, seq_len=8), 2 if self.trainer.current_epoch == 0 else 8)
+
+    strategy = LongShieldStrategy(noise_multiplier=1.0)
+    module = Curriculum(small_config(n_layers=1), optimizer="sgd", learning_rate=0.1)
+    trainer = make_trainer(strategy, max_steps=-1, max_epochs=2, reload_dataloaders_every_n_epochs=1)
+    with pytest.raises(ValueError, match="The training DataLoader changed during fit"):
+        trainer.fit(module)
+    assert strategy.privacy_plan.sample_rate == 2 / 16
+    strategy = LongShieldStrategy(noise_multiplier=1.0)  # a new fit may take other data
+    trainer = make_trainer(strategy, max_steps=1)
+    module = make_module(small_config(n_layers=1))
+    trainer.fit(module, loader(RandomTokens(size=16, seq_len=8), 2))
+    trainer.fit_loop.epoch_loop.max_steps = 2
+    trainer.fit(module, loader(RandomTokens(size=16, seq_len=8), 8))
+    assert strategy.accountant.steps == 2 and strategy.privacy_plan.sample_rate == 8 / 16
+
+
+def test_an_iterable_training_dataset_is_refused_with_the_fix():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(RandomTokens(size=8, seq_len=8))
+
+    with pytest.raises(TypeError, match="Use a map-style dataset"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), data=torch.utils.data.DataLoader(Stream(), batch_size=2))
