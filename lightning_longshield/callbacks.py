@@ -28,5 +28,6 @@ class PrivacyMonitor(Callback):
             or trainer.global_step >= trainer.max_steps > 0
             or (trainer.is_last_batch and last_epoch)
         )
-        if trainer.global_step % trainer.log_every_n_steps == 0 or is_last or trainer.global_step == 1:
+        every = trainer.log_every_n_steps  # 0: no periodic logging
+        if (every and trainer.global_step % every == 0) or is_last or trainer.global_step == 1:
             pl_module.log("epsilon", strategy.get_epsilon(), prog_bar=True, rank_zero_only=True)

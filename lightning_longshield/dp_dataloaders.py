@@ -45,7 +45,7 @@ def rebuild_dataloader(
     loader_class: type[DataLoader] = DataLoader,
 ) -> DataLoader:
     """A plain `DataLoader` (or ``loader_class``) over the same dataset and worker settings with a new (batch)
-    sampler."""
+    sampler. The old loader's ``generator`` is not carried: it drew the sampling this replaces."""
     workers = dataloader.num_workers
     kwargs: dict[str, Any] = dict(
         collate_fn=collate_fn or dataloader.collate_fn,
@@ -54,9 +54,13 @@ def rebuild_dataloader(
         timeout=dataloader.timeout,
         worker_init_fn=dataloader.worker_init_fn,
         persistent_workers=dataloader.persistent_workers if workers else False,
+        pin_memory_device=dataloader.pin_memory_device,
     )
     if workers:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
+        kwargs["multiprocessing_context"] = dataloader.multiprocessing_context
+        if hasattr(dataloader, "in_order"):  # torch >= 2.6
+            kwargs["in_order"] = dataloader.in_order
     if batch_sampler is not None:
         return loader_class(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
     return loader_class(

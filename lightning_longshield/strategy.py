@@ -47,7 +47,7 @@ from lightning_longshield.privacy import DPSGDEngine, PrivacyAccountant
 from lightning_longshield.privacy.metric_guard import SampledBatchMetricGuard
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
 from lightning_longshield.privacy.session import PrivacySession
-from lightning_longshield.trainer_checks import check_trainer_for_dp_sgd
+from lightning_longshield.trainer_checks import check_minimums_within_budget, check_trainer_for_dp_sgd
 from simulate.strategy_config import (
     DEFAULT_BUCKET_MB,
     CheckpointPolicy,
@@ -327,6 +327,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         planned_steps = trainer.estimated_stepping_batches - trainer.global_step
         if self.privacy.start_training(trainer.global_step, planned_steps, self.data_parallel_size):
             trainer.should_stop = True
+        if self.privacy.steps_left_in_budget is not None:
+            check_minimums_within_budget(trainer, self.privacy.steps_left_in_budget)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

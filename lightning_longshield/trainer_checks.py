@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import LearningRateFinder
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
 
@@ -10,6 +11,12 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
     """Raise if the trainer or module would clip, accumulate or scale gradients behind the strategy's back."""
     if not module.automatic_optimization:
         raise ValueError("LongShieldStrategy owns backward and the optimizer step; set automatic_optimization=True.")
+    if any(isinstance(callback, LearningRateFinder) for callback in trainer.callbacks):
+        raise ValueError(
+            "The learning-rate finder (Tuner.lr_find, LearningRateFinder) is not supported: it picks the rate from the"
+            " un-noised training losses of its trial steps, which are DP steps over the private data and spend the"
+            " privacy budget. Choose the learning rate on public data, or account for the search."
+        )
     if trainer.gradient_clip_val is not None:
         raise ValueError(
             "gradient_clip_val is set, but DP-SGD clips each sample's gradient itself: remove gradient_clip_val"
@@ -30,4 +37,21 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
             "precision='16-true' (fp16 without loss scaling) is not supported: per-sample gradients overflow fp16's"
             " range to inf, and a sample with a non-finite gradient is dropped from the update (clip factor 0), so"
             " training would silently lose samples. Use precision='bf16-true' or 'bf16-mixed' (or 32)."
+        )
+
+
+def check_minimums_within_budget(trainer: pl.Trainer, steps_left_in_budget: int) -> None:
+    """Refuse ``min_steps`` / ``min_epochs`` beyond the steps the privacy budget allows: Lightning keeps training past
+    the budget's stop until they are met, and the strategy refuses every release beyond it (a crash mid-fit)."""
+    allowed = trainer.global_step + steps_left_in_budget
+    asked = []
+    if trainer.min_steps and trainer.min_steps > allowed:
+        asked.append(f"min_steps={trainer.min_steps}")
+    if trainer.min_epochs and trainer.min_epochs * trainer.num_training_batches > allowed:
+        asked.append(f"min_epochs={trainer.min_epochs} ({trainer.num_training_batches} steps an epoch)")
+    if asked:
+        raise ValueError(
+            f"{' and '.join(asked)} asks for more steps than the privacy budget allows ({allowed} in all): Lightning"
+            " would keep training past the budget's stop, which the strategy refuses. Lower the minimum, or allow a"
+            " larger budget (target_epsilon)."
         )

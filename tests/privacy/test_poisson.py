@@ -146,3 +146,17 @@ def test_a_sampler_that_selects_records_is_refused(sampler):
         poisson_dataloader(loaders[sampler](), SecretKey.from_seed(0), 0, 0, 1)
     for fine in (DataLoader(dataset, batch_size=4), DataLoader(dataset, batch_size=4, shuffle=True)):
         assert len(poisson_dataloader(fine, SecretKey.from_seed(0), 0, 0, 1)) > 0
+
+
+def test_the_poisson_dataloader_keeps_the_worker_settings():
+    """A ``multiprocessing_context`` of "spawn" came back as the default (fork); the sampler's generator is not
+    carried (it drew the sampling the Poisson sampler replaces)."""
+    from lightning_longshield.dp_dataloaders import poisson_dataloader
+
+    original = torch.utils.data.DataLoader(RandomTokens(size=8), batch_size=2, num_workers=1,
+                                           multiprocessing_context="spawn", persistent_workers=True,
+                                           generator=torch.Generator().manual_seed(0))
+    rebuilt = poisson_dataloader(original, SecretKey.from_seed(0), 0, 0, 1)
+    assert rebuilt.multiprocessing_context is original.multiprocessing_context
+    assert (rebuilt.num_workers, rebuilt.persistent_workers, rebuilt.pin_memory_device) == (1, True, "")
+    assert rebuilt.generator is None

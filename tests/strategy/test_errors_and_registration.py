@@ -230,3 +230,24 @@ def test_an_iterable_training_dataset_is_refused_with_the_fix():
 
     with pytest.raises(TypeError, match="Use a map-style dataset"):
         fit(LongShieldStrategy(noise_multiplier=1.0), data=torch.utils.data.DataLoader(Stream(), batch_size=2))
+
+
+def test_the_learning_rate_finder_is_refused():
+    """Its trial steps are DP steps over the private data, and it picks the rate from their un-noised losses."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    strategy = LongShieldStrategy(noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="learning-rate finder"):
+        fit(strategy, callbacks=[LearningRateFinder()])
+    assert strategy.accountant.steps == 0
+
+
+@pytest.mark.parametrize("minimum", [dict(min_steps=50), dict(min_epochs=20)])
+def test_minimums_beyond_the_budget_are_refused_before_any_step(minimum):
+    """Lightning keeps training past the budget's stop until min_steps / min_epochs are met; the release beyond the
+    budget is refused, so the fit crashed mid-way. Refused at the start, with the numbers."""
+    strategy = LongShieldStrategy(noise_multiplier=0.8, target_epsilon=3.0)
+    with pytest.raises(ValueError, match="asks for more steps than the privacy budget allows"):
+        make_trainer(strategy, max_steps=50, **minimum).fit(make_module(small_config(n_layers=1)),
+                                                             loader(RandomTokens(size=16, seq_len=8), 4))
+    assert strategy.accountant.steps == 0
