@@ -141,8 +141,9 @@ def resolve_plan(
             raise ValueError("Calibrating noise to target_epsilon needs a finite plan: set max_steps or max_epochs.")
         if accountant.steps:
             raise ValueError(
-                "Cannot calibrate the noise of a resumed run whose checkpoint has no recorded noise multiplier;"
-                " pass noise_multiplier explicitly."
+                "Cannot calibrate the noise to target_epsilon for a run that has already taken DP steps (a checkpoint"
+                " without a recorded noise multiplier, or another fit with the same strategy): pass noise_multiplier"
+                " explicitly; the accountant keeps the steps taken, and target_epsilon still stops the run."
             )
         noise_multiplier = accountant.calibrate_noise_multiplier(target_epsilon, delta, sample_rate, planned_steps)
     if noise_multiplier == 0:
