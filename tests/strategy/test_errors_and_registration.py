@@ -251,3 +251,14 @@ def test_minimums_beyond_the_budget_are_refused_before_any_step(minimum):
         make_trainer(strategy, max_steps=50, **minimum).fit(make_module(small_config(n_layers=1)),
                                                              loader(RandomTokens(size=16, seq_len=8), 4))
     assert strategy.accountant.steps == 0
+
+
+def test_a_second_fit_calibrating_to_target_epsilon_is_told_to_pass_noise_multiplier():
+    strategy = LongShieldStrategy(target_epsilon=8.0)
+    trainer = make_trainer(strategy, max_steps=1)
+    module = make_module(small_config(n_layers=1))
+    trainer.fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
+    trainer.fit_loop.epoch_loop.max_steps = 2
+    with pytest.raises(ValueError, match="another fit with the same strategy"):
+        trainer.fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
+    assert strategy.accountant.steps == 1
