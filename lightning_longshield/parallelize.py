@@ -77,15 +77,13 @@ def shard_with_fsdp(
     Gradients are reduce-scattered as plain sums (FSDP2 would otherwise average over the group, but a shard's
     per-sample gradient is the *sum* of the ranks' token partials). With ``shard_linear_inputs`` a linear weight
     with more input than output features is sharded along its input dimension (the output-stationary pattern
-    all-to-alls the larger of activation and output gradient, and the shard dimension follows it).
+    all-to-alls the larger of activation and output gradient, and the shard dimension follows it) where the mesh
+    splits that dimension evenly (FSDP2 shards dimension 1 only evenly); elsewhere along its output dimension, which
+    the exchange handles too.
     Returns the shard every trainable parameter has on this rank, by parameter name.
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    input_sharded = set()
-    if shard_linear_inputs:
-        input_sharded = {
-            id(m.weight) for m in module.modules() if type(m) is nn.Linear and m.in_features > m.out_features
-        }
+    input_sharded = {id(w) for w in input_sharded_weights(module, mesh.size())} if shard_linear_inputs else set()
 
     def placement(param: nn.Parameter) -> Shard:
         return Shard(1) if id(param) in input_sharded else Shard(0)
@@ -172,3 +170,11 @@ def materialize_meta_parameters(
         if initialize is not None:
             initialize()
     return True
+
+
+def input_sharded_weights(module: nn.Module, world_size: int) -> list[nn.Parameter]:
+    """The linear weights the output-stationary layout shards along their input features over ``world_size`` ranks:
+    more input than output features, split evenly (FSDP2 shards dimension 1 only evenly; the others shard along their
+    output features, which the exchange handles too)."""
+    return [m.weight for m in module.modules()
+            if type(m) is nn.Linear and m.in_features > m.out_features and m.in_features % world_size == 0]

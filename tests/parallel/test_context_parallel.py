@@ -222,3 +222,16 @@ def test_position_ids_place_rotary_embeddings_and_never_let_a_token_see_later_on
     with torch.no_grad():
         before, after = model(tokens, positions), model(changed, positions)
     torch.testing.assert_close(before[0, :9], after[0, :9], rtol=0, atol=0)
+
+
+def test_output_stationary_shards_input_features_only_where_they_split_evenly():
+    """FSDP2 shards dimension 1 only evenly: a wide layer whose input features do not split over the group (an FFN
+    of 14336 at CP 3) failed at setup; it is sharded along its output features instead (a CP 2 run with an FFN of 51
+    then equals CP 1, within 1.5e-8)."""
+    from lightning_longshield.parallelize import input_sharded_weights
+
+    wide, odd, narrow = nn.Linear(52, 36), nn.Linear(51, 36), nn.Linear(36, 52)
+    model = nn.Sequential(wide, odd, narrow)
+    assert input_sharded_weights(model, 2) == [wide.weight]
+    assert input_sharded_weights(model, 3) == [odd.weight]
+    assert input_sharded_weights(model, 1) == [wide.weight, odd.weight]
