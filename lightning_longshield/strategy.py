@@ -247,6 +247,12 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         its own shard of every sequence (a wrong loss, silently), or hold the meta-device model unmaterialised."""
         module = self.lightning_module
         assert module is not None
+        if stage == TrainerFn.PREDICTING and self.is_context_parallel:
+            raise RuntimeError(
+                f"Trainer.predict with LongShieldStrategy(context_parallel_size={self.context_parallel_mesh.size()})"
+                " would return each process's shard of every sequence's outputs. Predict on one process"
+                " (LongShieldStrategy(context_parallel_size=1) on devices=1, or Lightning's default strategy)."
+            )
         attentions = (getattr(m, "attention_fn", None) for m in module.modules())
         unlaid = any(p.is_meta for p in module.parameters()) or (
             self.is_context_parallel and not any(isinstance(a, ContextParallelAttention) for a in attentions)
@@ -380,6 +386,10 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return super().validation_step(self._shard_sequence(args[0]), *args[1:], **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super().test_step(self._shard_sequence(args[0]), *args[1:], **kwargs)
 
     @override
     def teardown(self) -> None:

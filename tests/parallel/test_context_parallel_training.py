@@ -287,6 +287,9 @@ def test_context_parallel_errors_name_the_fix(tmp_path):
     assert "Trainer.validate with LongShieldStrategy(context_parallel_size=2" in messages["validate"]
     assert "evaluate within fit" in messages["validate"]
     assert math.isfinite(messages["validate_after_fit"])  # fit lays the model out; evaluating it then works
+    # test batches are sharded as validation's (unsharded, each rank took the whole sequence for its shard)
+    assert messages["test_after_fit"] == pytest.approx(messages["validate_after_fit"], rel=1e-6)
+    assert "would return each process's shard" in messages["predict"]
 
 
 @pytest.mark.slow

@@ -211,6 +211,12 @@ def context_parallel_errors(rank: int, world_size: int, out_dir: str) -> None:
                            devices=world_size)
     trainer.fit(module, data)
     messages["validate_after_fit"] = trainer.validate(module, data, verbose=False)[0]["val_loss"]
+    module.test_step = module.validation_step  # the usual test step: the validation step on other data
+    messages["test_after_fit"] = trainer.test(module, data, verbose=False)[0]["val_loss"]
+    try:
+        trainer.predict(module, data)
+    except RuntimeError as error:
+        messages["predict"] = str(error)
     if rank == 0:
         torch.save(messages, Path(out_dir) / "errors.pt")
 
