@@ -50,8 +50,9 @@ from simulate.memory import BOOKKEEPING_BLOCK
 PerSampleMethod = Literal["materialize", "ghost", "mixed"]
 PER_SAMPLE_METHODS: tuple[str, ...] = ("materialize", "ghost", "mixed")
 NormMethod = Literal["ghost", "materialize"]
-# (parameter name, its uses, reduce over the context-parallel group) -> complete estimated squared norms (B,) fp64.
-NormEstimate = Callable[[str, list["Use"], Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
+# (parameter name, its uses, reduce over the context-parallel group) -> complete estimated squared norms (B,) fp64,
+# with the scale of the projections they were sketched with.
+NormEstimate = Callable[[str, list["Use"], Callable[[torch.Tensor], torch.Tensor]], "SketchEstimate"]
 
 #: Elements of one fp64 block (a Gram block, an operand's token chunk, a clipped sum's row block): the fp64 working
 #: set stays a few such blocks whatever the sequence length and layer width. Defined with the planner, which sizes
@@ -277,6 +278,24 @@ def sum_rounding(world: int) -> float:
     return (world + 3) * FP32_EPSILON
 
 
+def sketch_rounding(rows: int, tokens: int, world: int, scale: torch.Tensor) -> torch.Tensor:
+    """``rho``: the norm of an fp64 sketch ``M^T W_i`` of a sample (randomized clipping's estimate), formed from
+    projection columns of Frobenius norm at most ``scale`` over ``tokens`` tokens (the whole sequence, summed from
+    ``world`` ranks' partials), is within ``rho S_i`` of the exact one. Each token's ``left_t M`` (a sum of ``rows``
+    products) is off by at most ``gamma_rows ||left_t|| scale``, and the sum over tokens and ranks adds
+    ``gamma_(tokens + world) ||left_t M|| ||right_t||`` per token; twice that, for the higher-order terms."""
+    return 2 * (rows + tokens + world + 4) * FP64_EPSILON * scale
+
+
+@dataclass
+class SketchEstimate:
+    """Estimated squared norms (fp64, ``(B,)``) and ``scale`` (fp64, 0-dim), a bound on the Frobenius norm of the
+    projections they were sketched with (`sketch_rounding`; 0 for exact norms)."""
+
+    squared: torch.Tensor
+    scale: torch.Tensor
+
+
 @dataclass
 class BookKeptNorms:
     """Per-sample bounds (fp64, ``(B,)``) for the book-kept parameters, complete over the group: ``squared`` is at
@@ -327,6 +346,7 @@ class BookKeeper:
         # Per book-kept parameter: this rank's part of S_i (summed over the group) and its gamma (`norm_rounding`).
         self._token_norm_products: dict[str, torch.Tensor] = {}
         self._norm_roundings: dict[str, float] = {}
+        self._sketch_roundings: dict[str, torch.Tensor] = {}  # estimated parameters' rho (`sketch_rounding`)
 
     @staticmethod
     def handles(layer: nn.Module, trainable: dict[str, str]) -> bool:
@@ -395,7 +415,9 @@ class BookKeeper:
             self._squared_norms = partial if self._squared_norms is None else self._squared_norms + partial
             return
         estimated = self.estimate(name, uses, self._all_reduce)
-        self._estimated = estimated if self._estimated is None else self._estimated + estimated
+        self._estimated = estimated.squared if self._estimated is None else self._estimated + estimated.squared
+        self._sketch_roundings[name] = sketch_rounding(uses[0].rows, uses[0].tokens * self.world, self.world,
+                                                       estimated.scale)
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
@@ -430,9 +452,14 @@ class BookKeeper:
         total, products = products[0], products[1:]
         gammas = products.new_tensor([self._norm_roundings.pop(name) for name in names]).unsqueeze(1)
         squared = total + (gammas * products.square()).sum(0)
-        if estimated is not None:
-            squared = squared + estimated
         rounding = sum_rounding(self.world) * products.square().sum(0).sqrt()
+        if estimated is not None:
+            # An estimate's sketch norm is within rho S_i of the exact-arithmetic one the accountant covers: added to
+            # the norm (sqrt of a sum of squares grows by at most the sum of what its terms' roots grow by).
+            squared = squared + estimated
+            rhos = [self._sketch_roundings.pop(name, None) for name in names]
+            rhos = torch.stack([products.new_zeros(()) if rho is None else rho.to(products) for rho in rhos])
+            rounding = rounding + (rhos.unsqueeze(1) * products).sum(0)
         return BookKeptNorms(squared, rounding)
 
     def held_bytes(self) -> int:

@@ -20,6 +20,14 @@ comes from the caller's ``generator`` (never the global RNG), on the uses' devic
 Context parallelism: every product here that sums over tokens is linear in the tokens, so each rank's partial over
 its token shard sums over the group to the full one; the ``reduce`` argument (an all-reduce over the CP group) is
 applied to each such partial before anything non-linear (norms, QR) is computed from it.
+
+Rounding. The accountant covers clipping by the estimate as exact arithmetic forms it from the drawn projections. A
+sketch sums signed token terms, so, as a Gram-form norm (`bookkeeping`), its rounding scales with
+``S_i = sum_t ||left_t|| ||right_t||``, not with the estimate: in fp32, token gradients that cancel made a sample's
+contribution 1.06 times the accounted bound (Hutch++: 1.09). Sketches, range samples and QR are therefore formed in
+fp64, in bounded token blocks, and each estimate comes with the scale of its projections (`SketchEstimate`), from
+which `sketch_rounding` bounds the error of every sketch's norm; the book-keeper adds that bound to the norm it clips
+with.
 """
 
 from __future__ import annotations
@@ -30,9 +38,9 @@ from typing import Optional, Union
 import torch
 
 from lightning_longshield.privacy.grad_sample.bookkeeping import (
+    SketchEstimate,
     Use,
     cross_squared_norm,
-    exact_fp32_matmul,
     lookup_squared_norm,
 )
 from lightning_longshield.privacy.randomized.envelope import ScaleEnvelope, scale_envelope
@@ -43,9 +51,9 @@ ESTIMATORS = ("exact", "hutchinson", "hutchpp")
 #: The envelope's name of each estimator (``envelope.ESTIMATORS`` spells Hutch++ ``"hutch++"``).
 ENVELOPE_NAMES = {"exact": "exact", "hutchinson": "hutchinson", "hutchpp": "hutch++"}
 
-#: fp32 elements of one token block's converted inputs: inputs in another dtype (bf16) are cast block by block, so
-#: no fp32 copy of a whole ``(B, T, p)`` tensor is made.
-BLOCK_ELEMENTS = 2**21
+#: fp64 elements of one token block's converted inputs (4 MiB): inputs are cast to fp64 block by block, so no fp64
+#: copy of a whole ``(B, T, p)`` tensor is made.
+BLOCK_ELEMENTS = 2**19
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 #: One torch generator, or several whose draws are summed (a CUDA generator holds 126 secret bits).
@@ -109,50 +117,49 @@ def gaussian_projection(
 
 
 def _token_blocks(use: Use) -> Iterator[slice]:
-    """Token ranges whose fp32 copies stay within `BLOCK_ELEMENTS` (one range when nothing needs casting)."""
+    """Token ranges whose fp64 copies stay within `BLOCK_ELEMENTS`."""
     batch, tokens = use.left.shape[:2]
-    width = 0 if use.is_lookup or use.left.dtype == torch.float32 else use.left.shape[-1]
-    width += 0 if use.right.dtype == torch.float32 else use.right.shape[-1]
-    step = tokens if width == 0 else max(1, BLOCK_ELEMENTS // (batch * width))
+    width = (0 if use.is_lookup else use.left.shape[-1]) + use.right.shape[-1]
+    step = max(1, BLOCK_ELEMENTS // max(1, batch * width))
     for start in range(0, tokens, step):
         yield slice(start, start + step)
 
 
 def _left_times(left: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """``left_i M`` (``(B, t, c)`` fp32) for ``M`` ``(p, c)`` shared or ``(B, p, c)`` per sample; token ids pick
-    rows of ``M``."""
+    """``left_i M`` (``(B, t, c)`` fp64) for fp64 ``M`` ``(p, c)`` shared or ``(B, p, c)`` per sample; token ids
+    pick rows of ``M``."""
     if left.is_floating_point():
-        return left.float() @ matrix
+        return left.double() @ matrix
     if matrix.dim() == 2:
         return matrix[left]
     return matrix.gather(1, left[..., None].expand(-1, -1, matrix.shape[-1]))
 
 
 def _sketch(use: Use, matrix: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``M^T W_i = (left_i M)^T right_i`` (``(B, c, d)`` fp32), added into ``out`` when given."""
+    """``M^T W_i = (left_i M)^T right_i`` (``(B, c, d)`` fp64, for fp64 ``M``), added into ``out`` when given."""
     batch, width = use.right.shape[0], use.right.shape[-1]
     if out is None:
-        out = torch.zeros(batch, matrix.shape[-1], width, dtype=torch.float32, device=use.right.device)
+        out = torch.zeros(batch, matrix.shape[-1], width, dtype=torch.float64, device=use.right.device)
     for block in _token_blocks(use):
         projected = _left_times(use.left[:, block], matrix)
-        out.baddbmm_(projected.transpose(1, 2), use.right[:, block].float())
+        out.baddbmm_(projected.transpose(1, 2), use.right[:, block].double())
     return out
 
 
 def _apply(use: Use, matrix: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out += W_i Z_i = left_i^T (right_i Z_i)`` for ``Z`` ``(B, d, c)``: a scatter-add into rows for token ids."""
     for block in _token_blocks(use):
-        mixed = use.right[:, block].float() @ matrix
+        mixed = use.right[:, block].double() @ matrix
         left = use.left[:, block]
         if left.is_floating_point():
-            out.baddbmm_(left.float().transpose(1, 2), mixed)
+            out.baddbmm_(left.double().transpose(1, 2), mixed)
         else:
             out.scatter_add_(1, left[..., None].expand(-1, -1, mixed.shape[-1]), mixed)
     return out
 
 
 def sketch(use: Use, projection: torch.Tensor) -> torch.Tensor:
-    """The per-sample ``(B, k, d)`` fp32 sketch ``P^T W_i = (left_i P)^T right_i`` for ``projection`` ``(p, k)``
+    """The per-sample ``(B, k, d)`` fp64 sketch ``P^T W_i = (left_i P)^T right_i`` for ``projection`` ``(p, k)``
     (``(rows, k)`` for a lookup use, whose ``left_i P`` is ``projection[ids]``).
 
     Memory ``O(B k (T + d))`` besides ``projection``: no ``(B, p, d)`` gradient and no ``(B, T, T)`` Gram. With
@@ -161,8 +168,7 @@ def sketch(use: Use, projection: torch.Tensor) -> torch.Tensor:
     """
     if projection.dim() != 2 or projection.shape[0] != use.rows:
         raise ValueError(f"projection must be ({use.rows}, k) for this use, got {tuple(projection.shape)}.")
-    with exact_fp32_matmul():
-        return _sketch(use, projection.float())
+    return _sketch(use, projection.double())
 
 
 def hutchinson_squared_norms(sketches: torch.Tensor) -> torch.Tensor:
@@ -192,34 +198,44 @@ def hutchpp_squared_norms(
 
     Draws ``S`` (``rows x s``) then ``P`` (``rows x r``, ``N(0, 1/r)``) from ``generator`` (`hutchpp_split`), and per
     sample: ``Y = W (W^T S)``, ``Q = qr(Y)``, head ``||Q^T W||^2``, tail ``||(P - Q (Q^T P))^T W||^2``, all from the
-    factors. ``reduce`` is applied to ``W^T S``, ``Y``, ``Q^T W`` and the tail sketch, the partial sums over tokens:
-    under context parallelism it is the all-reduce over the group, every rank then holds the same complete tensors,
-    and QR (deterministic) of identical inputs gives every rank the same ``Q``.
+    factors, in fp64. ``reduce`` is applied to ``W^T S``, ``Y``, ``Q^T W`` and the tail sketch, the partial sums over
+    tokens: under context parallelism it is the all-reduce over the group, every rank then holds the same complete
+    tensors, and QR (deterministic) of identical inputs gives every rank the same ``Q``.
     """
+    return _hutchpp(uses, generator, projection_dim, reduce).squared
+
+
+def _hutchpp(uses: list[Use], generator: Generators, projection_dim: int, reduce: Reduce) -> SketchEstimate:
     batch, rows, device = _check_uses(uses)
     head_dim, residual_dim = hutchpp_split(projection_dim)
-    head_sketch = gaussian_projection(rows, head_dim, generator, device)
-    residual = gaussian_projection(rows, residual_dim, generator, device)
-    with exact_fp32_matmul():
-        w_t_s = None  # (B, s, d): (W^T S)^T
-        for use in uses:
-            w_t_s = _sketch(use, head_sketch, w_t_s)
-        w_t_s = reduce(w_t_s)
-        range_sample = torch.zeros(batch, rows, head_dim, dtype=torch.float32, device=device)
-        for use in uses:
-            _apply(use, w_t_s.transpose(1, 2), range_sample)
-        basis = torch.linalg.qr(reduce(range_sample)).Q  # (B, rows, s), orthonormal even if Y is rank-deficient
-        del range_sample, w_t_s
-        head = None
-        for use in uses:
-            head = _sketch(use, basis, head)
-        head_norms = hutchinson_squared_norms(reduce(head))
-        del head
-        residual = residual - basis @ (basis.transpose(1, 2) @ residual)  # (B, rows, r): (I - Q Q^T) P
-        tail = None
-        for use in uses:
-            tail = _sketch(use, residual, tail)
-        return head_norms + hutchinson_squared_norms(reduce(tail))
+    head_sketch = gaussian_projection(rows, head_dim, generator, device).double()
+    residual = gaussian_projection(rows, residual_dim, generator, device).double()
+    w_t_s = None  # (B, s, d): (W^T S)^T
+    for use in uses:
+        w_t_s = _sketch(use, head_sketch, w_t_s)
+    w_t_s = reduce(w_t_s)
+    range_sample = torch.zeros(batch, rows, head_dim, dtype=torch.float64, device=device)
+    for use in uses:
+        _apply(use, w_t_s.transpose(1, 2), range_sample)
+    basis = torch.linalg.qr(reduce(range_sample)).Q  # (B, rows, s), orthonormal even if Y is rank-deficient
+    del range_sample, w_t_s
+    head = None
+    for use in uses:
+        head = _sketch(use, basis, head)
+    head_norms = hutchinson_squared_norms(reduce(head))
+    del head
+    residual = residual - basis @ (basis.transpose(1, 2) @ residual)  # (B, rows, r): (I - Q Q^T) P
+    tail = None
+    for use in uses:
+        tail = _sketch(use, residual, tail)
+    scale = _frobenius(basis) + _frobenius(residual)
+    return SketchEstimate(head_norms + hutchinson_squared_norms(reduce(tail)), scale)
+
+
+def _frobenius(matrices: torch.Tensor) -> torch.Tensor:
+    """The largest Frobenius norm of the ``(..., rows, c)`` matrices (fp64, 0-dim), rounded up generously (a scale for
+    a bound; a tensor, so that no value is read on the host)."""
+    return matrices.flatten(-2).norm(dim=-1).max() * (1 + 2**-20)
 
 
 def estimate_squared_norms(
@@ -232,22 +248,29 @@ def estimate_squared_norms(
     draws); it needs every token of each sequence, so it refuses a ``reduce`` (gather the uses instead, as
     `BookKeeper` does).
     """
+    return _estimate(estimator, uses, generator, projection_dim, reduce).squared
+
+
+def _estimate(
+    estimator: str, uses: list[Use], generator: Generators, projection_dim: int, reduce: Reduce,
+) -> SketchEstimate:
     check_estimator(estimator, projection_dim)
     _, rows, device = _check_uses(uses)
     if estimator == "exact":
         if reduce is not _identity:
             raise ValueError("estimator='exact' needs whole sequences: pass gathered uses (Use.gathered), no reduce.")
         if len(uses) == 1 and uses[0].is_lookup:
-            return lookup_squared_norm(uses[0])
-        return sum(cross_squared_norm(a, b) for a in uses for b in uses)
+            squared = lookup_squared_norm(uses[0])
+        else:
+            squared = sum(cross_squared_norm(a, b) for a in uses for b in uses)
+        return SketchEstimate(squared, torch.zeros((), dtype=torch.float64, device=device))
     if estimator == "hutchpp":
-        return hutchpp_squared_norms(uses, generator, projection_dim, reduce)
-    projection = gaussian_projection(rows, projection_dim, generator, device)
-    with exact_fp32_matmul():
-        sketches = None
-        for use in uses:
-            sketches = _sketch(use, projection, sketches)
-    return hutchinson_squared_norms(reduce(sketches))
+        return _hutchpp(uses, generator, projection_dim, reduce)
+    projection = gaussian_projection(rows, projection_dim, generator, device).double()
+    sketches = None
+    for use in uses:
+        sketches = _sketch(use, projection, sketches)
+    return SketchEstimate(hutchinson_squared_norms(reduce(sketches)), _frobenius(projection))
 
 
 class RandomizedNorms:
@@ -270,8 +293,8 @@ class RandomizedNorms:
         """Key the projections of DP step ``step``."""
         self._key, self._step = key, step
 
-    def __call__(self, name: str, uses: list[Use], reduce: Reduce) -> torch.Tensor:
+    def __call__(self, name: str, uses: list[Use], reduce: Reduce) -> SketchEstimate:
         if self._key is None:
             raise RuntimeError("RandomizedNorms.start_step must key the projections before a backward.")
         generators = self._key.generators(uses[0].right.device, "projection", self._step, name)
-        return estimate_squared_norms(self.estimator, uses, generators, self.projection_dim, reduce)
+        return _estimate(self.estimator, uses, generators, self.projection_dim, reduce)
