@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 from lightning_longshield.privacy.poisson import CollateAllowingEmpty, PoissonBatchSampler
 from lightning_longshield.privacy.randomness import SecretKey
@@ -134,3 +142,16 @@ def training_dataloader(
     if sampling is None:
         return data_parallel_dataloader(dataloader, data_parallel_rank, data_parallel_size)
     return poisson_dataloader(dataloader, sampling, first_draw, data_parallel_rank, data_parallel_size)
+
+
+def training_set_size(dataloader: DataLoader) -> int:
+    """The training dataset's size, which Poisson sampling needs: an `IterableDataset` or a dataset without a length
+    is refused with the fix."""
+    dataset = dataloader.dataset
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise TypeError(
+            f"The training dataset ({type(dataset).__name__}) has no length: Poisson sampling draws every record"
+            " independently by its index, and the sampling rate is the batch size over the dataset's size. Use a"
+            " map-style dataset (with __getitem__ and __len__), not an IterableDataset."
+        )
+    return len(dataset)  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_longshield import preflight as _preflight
@@ -29,14 +29,14 @@ from lightning_longshield.checkpoints import StrategyCheckpoints
 from lightning_longshield.context_parallel import (
     CONTEXT_PARALLEL,
     DATA_PARALLEL,
-    ContextParallelAttention,
     build_all_ranks_mesh,
     build_device_mesh,
     resolve_parallel_sizes,
     shard_batch,
 )
+from lightning_longshield.context_parallel.evaluation import check_evaluation_layout
 from lightning_longshield.cpu_allocator import retain_freed_memory
-from lightning_longshield.dp_dataloaders import data_parallel_dataloader, training_dataloader
+from lightning_longshield.dp_dataloaders import data_parallel_dataloader, training_dataloader, training_set_size
 from lightning_longshield.dp_step_loop import DPStepLoop
 from lightning_longshield.durable_checkpoints import DurableCheckpointIO
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
@@ -227,7 +227,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if not fitting:
-            self._check_laid_out_for(trainer.state.fn)
+            check_evaluation_layout(self.lightning_module, trainer.state.fn, self.context_parallel_mesh.size(),
+                                    self.config.shard_over)
         if fitting:
             if self.root_device.type == "cpu":
                 retain_freed_memory()  # per-sample gradients reuse the last micro-batch's pages
@@ -241,30 +242,6 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
             self.setup_optimizers(trainer)
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
-
-    def _check_laid_out_for(self, stage: TrainerFn) -> None:
-        """Refuse to evaluate a model that `fit` has not laid out for this strategy: each rank would attend only within
-        its own shard of every sequence (a wrong loss, silently), or hold the meta-device model unmaterialised."""
-        module = self.lightning_module
-        assert module is not None
-        if stage == TrainerFn.PREDICTING and self.is_context_parallel:
-            raise RuntimeError(
-                f"Trainer.predict with LongShieldStrategy(context_parallel_size={self.context_parallel_mesh.size()})"
-                " would return each process's shard of every sequence's outputs. Predict on one process"
-                " (LongShieldStrategy(context_parallel_size=1) on devices=1, or Lightning's default strategy)."
-            )
-        attentions = (getattr(m, "attention_fn", None) for m in module.modules())
-        unlaid = any(p.is_meta for p in module.parameters()) or (
-            self.is_context_parallel and not any(isinstance(a, ContextParallelAttention) for a in attentions)
-        )
-        if unlaid:
-            size = self.context_parallel_mesh.size()
-            raise RuntimeError(
-                f"Trainer.{stage.value} with LongShieldStrategy(context_parallel_size={size},"
-                f" shard_over={self.config.shard_over!r}) needs the model laid out across the processes, which fit"
-                " does: evaluate within fit (validation runs there), with the Trainer after its fit, or on one process"
-                " (LongShieldStrategy(context_parallel_size=1) on devices=1, or Lightning's default strategy)."
-            )
 
     def _build_engine(self) -> DPSGDEngine:
         """Parallelise the model and wire the exchange of its layout into a fresh DP engine."""
@@ -307,13 +284,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         rank, size = self.data_parallel_rank, self.data_parallel_size
         if not self.lightning_module.trainer.training:
             return data_parallel_dataloader(dataloader, rank, size)
-        if isinstance(dataloader.dataset, IterableDataset) or not hasattr(dataloader.dataset, "__len__"):
-            raise TypeError(
-                f"The training dataset ({type(dataloader.dataset).__name__}) has no length: Poisson sampling draws"
-                " every record independently by its index, and the sampling rate is the batch size over the"
-                " dataset's size. Use a map-style dataset (with __getitem__ and __len__), not an IterableDataset."
-            )
-        self.privacy.record_training_data(len(dataloader.dataset), dataloader.batch_size)  # type: ignore[arg-type]
+        self.privacy.record_training_data(training_set_size(dataloader), dataloader.batch_size)
         self._padding.use_data(dataloader.dataset, dataloader.collate_fn)
         if self.preflight:
             _preflight.run_preflight(
