@@ -59,6 +59,11 @@ class GaussianNoise:
         self._draws = 0  # draws in this step: the nonce of the next CPU keystream, the fused kernel's draw index
 
     @property
+    def device(self) -> torch.device:
+        """The device the draws are made on."""
+        return self._device
+
+    @property
     def keystream(self) -> bool:
         """Whether the default draws are AES-256-CTR keystreams (on CPU), not Philox generators or the fused kernel
         (which Triton's interpreter runs on CPU, in tests)."""

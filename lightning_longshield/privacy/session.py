@@ -353,8 +353,10 @@ class PrivacySession:
                      " secure_mode=True for a cryptographic stream)")
         projections = ""
         if self.randomized:
-            projections = (f"; norm projections: MT19937 generators keyed by {key} through SHAKE-256 (all 624 state"
-                           " words secret; not a cryptographic stream)")
+            on_cpu = self.noise is None or self.noise.device.type == "cpu"
+            state = "MT19937 generators (all 624 state words" if on_cpu else "Philox generators (seed and offset"
+            projections = (f"; norm projections: {state} keyed by {key} through SHAKE-256; not a cryptographic"
+                           " stream)")
         return f"Randomness: {sampling}; {noise}{projections}."
 
     # ------------------------------------------------------------------ checkpoints

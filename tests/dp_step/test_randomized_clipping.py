@@ -147,7 +147,8 @@ def test_projections_are_fresh_secret_and_never_stored():
     assert "key" not in repr(state) and set(state) == {"plan", "accountant", "run_id", "ledger", "ledger_since",
                                                     "rolled_back_steps"}
     assert state["accountant"]["estimator"] == "hutchinson"
-    assert "norm projections: MT19937 generators keyed by noise_seed" in strategy.privacy.describe_randomness()
+    described = strategy.privacy.describe_randomness()
+    assert "norm projections: MT19937 generators (all 624 state words keyed by noise_seed" in described
     again = copy.deepcopy(make_module(small_config(n_layers=1)))
     with pytest.warns(UserWarning, match="noise_seed"):
         fit(again, steps=1, noise_multiplier=1.0, norms=ProjectedNorms("hutchinson", projection_dim=4))
