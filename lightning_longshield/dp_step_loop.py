@@ -50,15 +50,17 @@ class DPStepLoop:
         accumulating = self.lightning_module.trainer.accumulate_grad_batches != 1
         if not (self._release_pending or accumulating):
             return
-        raise RuntimeError(
-            "The previous logical batch ran through training_step without an optimizer step, so its clipped"
-            " gradients were never released: they would be added to this batch's and released as one DP step."
-            + (" accumulate_grad_batches was changed during fit (e.g. by GradientAccumulationScheduler); it must"
-               " stay 1." if accumulating else " An optimizer_step override must call optimizer.step(closure=...)"
-               " on every batch, not optimizer_closure() alone.")
-            + " One optimizer step is one DP step over one logical batch: set the logical batch with the DataLoader's"
-            " batch_size and the memory with micro_batch_size."
-        )
+        if accumulating:
+            why = ("accumulate_grad_batches was changed during fit (e.g. by GradientAccumulationScheduler): Lightning"
+                   " would run several logical batches before one optimizer step, and their clipped gradients would be"
+                   " released as one DP step. It must stay 1.")
+        else:
+            why = ("The previous logical batch ran through training_step without an optimizer step, so its clipped"
+                   " gradients were never released: they would be added to this batch's and released as one DP step."
+                   " An optimizer_step override must call optimizer.step(closure=...) on every batch, not"
+                   " optimizer_closure() alone.")
+        raise RuntimeError(why + " One optimizer step is one DP step over one logical batch: set the logical batch with"
+                           " the DataLoader's batch_size and the memory with micro_batch_size.")
 
     def _microbatch_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         size = batch_size_of(microbatch)

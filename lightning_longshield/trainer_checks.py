@@ -42,13 +42,16 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
 
 def check_minimums_within_budget(trainer: pl.Trainer, steps_left_in_budget: int) -> None:
     """Refuse ``min_steps`` / ``min_epochs`` beyond the steps the privacy budget allows: Lightning keeps training past
-    the budget's stop until they are met, and the strategy refuses every release beyond it (a crash mid-fit)."""
+    the budget's stop until they are met (or ``max_steps`` is reached), and the strategy refuses every release beyond
+    it (a crash mid-fit). Lightning sets ``min_epochs=1`` itself when only ``min_steps`` is given."""
     allowed = trainer.global_step + steps_left_in_budget
+    ceiling = trainer.max_steps if trainer.max_steps > 0 else float("inf")  # max_steps ends a fit before the minimums
     asked = []
-    if trainer.min_steps and trainer.min_steps > allowed:
+    if trainer.min_steps and min(trainer.min_steps, ceiling) > allowed:
         asked.append(f"min_steps={trainer.min_steps}")
-    if trainer.min_epochs and trainer.min_epochs * trainer.num_training_batches > allowed:
-        asked.append(f"min_epochs={trainer.min_epochs} ({trainer.num_training_batches} steps an epoch)")
+    if trainer.min_epochs and min(trainer.min_epochs * trainer.num_training_batches, ceiling) > allowed:
+        asked.append(f"min_epochs={trainer.min_epochs} ({trainer.num_training_batches} steps an epoch"
+                     f"{'; Lightning sets it to 1 when min_steps is given' if trainer.min_steps else ''})")
     if asked:
         raise ValueError(
             f"{' and '.join(asked)} asks for more steps than the privacy budget allows ({allowed} in all): Lightning"

@@ -395,7 +395,7 @@ def test_a_clipped_contribution_stays_within_the_accounted_bound_when_tokens_can
     """The accountant covers clipping by the estimate as exact arithmetic forms it, a contribution of at most
     ``C Z``, ``Z = ||g|| / ||P^T g||`` (Hutch++: at most ``C`` for a rank-1 gradient, which its head spans). Token
     gradients that cancel (``+u``, 254 tiny ones, ``-u``) put fp32 sketches 6% (Hutch++: 9%) above that; fp64 sketches
-    and the allowance ``rho S_i`` keep every step within it."""
+    keep every step within it (the allowance ``rho S_i``, checked below, bounds what fp64 rounding can still add)."""
     from torch import nn
 
     from lightning_longshield.privacy.clipping import clip_factors
@@ -430,3 +430,29 @@ def test_a_clipped_contribution_stays_within_the_accounted_bound_when_tokens_can
             bound = 1.0
         worst = max(worst, contribution / bound)
     assert worst <= 1.0, worst
+
+
+def test_the_rounding_allowance_counts_every_use_of_a_weight():
+    """``rho S_i`` (`sketch_rounding`) covers every token a sketch sums over: both uses of a weight (a tied head, or
+    one use per loss chunk), not the first use's alone."""
+    from torch import nn
+
+    from lightning_longshield.privacy.grad_sample.bookkeeping import BookKeeper, sketch_rounding, sum_rounding
+    from lightning_longshield.privacy.randomized.estimator import RandomizedNorms
+    from lightning_longshield.privacy.randomness import SecretKey
+
+    torch.manual_seed(2)
+    layer, key, k = nn.Linear(6, 5, bias=False), SecretKey.from_seed(1), 4
+    norms = RandomizedNorms("hutchinson", k)
+    norms.start_step(key, 0)
+    keeper = BookKeeper("ghost", {"w"}, estimate=norms)
+    parts = [(torch.randn(3, 7, 6), torch.randn(3, 7, 5)), (torch.randn(3, 2, 6), torch.randn(3, 2, 5))]
+    for activation, grad_output in parts:
+        keeper.receive(layer, activation, grad_output, lambda module, param: "w")
+    bounds = keeper.squared_norms(3, torch.device("cpu"))
+    products = sum((g.norm(dim=-1) * a.norm(dim=-1)).double().sum(1) for a, g in parts)
+    projection = gaussian_projection(5, k, key.generators(torch.device("cpu"), "projection", 0, "w")).double()
+    rho = sketch_rounding(5, 7 + 2, 1, projection.norm() * (1 + 2**-20))
+    expected = sum_rounding(1) * products + rho * products
+    torch.testing.assert_close(bounds.rounding, expected, rtol=1e-5, atol=0.0)  # S_i is an upper bound
+    assert rho > sketch_rounding(5, 7, 1, projection.norm())  # more than the first use's tokens would give

@@ -23,6 +23,7 @@ from tests.support.cp_training_workers import (
     SHARDED_OVER_ALL,
     STEPS,
     UNEVEN_BATCH,
+    UNEVEN_FFN,
     UNEVEN_RUNS,
     context_parallel_errors,
     fit,
@@ -189,6 +190,14 @@ def test_uneven_micro_batches_bucketing_and_per_layer_clipping_match_reference(t
                                            msg=lambda m, r=run, n=name, s=step: f"{r} step {s + 1} {n}: {m}")
         exact = references.get((tied, None)) or reference_states(tied, UNEVEN_BATCH, None)
         assert any(not torch.allclose(states[-1][n], exact[-1][n], rtol=1e-3, atol=1e-5) for n in exact[-1]), run
+    # An FFN of 51 does not split over CP 2: output-stationary shards w2 along its output features (FSDP2 refused the
+    # input features at setup), and the run equals CP 1.
+    kwargs, model_config = UNEVEN_FFN
+    _, single = fit(1, dict(context_parallel_size=1, micro_batch_size=2, **kwargs), tie_embeddings=False,
+                    max_grad_norm=CLIP, logical_batch=UNEVEN_BATCH, model_config=model_config)
+    for got, want in zip(torch.load(tmp_path / "uneven_ffn.pt", weights_only=False), single):
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.slow

@@ -253,6 +253,15 @@ def test_minimums_beyond_the_budget_are_refused_before_any_step(minimum):
     assert strategy.accountant.steps == 0
 
 
+def test_minimums_within_max_steps_and_the_budget_train():
+    """``max_steps`` ends a fit before the minimums (Lightning sets ``min_epochs=1`` with ``min_steps``): a minimum
+    the budget covers up to ``max_steps`` is not refused, even where an epoch is longer than the run."""
+    strategy = LongShieldStrategy(target_epsilon=8.0)
+    make_trainer(strategy, max_steps=3, min_steps=2).fit(make_module(small_config(n_layers=1)),
+                                                         loader(RandomTokens(size=64, seq_len=8), 4))
+    assert strategy.accountant.steps == 3
+
+
 def test_a_second_fit_calibrating_to_target_epsilon_is_told_to_pass_noise_multiplier():
     strategy = LongShieldStrategy(target_epsilon=8.0)
     trainer = make_trainer(strategy, max_steps=1)

@@ -38,12 +38,13 @@ class FullStateAfterEachStep(Callback):
 
 
 def fit(world_size: int, strategy_kwargs: dict[str, Any], tie_embeddings: bool, max_grad_norm: float,
-        logical_batch: int = LOGICAL_BATCH, lora: bool = False, module_kwargs: dict[str, Any] | None = None):
+        logical_batch: int = LOGICAL_BATCH, lora: bool = False, module_kwargs: dict[str, Any] | None = None,
+        model_config: dict[str, Any] | None = None):
     strategy = LongShieldStrategy(
         noise_multiplier=0.0, max_grad_norm=max_grad_norm, poisson_sampling=False, seed=0, **strategy_kwargs
     )
     recorder = FullStateAfterEachStep()
-    config = small_config(tie_embeddings=tie_embeddings)
+    config = small_config(tie_embeddings=tie_embeddings, **(model_config or {}))
     module = make_lora_module(config) if lora else make_module(config, **(module_kwargs or {}))
     data_parallel = world_size // strategy_kwargs["context_parallel_size"]
     trainer = make_trainer(strategy, max_steps=STEPS, devices=world_size, callbacks=[recorder])
@@ -85,6 +86,8 @@ RANDOMIZED_RUNS = {  # randomized clipping (fixed noise_seed: the same projectio
     "v1_hutchpp_checkpointed": (dict(norms=ProjectedNorms("hutchpp", projection_dim=9), noise_seed=4,
                                      exchange="all_reduce", activation_checkpointing=True), False),
 }
+#: Output-stationary V2 with an FFN whose width does not split over CP 2: w2 is sharded along its output features.
+UNEVEN_FFN = dict(exchange="output_stationary"), dict(ffn_dim=51)
 
 
 def uneven_micro_batches(rank: int, world_size: int, out_dir: str) -> None:
@@ -97,6 +100,11 @@ def uneven_micro_batches(rank: int, world_size: int, out_dir: str) -> None:
                                    logical_batch=UNEVEN_BATCH)
         if rank == 0:
             torch.save(results, Path(out_dir) / file)
+    kwargs, model_config = UNEVEN_FFN
+    _, states = fit(world_size, dict(context_parallel_size=world_size, micro_batch_size=2, **kwargs),
+                    tie_embeddings=False, max_grad_norm=0.05, logical_batch=UNEVEN_BATCH, model_config=model_config)
+    if rank == 0:
+        torch.save(states, Path(out_dir) / "uneven_ffn.pt")
 
 
 LORA_RUNS = {  # LoRA adapters (FSDP2 with frozen base weights) through each exchange

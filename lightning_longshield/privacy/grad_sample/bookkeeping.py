@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -208,17 +207,6 @@ def deduplicated_rows(
         yield table_rows, rows, samples
 
 
-@contextmanager
-def exact_fp32_matmul() -> Iterator[None]:
-    """fp32 matmuls without TF32 on CUDA: a clipped contribution must not be rounded above its bound."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
-
-
 def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``(B, Ta, Tb)`` fp64 inner products of rows of ``a`` and ``b``; token ids stand for one-hot rows."""
     a_ids, b_ids = not a.is_floating_point(), not b.is_floating_point()
@@ -279,11 +267,12 @@ def sum_rounding(world: int) -> float:
 
 
 def sketch_rounding(rows: int, tokens: int, world: int, scale: torch.Tensor) -> torch.Tensor:
-    """``rho``: the norm of an fp64 sketch ``M^T W_i`` of a sample (randomized clipping's estimate), formed from
-    projection columns of Frobenius norm at most ``scale`` over ``tokens`` tokens (the whole sequence, summed from
-    ``world`` ranks' partials), is within ``rho S_i`` of the exact one. Each token's ``left_t M`` (a sum of ``rows``
-    products) is off by at most ``gamma_rows ||left_t|| scale``, and the sum over tokens and ranks adds
-    ``gamma_(tokens + world) ||left_t M|| ||right_t||`` per token; twice that, for the higher-order terms."""
+    """``rho``: the norm of an fp64 sketch ``M^T W_i`` of a sample (randomized clipping's estimate), formed from a
+    projection ``M`` of Frobenius norm at most ``scale`` over ``tokens`` tokens (of every use, over the whole sequence,
+    summed from ``world`` ranks' partials), is within ``rho S_i`` of the exact one. Each token's ``left_t M`` (a sum
+    of ``rows`` products) is off by at most ``gamma_rows ||left_t|| scale``, and the sum over tokens and ranks adds
+    ``gamma_(tokens + world) ||left_t M|| ||right_t||`` per token; twice that, for the higher-order terms. The
+    estimator adds to ``scale`` what it needs for roundings of ``M`` itself (Hutch++'s residual projection)."""
     return 2 * (rows + tokens + world + 4) * FP64_EPSILON * scale
 
 
@@ -416,8 +405,8 @@ class BookKeeper:
             return
         estimated = self.estimate(name, uses, self._all_reduce)
         self._estimated = estimated.squared if self._estimated is None else self._estimated + estimated.squared
-        self._sketch_roundings[name] = sketch_rounding(uses[0].rows, uses[0].tokens * self.world, self.world,
-                                                       estimated.scale)
+        tokens = sum(use.tokens for use in uses) * self.world  # the sketch sums over every use's tokens
+        self._sketch_roundings[name] = sketch_rounding(uses[0].rows, tokens, self.world, estimated.scale)
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         if self.group is not None:

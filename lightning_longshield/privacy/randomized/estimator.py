@@ -224,11 +224,17 @@ def _hutchpp(uses: list[Use], generator: Generators, projection_dim: int, reduce
         head = _sketch(use, basis, head)
     head_norms = hutchinson_squared_norms(reduce(head))
     del head
+    drawn_scale = _frobenius(residual)
     residual = residual - basis @ (basis.transpose(1, 2) @ residual)  # (B, rows, r): (I - Q Q^T) P
     tail = None
     for use in uses:
         tail = _sketch(use, residual, tail)
-    scale = _frobenius(basis) + _frobenius(residual)
+    # The head's and the tail's sketches, and the rounding of (I - Q Q^T) P itself: within gamma_(rows + s + 1)
+    # (1 + ||Q||_F^2) ||P||_F, which moves the tail's norm by at most that times ||W_i||_2 <= S_i (`sketch_rounding`'s
+    # factor covers gamma_(rows + s + 1) for s <= rows). Q's own departure from orthonormality (about rows s 2^-53)
+    # changes head + tail relative to ||W_i||^2, not to S_i: a relative error, which the clipping margin absorbs.
+    basis_scale = _frobenius(basis)
+    scale = basis_scale + _frobenius(residual) + (1 + basis_scale.square()) * drawn_scale
     return SketchEstimate(head_norms + hutchinson_squared_norms(reduce(tail)), scale)
 
 
