@@ -44,10 +44,8 @@ class Alternative:
     memory: MemoryBreakdown
     gpus: Optional[int] = None  # ``None``: the GPUs the run already has
 
-    def describe(self, show_memory: bool = True) -> str:
+    def describe(self) -> str:
         where = "" if self.gpus is None else f" on {self.gpus} GPUs (Trainer devices x num_nodes)"
-        if not show_memory:  # computed from a sequence length read from the private data
-            return f"LongShieldStrategy({', '.join(self.arguments)}){where}"
         return (
             f"LongShieldStrategy({', '.join(self.arguments)}){where}: predicted peak"
             f" {self.memory.reserved / GIB:.1f} GiB per GPU"
@@ -100,19 +98,22 @@ class PreflightResult:
     def check(self) -> PreflightResult:
         """This result, or :class:`PreflightMemoryError` (with the best fitting alternative) if it does not fit."""
         if not self.fits:
-            raise PreflightMemoryError(self.failure_message(find_alternative(self.strategy, self.config,
-                                                                              self.world_size)))
+            # With a private length no alternative is searched: which one fits is computed from that length too.
+            alternative = None if self.private_length else find_alternative(self.strategy, self.config, self.world_size)
+            raise PreflightMemoryError(self.failure_message(alternative))
         return self
 
     def failure_message(self, alternative: Optional[Alternative]) -> str:
         """Why the run stops and what fits instead."""
         capacity = f"{self.memory.capacity / GIB:.1f} GiB capacity of the {self.config.gpu.name}"
-        fix = (
-            f"Fits instead: {alternative.describe(show_memory=not self.private_length)}."
-            if alternative is not None
-            else "Nothing the planner tried fits (activation checkpointing, smaller micro-batches, context-parallel"
-            f" groups of up to {MAX_CP_SIZE} GPUs): shorten the sequences or use GPUs with more memory."
-        )
+        if self.private_length:
+            fix = ("No alternative is searched: it would be computed from the private length too. Give the dataset a"
+                   " `seq_len` attribute, or plan the run with `longshield-plan`.")
+        elif alternative is not None:
+            fix = f"Fits instead: {alternative.describe()}."
+        else:
+            fix = ("Nothing the planner tried fits (activation checkpointing, smaller micro-batches, context-parallel"
+                   f" groups of up to {MAX_CP_SIZE} GPUs): shorten the sequences or use GPUs with more memory.")
         if self.private_length:
             head = [f"LongShield pre-flight: the run does not fit in GPU memory: the predicted peak exceeds the"
                     f" {capacity}, for {self.describe_run()}.", PRIVATE_LENGTH_NOTE]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import LearningRateFinder
+from lightning.pytorch.callbacks import LearningRateFinder, ThroughputMonitor
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
 
 def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, precision_plugin: Precision) -> None:
@@ -16,6 +18,12 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
             "The learning-rate finder (Tuner.lr_find, LearningRateFinder) is not supported: it picks the rate from the"
             " un-noised training losses of its trial steps, which are DP steps over the private data and spend the"
             " privacy budget. Choose the learning rate on public data, or account for the search."
+        )
+    if any(isinstance(callback, ThroughputMonitor) for callback in trainer.callbacks):
+        rank_zero_warn(
+            "ThroughputMonitor logs the samples of every training batch (its batch_size_fn) and their rate without"
+            " noise: under Poisson sampling a batch's size is a value of the private data, so these metrics are"
+            " released outside the privacy guarantee. Remove the callback, or keep its logs private."
         )
     if trainer.gradient_clip_val is not None:
         raise ValueError(

@@ -206,6 +206,8 @@ def test_a_length_read_from_the_data_is_planned_with_but_never_shown(monkeypatch
         preflight.run_preflight(**arguments)
     assert "1234" not in str(error.value) and "per GPU" not in str(error.value)
     assert "does not fit" in str(error.value) and "capacity of the NVIDIA H100 80GB HBM3" in str(error.value)
+    # which alternative fits is computed from the length too (context-parallel sizes that divide it, ...)
+    assert "Fits instead" not in str(error.value) and "No alternative is searched" in str(error.value)
 
 
 def test_randomized_clipping_is_planned_with_a_note(monkeypatch):

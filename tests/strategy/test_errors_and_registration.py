@@ -271,3 +271,13 @@ def test_a_second_fit_calibrating_to_target_epsilon_is_told_to_pass_noise_multip
     with pytest.raises(ValueError, match="another fit with the same strategy"):
         trainer.fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
     assert strategy.accountant.steps == 1
+
+
+def test_the_throughput_monitor_is_warned_about():
+    """It logs the running count of sampled samples (e.g. 18, 35, 59, 75) through the logger connector, which the
+    metric guard does not see."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch["input_ids"].shape[0])
+    with pytest.warns(UserWarning, match="ThroughputMonitor logs the samples of every training batch"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), callbacks=[monitor])
