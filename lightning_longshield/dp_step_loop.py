@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 
 from lightning_longshield.batching import batch_size_of, split_into_microbatches
 from lightning_longshield.padding import logging_discarded
+from lightning_longshield.privacy.metric_guard import scalar_logging_only
 from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
 
@@ -65,7 +66,8 @@ class DPStepLoop:
     def _microbatch_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         size = batch_size_of(microbatch)
         self.dp_engine.prepare_microbatch(size)
-        output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
+        with scalar_logging_only(self.lightning_module):
+            output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):
             # Skipping a sampled micro-batch would be a decision on private data that the accounting does not see.

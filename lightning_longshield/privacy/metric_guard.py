@@ -3,7 +3,12 @@ not cover."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
 
 from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
@@ -31,3 +36,27 @@ class SampledBatchMetricGuard:
                 " protects only the noisy parameters (and what is computed from them alone). Log metrics on held-out"
                 " data (validation) instead, unless releasing them is acceptable."
             )
+
+
+@contextmanager
+def scalar_logging_only(module: nn.Module) -> Generator[None, None, None]:
+    """Inside, ``module.log`` (and so ``log_dict``) refuses a tensor of several values before Lightning's own error,
+    which would print them: in ``training_step`` they are values of the sampled records (a per-sample loss vector)."""
+    saved = module.__dict__.get("log")
+    original = module.log
+
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(
+                f"self.log({name!r}, ...) in training_step got a tensor of more than one value: log a scalar (for"
+                " per-sample losses, their mean). Its values are not quoted: they are the sampled records'."
+            )
+        original(name, value, *args, **kwargs)
+
+    module.__dict__["log"] = log
+    try:
+        yield
+    finally:
+        del module.__dict__["log"]
+        if saved is not None:
+            module.__dict__["log"] = saved

@@ -196,3 +196,21 @@ def test_gradient_hooks_on_trainable_parameters_are_refused(register):
     getattr(model[1].weight, register)(lambda grad: None)
     with pytest.raises(RuntimeError, match=r"\['1.weight'\]"):
         capture.check_trainable_unchanged()
+
+
+def test_logging_a_per_sample_vector_is_refused_without_its_values():
+    """Lightning's own error for a non-scalar ``self.log`` prints the tensor: in ``training_step`` the sampled
+    records' losses. The strategy's refusal quotes none of them."""
+
+    class LogsVector(PerSampleLosses):
+        def training_step(self, batch, batch_idx):
+            losses = super().training_step(batch, batch_idx)
+            self.log("per_sample", losses.detach())
+            return losses
+
+    with pytest.raises(ValueError, match="got a tensor of more than one value") as error:
+        make_trainer(_strategy(), max_steps=1).fit(LogsVector(small_config(n_layers=1)), loader(DATA, 4))
+    assert not any(character.isdigit() for character in str(error.value))
+    module = make_module(small_config(n_layers=1))
+    make_trainer(_strategy(), max_steps=1).fit(module, loader(DATA, 4))
+    assert "log" not in module.__dict__  # the method is the class's again
