@@ -107,19 +107,16 @@ class PreflightResult:
         """Why the run stops and what fits instead."""
         capacity = f"{self.memory.capacity / GIB:.1f} GiB capacity of the {self.config.gpu.name}"
         if self.private_length:
-            fix = ("No alternative is searched: it would be computed from the private length too. Give the dataset a"
-                   " `seq_len` attribute, or plan the run with `longshield-plan`.")
-        elif alternative is not None:
-            fix = f"Fits instead: {alternative.describe()}."
-        else:
-            fix = ("Nothing the planner tried fits (activation checkpointing, smaller micro-batches, context-parallel"
-                   f" groups of up to {MAX_CP_SIZE} GPUs): shorten the sequences or use GPUs with more memory.")
-        if self.private_length:
             head = [f"LongShield pre-flight: the run does not fit in GPU memory: the predicted peak exceeds the"
                     f" {capacity}, for {self.describe_run()}.", PRIVATE_LENGTH_NOTE]
+            fix = ("No alternative is searched: it would be computed from the private length too. Give the dataset a"
+                   " `seq_len` attribute, or plan the run with `longshield-plan`.")
         else:
             head = [f"LongShield pre-flight: the run does not fit in GPU memory: {self.peak()} vs {capacity},"
                     f" for {self.describe_run()}.", self.breakdown()]
+            fix = (f"Fits instead: {alternative.describe()}." if alternative is not None else
+                   "Nothing the planner tried fits (activation checkpointing, smaller micro-batches, context-parallel"
+                   f" groups of up to {MAX_CP_SIZE} GPUs): shorten the sequences or use GPUs with more memory.")
         lines = [
             *head,
             fix,

@@ -446,8 +446,8 @@ class BookKeeper:
             # An estimate's sketch norm is within rho S_i of the exact-arithmetic one the accountant covers: added to
             # the norm (sqrt of a sum of squares grows by at most the sum of what its terms' roots grow by).
             squared = squared + estimated
-            rhos = [self._sketch_roundings.pop(name, None) for name in names]
-            rhos = torch.stack([products.new_zeros(()) if rho is None else rho.to(products) for rho in rhos])
+            zero = products.new_zeros(())  # a parameter with exact norms
+            rhos = torch.stack([self._sketch_roundings.pop(name, zero).to(products) for name in names])
             rounding = rounding + (rhos.unsqueeze(1) * products).sum(0)
         return BookKeptNorms(squared, rounding)
 
