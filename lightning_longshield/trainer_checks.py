@@ -23,7 +23,8 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
         rank_zero_warn(
             "ThroughputMonitor logs the samples of every training batch (its batch_size_fn) and their rate without"
             " noise: under Poisson sampling a batch's size is a value of the private data, so these metrics are"
-            " released outside the privacy guarantee. Remove the callback, or keep its logs private."
+            " released outside the privacy guarantee, and an empty batch stops its count with an error. Remove the"
+            " callback, or keep its logs private."
         )
     if trainer.gradient_clip_val is not None:
         raise ValueError(
