@@ -35,6 +35,7 @@ class DPStepLoop:
         self._release_pending = True
         self.dp_engine.begin_logical_batch()
         microbatches = split_into_microbatches(batch, self.config.micro_batch_size)
+        self._declare_batch_size(batch_size_of(batch))
         padding = self._padding.count(len(microbatches), self.root_device)
         for microbatch in microbatches:
             output = self._microbatch_step(microbatch, rest, kwargs)
@@ -44,6 +45,13 @@ class DPStepLoop:
             return torch.zeros((), device=self.root_device)
         self._check_logged_metrics()
         return output
+
+    def _declare_batch_size(self, size: int) -> None:
+        """Give Lightning the logical batch's size for what this batch logs: for a ``self.log`` without
+        ``batch_size`` it would infer the size from the batch and, where the batch's fields disagree (a list of
+        document ids has none), warn quoting the size it found, a value of the data under Poisson sampling."""
+        results = self.lightning_module.trainer.fit_loop.epoch_loop._results
+        results.batch_size = size
 
     def _check_previous_batch_released(self) -> None:
         """Refuse a logical batch while the previous one's clipped sum is unreleased: it would be added to this one's

@@ -142,6 +142,34 @@ def test_metrics_a_user_logs_in_training_step_are_flagged():
         make_trainer(strategy, max_steps=2).fit(module, loader(RandomTokens(size=16, seq_len=8), 2))
 
 
+class WithDocumentIds(RandomTokens):
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**super().__getitem__(index), "doc_id": f"doc-{index}"}  # collated to a list of strings
+
+
+def test_logging_in_training_step_prints_no_batch_size():
+    """Without ``batch_size``, Lightning infers one from the batch and, where its fields disagree (here a list of
+    document ids, which has none), warns quoting the size it found: under Poisson sampling a value of the data."""
+    class LogsItsLoss(CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("my_loss", loss.detach(), on_epoch=True)
+            return loss
+
+    torch.manual_seed(0)
+    module = LogsItsLoss(small_config(n_layers=1), optimizer="sgd")
+    strategy = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3, poisson_sampling=False,
+                                  micro_batch_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(strategy, max_steps=2)
+        trainer.fit(module, loader(WithDocumentIds(size=16, seq_len=8), 3))
+    messages = [str(w.message) for w in caught]
+    assert any("logged ['my_loss']" in m for m in messages)  # the opt-in warning: the value is released
+    assert not any("batch size we found" in m or "batch_size" in m for m in messages), messages
+    assert "my_loss_epoch" in trainer.callback_metrics
+
+
 def test_metrics_a_user_logs_in_other_training_hooks_are_flagged():
     """Lightning's usual epoch loss (``training_step`` outputs averaged in ``on_train_epoch_end``) and a batch's
     loss or token count logged in ``on_train_batch_end``; the strategy's own epsilon is not flagged."""
