@@ -164,19 +164,29 @@ def resolve_plan(
 def _kept_from_checkpoint(
     arguments: PrivacyArguments, restored: Mapping[str, Any], messages: list[PlanMessage]
 ) -> tuple[float, Optional[float], float]:
-    """The checkpoint's noise multiplier, target epsilon and delta; a warning names each value the user passed that
-    differs from the checkpoint's (values the user did not pass are not mentioned)."""
+    """The checkpoint's noise multiplier and delta, and the tighter of its target epsilon and the one passed now (a
+    lower budget changes no accounted step); a warning names each other value the user passed that differs from the
+    checkpoint's (values the user did not pass are not mentioned)."""
     kept = {"noise_multiplier": restored["noise_multiplier"], "target_epsilon": restored["target_epsilon"],
             "target_delta": restored["delta"]}
     given = {"noise_multiplier": arguments.noise_multiplier, "target_epsilon": arguments.target_epsilon,
              "target_delta": arguments.target_delta}
+    tighter = given["target_epsilon"] is not None and (kept["target_epsilon"] is None
+                                                       or given["target_epsilon"] < kept["target_epsilon"])
+    if tighter:
+        messages.append(PlanMessage(
+            f"Resuming a checkpoint with target_epsilon={given['target_epsilon']:g} (the checkpoint's run:"
+            f" {_shown(kept['target_epsilon'])}): the tighter budget applies from now on.",
+            False,
+        ))
+        kept["target_epsilon"] = given["target_epsilon"]
     differ = [f"{name}={value:g} (the checkpoint's run: {_shown(kept[name])})" for name, value in given.items()
               if value is not None and value != kept[name]]
     if differ:
         messages.append(PlanMessage(
-            f"Resuming a checkpoint with {', '.join(differ)}: the resumed run keeps the checkpoint's noise_multiplier,"
-            " target_epsilon and delta, so that its accounted steps and the next ones compose under one mechanism."
-            " Start a new run (without ckpt_path) to change them.",
+            f"Resuming a checkpoint with {', '.join(differ)}: the resumed run keeps the checkpoint's noise_multiplier"
+            " and delta, so that its accounted steps and the next ones compose under one mechanism, and the lower of"
+            " the two target_epsilon values. Start a new run (without ckpt_path) to change them.",
             True,
         ))
     else:

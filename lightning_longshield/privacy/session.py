@@ -142,8 +142,9 @@ class PrivacySession:
     def start_training(self, global_step: int, planned_steps: float, data_parallel_size: int) -> bool:
         """Resolve the plan for ``planned_steps`` more steps and the budget; returns whether training must stop now.
 
-        A restored checkpoint's noise multiplier, target and delta replace the arguments, so a resumed run keeps
-        the mechanism it was accounted with. Information goes to the log, what the user should change is warned.
+        A restored checkpoint's noise multiplier and delta replace the arguments, so a resumed run keeps the
+        mechanism it was accounted with; of two targets, the lower applies. Information goes to the log, what the
+        user should change is warned.
         """
         if self.dataset_size is None or self.dataloader_batch_size is None:
             raise ValueError("LongShieldStrategy needs a training DataLoader with a sized dataset.")

@@ -110,6 +110,15 @@ def test_a_resumed_run_warns_about_a_value_the_user_set_differently():
     assert not any("target_epsilon=6 (" in str(w.message) for w in caught)  # the same value: not mentioned
 
 
+def test_a_resumed_run_takes_the_tighter_of_the_two_budgets():
+    """A lower target_epsilon given at resume changes no accounted step and applies; a higher one does not."""
+    state = _checkpointed(noise_multiplier=1.0, target_epsilon=20.0)
+    assert _resume(state, noise_multiplier=1.0, target_epsilon=2.0).plan.target_epsilon == 2.0
+    assert _resume(_checkpointed(noise_multiplier=1.0), target_epsilon=2.0).plan.target_epsilon == 2.0
+    with pytest.warns(UserWarning, match=r"target_epsilon=30 \(the checkpoint's run: 20\)"):
+        assert _resume(state, noise_multiplier=1.0, target_epsilon=30.0).plan.target_epsilon == 20.0
+
+
 def test_a_first_step_over_the_budget_says_what_it_would_spend_and_how_to_fix_it():
     privacy = session(noise_multiplier=1.0, target_epsilon=0.05)
     with pytest.warns(UserWarning) as caught:
