@@ -9,7 +9,9 @@ checkpoint's.
 
 One line per step, JSON: ``{"run": run id, "index": the step's position in the run's accounting, "noise_multiplier",
 "sample_rate"}``. Nothing secret (no seed, no sample, no norm). A line torn by a crash during its write belongs to a
-step that never released and is skipped.
+step that never released and is skipped, also where another run sharing the file appended its next line to the
+fragment. Any other line that does not read as a step is damaged: `read_ledger` counts it, and a resume counts it
+as a step of the run.
 """
 
 from __future__ import annotations
@@ -66,26 +68,67 @@ class PrivacyLedger:
         return self._file
 
 
-def read_ledger(path: Union[str, os.PathLike], run_id: str) -> list[LedgerEntry]:
-    """The steps ``path`` records for ``run_id``, in file order; torn or foreign lines are skipped. Raises
-    `FileNotFoundError` when there is no ledger."""
-    entries = []
-    with open(path, encoding="utf-8") as file:
+@dataclass(frozen=True)
+class LedgerReading:
+    """What a ledger holds for one run: its steps in file order, and how many lines of any run are damaged."""
+
+    entries: list[LedgerEntry]
+    damaged: int
+
+
+def read_ledger(path: Union[str, os.PathLike], run_id: str) -> LedgerReading:
+    """The steps ``path`` records for ``run_id``; torn and other runs' lines are skipped, damaged ones counted.
+    Raises `FileNotFoundError` when there is no ledger."""
+    entries, damaged = [], 0
+    with open(path, encoding="utf-8", errors="replace") as file:
         for line in file:
-            try:
-                record = json.loads(line)
-                if record.get("run") == run_id:
-                    entries.append(LedgerEntry(int(record["index"]), float(record["noise_multiplier"]),
-                                               float(record["sample_rate"])))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue  # a line torn by a crash: its step never released
-    return entries
+            record = _parse(line.rstrip("\n"))
+            if record is _TORN:
+                continue  # a write cut by a crash: its step never released
+            if record is None:
+                damaged += 1
+            elif record[0] == run_id:
+                entries.append(record[1])
+    return LedgerReading(entries, damaged)
+
+
+_TORN = object()
+
+
+def _parse(line: str) -> object:
+    """``(run id, entry)``; `_TORN` for an empty line or the fragment of a write cut by a crash (every whole line
+    ends with ``}``); ``None`` for a damaged line. A fragment followed by another run's whole line, appended after the
+    crash, reads as that line."""
+    if not line.endswith("}"):
+        return _TORN
+    record = _record(line)
+    start = line.rfind('{"run": ')
+    if record is None and start > 0:
+        record = _record(line[start:])
+    return record
+
+
+def _record(text: str) -> Optional[tuple[str, LedgerEntry]]:
+    try:
+        fields = json.loads(text)
+        entry = LedgerEntry(int(fields["index"]), float(fields["noise_multiplier"]), float(fields["sample_rate"]))
+        return str(fields["run"]), entry
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def steps_after(entries: list[LedgerEntry], checkpoint_steps: int) -> list[LedgerEntry]:
     """The recorded steps a checkpoint of ``checkpoint_steps`` steps does not hold, each counted once per line (a
     step index recorded twice ran twice), in index order."""
     return sorted((entry for entry in entries if entry.index >= checkpoint_steps), key=lambda entry: entry.index)
+
+
+def missing_indices(entries: list[LedgerEntry], checkpoint_steps: int) -> int:
+    """How many indices between a checkpoint's and the last recorded one have no line: a run's indices from any of
+    its checkpoints on are consecutive (a resume counts the rolled-back steps, and the next step takes the next
+    index), so each gap is a lost line."""
+    indices = {entry.index for entry in entries if entry.index >= checkpoint_steps}
+    return max(indices) + 1 - checkpoint_steps - len(indices) if indices else 0
 
 
 def _ends_torn(path: Path) -> bool:

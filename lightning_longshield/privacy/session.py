@@ -18,7 +18,7 @@ from typing import Any, Optional, TypeVar
 import torch
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
-from lightning_longshield.privacy.ledger import LedgerEntry, PrivacyLedger, read_ledger, steps_after
+from lightning_longshield.privacy.ledger import LedgerEntry, PrivacyLedger, missing_indices, read_ledger, steps_after
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.plan import PlanMessage, PrivacyArguments, PrivacyPlan, resolve_plan
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
@@ -92,6 +92,7 @@ class PrivacySession:
         self.ledger_path: Optional[str] = None  # where this run's ledger is (from a checkpoint, or once opened)
         self.ledger_since: Optional[int] = None  # the first step index that ledger records for this run
         self.rolled_back_steps = 0  # steps that ran after the checkpoint a run resumed from
+        self.accounting_incomplete = False  # a resume found the run's ledger missing: steps may be uncounted
 
     @property
     def max_grad_norm(self) -> float:
@@ -243,26 +244,36 @@ class PrivacySession:
         path = os.fspath(path) if path is not None else self.ledger_path
         checkpoint_steps = self.accountant.steps
         problem: Optional[str] = None
-        entries = []
+        entries: list[LedgerEntry] = []
+        lost = 0
         if path is not None:
             try:
-                recorded = read_ledger(path, self.run_id)
-                entries = steps_after(recorded, checkpoint_steps)
-                unrecorded = self._steps_not_in(recorded, checkpoint_steps)
+                reading = read_ledger(path, self.run_id)
+                entries = steps_after(reading.entries, checkpoint_steps)
+                lost = missing_indices(entries, checkpoint_steps) + reading.damaged
+                unrecorded = self._steps_not_in(reading.entries, checkpoint_steps)
                 if unrecorded:
                     problem = (f"The privacy ledger {path} lacks {unrecorded} of this run's steps before the checkpoint"
                                " (replaced or truncated)")
             except FileNotFoundError:
                 problem = f"The privacy ledger {path} is missing"
-        entries, problem = broadcast((entries, problem))
+        entries, lost, problem = broadcast((entries, lost, problem))
         if problem is not None:
             rank_zero_warn(
                 f"{problem}: epsilon counts the checkpoint's {checkpoint_steps} steps and what the ledger holds, and"
-                " any other step that ran after the checkpoint before the run stopped is not counted. Resume with the"
-                " run's ledger in place (LongShieldStrategy(privacy_ledger=...) names where it is). This run keeps"
-                " a new ledger."
+                " any other step that ran after the checkpoint before the run stopped is not counted: the printed"
+                " guarantee says so from now on. Resume with the run's ledger in place"
+                " (LongShieldStrategy(privacy_ledger=...) names where it is). This run keeps a new ledger."
             )
             self.ledger_path = None  # where the run's ledger was may not exist here: a new one from now on
+            self.accounting_incomplete = True
+        if lost:
+            rank_zero_warn(
+                f"The privacy ledger {path} has {lost} damaged lines or gaps among this run's steps after the"
+                f" checkpoint of step {checkpoint_steps}: each is counted as a step of this run, with its least noise"
+                " and highest sampling rate (epsilon may be over-stated, never under-stated)."
+            )
+            entries = entries + [_worst_step(entries, self._restored_plan)] * lost
         for entry in entries:
             self.accountant.step(entry.noise_multiplier, entry.sample_rate)
         self.rolled_back_steps += len(entries)
@@ -329,6 +340,9 @@ class PrivacySession:
                  f"Privacy figure, NOT a guarantee of this run (poisson_sampling=False: its fixed batches get no"
                  f" amplification by sampling, which the figure assumes): epsilon={self.get_epsilon():.3f},"
                  f" delta={plan.delta:.3g}")
+        if self.accounting_incomplete:
+            claim += (" (a lower bound: at a resume this run's privacy ledger was missing or lacked steps, so steps"
+                      " that ran after a checkpoint may be uncounted)")
         return (
             f"{claim} after {self.accountant.steps} steps run{rolled_back}"
             f" (noise_multiplier={plan.noise_multiplier:.3f}, sampling rate q={plan.sample_rate:.3g} ="
@@ -369,7 +383,7 @@ class PrivacySession:
             return None
         return {"plan": self.plan.state_dict(), "accountant": self.accountant.state_dict(), "run_id": self.run_id,
                 "ledger": self.ledger_path, "ledger_since": self.ledger_since,
-                "rolled_back_steps": self.rolled_back_steps}
+                "rolled_back_steps": self.rolled_back_steps, "accounting_incomplete": self.accounting_incomplete}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the checkpoint's accounting; its plan fixes the mechanism when training starts."""
@@ -379,3 +393,13 @@ class PrivacySession:
         self.ledger_path = state.get("ledger")
         self.ledger_since = state.get("ledger_since")
         self.rolled_back_steps = state.get("rolled_back_steps", 0)
+        self.accounting_incomplete = state.get("accounting_incomplete", False)
+
+
+def _worst_step(entries: list[LedgerEntry], restored_plan: Optional[dict[str, Any]]) -> LedgerEntry:
+    """A step with the least noise and the highest sampling rate among the run's recorded ones and its checkpoint's
+    plan: what a lost ledger line is counted as."""
+    steps = list(entries)
+    if restored_plan is not None:
+        steps.append(LedgerEntry(-1, float(restored_plan["noise_multiplier"]), float(restored_plan["sample_rate"])))
+    return LedgerEntry(-1, min(step.noise_multiplier for step in steps), max(step.sample_rate for step in steps))

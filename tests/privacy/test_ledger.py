@@ -19,7 +19,13 @@ from opacus.accountants import RDPAccountant
 
 from lightning_longshield import LongShieldStrategy
 from lightning_longshield.durable_checkpoints import is_whole_checkpoint
-from lightning_longshield.privacy.ledger import LEDGER_FILE, PrivacyLedger, read_ledger, steps_after
+from lightning_longshield.privacy.ledger import (
+    LEDGER_FILE,
+    PrivacyLedger,
+    missing_indices,
+    read_ledger,
+    steps_after,
+)
 from lightning_longshield.sharded_checkpoints import is_whole_sharded_checkpoint
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
@@ -40,15 +46,37 @@ def test_lines_are_whole_and_per_run(tmp_path):
     ledger = PrivacyLedger(path, "run-a")
     ledger.record(2, 1.0, 0.125)  # the step ran again after the resume
     ledger.close()
-    entries = read_ledger(path, "run-a")
+    entries = read_ledger(path, "run-a").entries
     assert [(e.index, e.noise_multiplier, e.sample_rate) for e in entries] == [(0, 1.0, 0.125), (1, 1.0, 0.125),
                                                                               (2, 1.0, 0.125)]
-    assert [e.index for e in read_ledger(path, "run-b")] == [0]
+    assert [e.index for e in read_ledger(path, "run-b").entries] == [0]
     assert [e.index for e in steps_after(entries, 1)] == [1, 2]
     whole = [line for line in path.read_text().splitlines() if line.endswith("}")]
     assert len(whole) == 4  # the torn line stayed alone on its line
     for line in whole:
         assert set(json.loads(line)) == {"run", "index", "noise_multiplier", "sample_rate"}  # nothing secret
+
+
+def test_a_fragment_glued_to_another_runs_line_is_skipped_and_damaged_lines_are_counted(tmp_path):
+    """Run A dies inside a write while run B, sharing the file, has it open: B's next line is appended to A's
+    fragment, and still reads as B's step. A line damaged in place is neither skipped nor read: it is counted."""
+    path = tmp_path / "ledger.jsonl"
+    ledger_b = PrivacyLedger(path, "run-b")
+    ledger_b.record(0, 1.0, 0.125)
+    with open(path, "a") as file:
+        file.write('{"run": "run-a", "index": 7, "noise_mul')
+    ledger_b.record(1, 1.0, 0.125)
+    ledger_b.record(2, 1.0, 0.125)
+    ledger_b.close()
+    assert [e.index for e in read_ledger(path, "run-b").entries] == [0, 1, 2]
+    assert read_ledger(path, "run-b").damaged == 0 and read_ledger(path, "run-a").entries == []
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2].replace('"index": 2', '"index": 2x')
+    path.write_text("\n".join(lines) + "\n")
+    reading = read_ledger(path, "run-b")
+    assert [e.index for e in reading.entries] == [0, 1] and reading.damaged == 1
+    assert missing_indices(reading.entries, 0) == 0  # the last line: no gap shows it, the damage count does
+    assert missing_indices([e for e in reading.entries if e.index != 0], 0) == 1  # step 0 lost
 
 
 def _strategy(**kwargs) -> LongShieldStrategy:
@@ -73,7 +101,7 @@ def _rdp_epsilon(steps: int) -> float:
 def test_a_resume_accounts_the_steps_that_ran_after_its_checkpoint(tmp_path):
     """Checkpoints at steps 2 and 4, the step-4 file lost, resume from step 2 to step 4: six steps ran."""
     _fit(_strategy(), tmp_path, max_steps=4)
-    assert len(read_ledger(tmp_path / LEDGER_FILE, _run_id(tmp_path))) == 4
+    assert len(read_ledger(tmp_path / LEDGER_FILE, _run_id(tmp_path)).entries) == 4
     (tmp_path / "checkpoints" / "step=4.ckpt").unlink()
     resumed = _strategy()
     _fit(resumed, tmp_path, max_steps=4, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
@@ -81,7 +109,7 @@ def test_a_resume_accounts_the_steps_that_ran_after_its_checkpoint(tmp_path):
     assert resumed.get_epsilon() == pytest.approx(_rdp_epsilon(6), rel=1e-9)
     assert resumed.get_epsilon() > _rdp_epsilon(4)  # what the checkpoint alone would report
     assert "after 6 steps run, of which 2 were rolled back by a resume" in resumed.privacy.describe_guarantee()
-    assert len(read_ledger(tmp_path / LEDGER_FILE, _run_id(tmp_path))) == 6  # the resumed steps are recorded too
+    assert len(read_ledger(tmp_path / LEDGER_FILE, _run_id(tmp_path)).entries) == 6  # resumed steps recorded too
 
 
 def test_a_missing_ledger_is_warned_about(tmp_path):
@@ -91,6 +119,42 @@ def test_a_missing_ledger_is_warned_about(tmp_path):
     with pytest.warns(UserWarning, match="privacy ledger .* is missing: epsilon counts the checkpoint's 2 steps"):
         _fit(resumed, tmp_path, max_steps=3, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
     assert resumed.accountant.steps == 3
+
+
+def test_a_damaged_line_of_a_step_after_the_checkpoint_is_counted(tmp_path):
+    """Six steps ran (checkpoints at 2, 4, 6; the last two lost) and the line of step 3 is damaged: the resume from
+    step 2 counts it, as a step of the run, with a warning, and reports no fewer than the six steps that ran."""
+    _fit(_strategy(), tmp_path, max_steps=6)
+    for step in (4, 6):
+        (tmp_path / "checkpoints" / f"step={step}.ckpt").unlink()
+    lines = (tmp_path / LEDGER_FILE).read_text().splitlines()
+    lines[3] = lines[3].replace('"index": 3', '"index": 3x')
+    (tmp_path / LEDGER_FILE).write_text("\n".join(lines) + "\n")
+    resumed = _strategy()
+    with pytest.warns(UserWarning, match="has 2 damaged lines or gaps among this run's steps after the checkpoint"):
+        _fit(resumed, tmp_path, max_steps=2, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
+    assert resumed.accountant.steps == 7  # the damaged line and the gap it leaves, each counted: never fewer than 6
+
+
+def test_a_missing_ledger_makes_every_later_guarantee_a_lower_bound(tmp_path):
+    """Steps that ran after the checkpoint are unknown once the ledger is gone: the printed guarantee says so, also
+    after a further resume from a checkpoint of the resumed run."""
+    _fit(_strategy(), tmp_path, max_steps=2)
+    (tmp_path / LEDGER_FILE).unlink()
+    resumed = _strategy()
+    with pytest.warns(UserWarning, match="is missing"):
+        _fit(resumed, tmp_path, max_steps=4, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
+    assert "(a lower bound: at a resume this run's privacy ledger was missing" in resumed.privacy.describe_guarantee()
+    again = _strategy()
+    _fit(again, tmp_path, max_steps=5, ckpt_path=tmp_path / "checkpoints" / "step=4.ckpt")
+    assert again.accountant.steps == 5 and "(a lower bound:" in again.privacy.describe_guarantee()
+    assert "a lower bound" not in _finished_guarantee(tmp_path / "fresh")
+
+
+def _finished_guarantee(root) -> str:
+    strategy = _strategy()
+    _fit(strategy, root, max_steps=2)
+    return strategy.privacy.describe_guarantee()
 
 
 def _run_id(root) -> str:
@@ -113,7 +177,7 @@ def test_epsilon_after_sigkills_covers_every_step_that_ran(tmp_path):
     final = _attempt(tmp_path, -1, "none")
     assert final.returncode == 0, final.stderr[-2000:]
     report = json.loads(final.stdout.strip().splitlines()[-1])
-    ran = len(read_ledger(tmp_path / LEDGER_FILE, report["run"]))
+    ran = len(read_ledger(tmp_path / LEDGER_FILE, report["run"]).entries)
     assert ran > 6  # killed attempts were rolled back and ran again
     assert report["steps"] == ran
     assert report["epsilon"] >= _rdp_epsilon(ran) * (1 - 1e-9)
@@ -140,7 +204,7 @@ def test_epsilon_after_sigkills_of_a_two_process_run_covers_every_step_that_ran(
     final = _attempt(tmp_path, -1, "none", processes=2)
     assert final.returncode == 0, final.stderr[-2000:]
     report = json.loads(final.stdout.strip().splitlines()[-1])
-    ran = len(read_ledger(tmp_path / LEDGER_FILE, report["run"]))
+    ran = len(read_ledger(tmp_path / LEDGER_FILE, report["run"]).entries)
     assert ran > 6 and report["steps"] == ran
     assert report["epsilon"] >= _rdp_epsilon(ran) * (1 - 1e-9)
 
@@ -164,7 +228,7 @@ def test_sigterm_saves_at_the_step_boundary_exits_cleanly_and_resumes(tmp_path):
     final = _attempt(tmp_path, -1, "none")
     assert final.returncode == 0, final.stderr[-2000:]
     report = json.loads(final.stdout.strip().splitlines()[-1])
-    assert report["steps"] == 6 == len(read_ledger(tmp_path / LEDGER_FILE, report["run"]))  # nothing rolled back
+    assert report["steps"] == 6 == len(read_ledger(tmp_path / LEDGER_FILE, report["run"]).entries)  # none rolled back
 
 
 def test_a_ledger_that_lost_the_runs_steps_is_warned_about(tmp_path):
@@ -192,4 +256,4 @@ def test_a_checkpoint_moved_without_its_ledger_resumes_with_a_new_one_where_it_r
     with pytest.warns(UserWarning, match="is missing"):
         _fit(resumed, new, max_steps=3, ckpt_path=new / "checkpoints" / "step=2.ckpt")
     assert not old.exists() and resumed.accountant.steps == 3
-    assert [entry.index for entry in read_ledger(new / LEDGER_FILE, _run_id(new))] == [2]
+    assert [entry.index for entry in read_ledger(new / LEDGER_FILE, _run_id(new)).entries] == [2]
