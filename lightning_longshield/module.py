@@ -240,6 +240,7 @@ class CausalLMModule(L.LightningModule):
         assert self.model is not None, "call configure_model() first"
         batch, positions = input_ids.shape
         head = getattr(self.model, "output", None)
+        head = getattr(head, "base_layer", head)  # a LoRA-adapted head (PEFT's lora.Linear) wraps the nn.Linear
         chunk = None
         if isinstance(head, torch.nn.Linear):  # a model of another kind computes its whole logits
             chunk = resolve_loss_chunk_tokens(self.loss_chunk_tokens, batch, positions, head.in_features,

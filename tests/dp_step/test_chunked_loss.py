@@ -42,9 +42,11 @@ def test_losses_and_gradients_equal_the_whole_logits(chunk):
             torch.testing.assert_close(actual, reference)
 
 
-def _fit(loss_chunk_tokens, tie_embeddings: bool, lora: bool = False, **strategy_kwargs) -> nn.Module:
+def _fit(loss_chunk_tokens, tie_embeddings: bool, lora: bool = False, lora_targets=None,
+         **strategy_kwargs) -> nn.Module:
     config = small_config(tie_embeddings=tie_embeddings)
-    module = (make_lora_module(config, module_kwargs=dict(loss_chunk_tokens=loss_chunk_tokens)) if lora
+    targets = {} if lora_targets is None else dict(target_modules=lora_targets)
+    module = (make_lora_module(config, module_kwargs=dict(loss_chunk_tokens=loss_chunk_tokens), **targets) if lora
               else make_module(config, loss_chunk_tokens=loss_chunk_tokens))
     strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=CLIP, poisson_sampling=False, seed=0,
                                   **strategy_kwargs)
@@ -72,10 +74,19 @@ def test_book_kept_norms_and_per_layer_clipping_sum_the_chunks(settings, tie_emb
     assert_models_close(_fit(5, tie_embeddings, **settings), _fit(None, tie_embeddings, **settings))
 
 
-def test_lora_adapters_take_the_same_step_chunked():
-    """LoRA: the frozen head still runs per chunk; the adapters' per-sample gradients flow through every chunk."""
-    settings = dict(micro_batch_size=2)
-    assert_models_close(_fit(5, False, lora=True, **settings), _fit(None, False, lora=True, **settings))
+@pytest.mark.parametrize("targets", [None, ["wq", "output"]], ids=["blocks", "blocks-and-head"])
+def test_lora_adapters_take_the_same_step_chunked(targets, monkeypatch):
+    """LoRA: the head (frozen, or adapted: PEFT's wrapper of the linear head) still runs per chunk; the adapters'
+    per-sample gradients flow through every chunk."""
+    from lightning_longshield import module as module_file
+
+    chunked_calls = []
+    chunked = module_file.chunked_token_loss_sums
+    monkeypatch.setattr(module_file, "chunked_token_loss_sums", lambda *a: chunked_calls.append(1) or chunked(*a))
+    settings = dict(micro_batch_size=2, lora_targets=targets)
+    chunked_model = _fit(5, False, lora=True, **settings)
+    assert chunked_calls  # the chunked loss ran
+    assert_models_close(chunked_model, _fit(None, False, lora=True, **settings))
 
 
 @pytest.mark.parametrize("chunk", [None, 5])
