@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tempfile
 import warnings
 from pathlib import Path
@@ -58,6 +57,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank; 0 fine-tunes every weight")
     parser.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scaling numerator (alpha / rank)")
     parser.add_argument("--precision", default="32-true", help="Lightning precision, e.g. 32-true or bf16-mixed")
+    parser.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto (a GPU if any), cpu, cuda")
     parser.add_argument("--output-dir", type=Path,
                         help="where the demo files, the tokenization cache and the export go (default: a new"
                              " temporary directory)")
@@ -107,7 +107,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     module = CausalLMModule(str(model_dir), lora=lora, optimizer="adamw", learning_rate=args.learning_rate)
     strategy = LongShieldStrategy(target_epsilon=args.target_epsilon, max_grad_norm=args.max_grad_norm,
                                   micro_batch_size=args.micro_batch_size)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=args.precision,
+    trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=1, precision=args.precision,
                         max_steps=args.max_steps, callbacks=[StepProgressBar()], logger=False,
                         enable_checkpointing=False, default_root_dir=output_dir, num_sanity_val_steps=0,
                         check_val_every_n_epoch=None, val_check_interval=args.max_steps, log_every_n_steps=5)
@@ -123,10 +123,10 @@ def main(argv: Optional[list[str]] = None) -> None:
           f" of {model_dir}")
     if before is not None:
         (after,) = trainer.validate(module, datamodule=data, verbose=False)
-        print(f"Validation perplexity before training: {math.exp(before['val_loss']):.2f}"
-              f" (loss {before['val_loss']:.3f})")
-        print(f"Validation perplexity: {math.exp(after['val_loss']):.2f} (loss {after['val_loss']:.3f}) after"
-              f" training, on the same {len(data.val_dataset)} public validation samples")
+        print(f"Validation perplexity before training: {before['val_perplexity']:.2f}"
+              f" (mean sample loss {before['val_loss']:.3f})")
+        print(f"Validation perplexity: {after['val_perplexity']:.2f} (mean sample loss {after['val_loss']:.3f})"
+              f" after training, over the tokens of the same {len(data.val_dataset)} public validation samples")
     export_to = args.export_to or output_dir / "exported"
     module.save_pretrained(export_to)
     print(f"Exported (adapters merged) to {export_to}: transformers.AutoModelForCausalLM.from_pretrained loads it")

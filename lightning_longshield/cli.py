@@ -124,8 +124,9 @@ class LongShieldCLI(LightningCLI):
         if not isinstance(model_config, (str, os.PathLike)) or not hf.is_model_directory(model_config):
             return
         fix = "Set data.init_args.tokenizer to the model's tokenizer."
-        if hf.model_tokenizer(Path(model_config).expanduser(), fix) is not None:
-            init_args.tokenizer = os.fspath(model_config)
+        directory = Path(model_config).expanduser()
+        if hf.model_tokenizer(directory, fix) is not None:
+            init_args.tokenizer = os.fspath(directory)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         chosen = [*callbacks, *(config.get("callbacks") or [])]

@@ -276,7 +276,17 @@ class LocalTextDataModule(L.LightningDataModule):
             return ByteTokenizer()
         if isinstance(tokenizer, (str, os.PathLike)):
             auto = require_hf("transformers").AutoTokenizer
-            return auto.from_pretrained(os.fspath(tokenizer), local_files_only=True)
+            directory = Path(tokenizer).expanduser()
+            try:
+                return auto.from_pretrained(os.fspath(directory), local_files_only=True)
+            except (ImportError, ValueError) as error:
+                if not (directory / "tokenizer.model").is_file() or (directory / "tokenizer.json").is_file():
+                    raise
+                raise ValueError(
+                    f"The tokenizer in {directory} is a SentencePiece model (tokenizer.model, no tokenizer.json), which"
+                    " transformers reads with the sentencepiece and protobuf packages: pip install sentencepiece"
+                    ' protobuf (both come with "lightning-longshield[hf]").'
+                ) from error
         if not callable(getattr(tokenizer, "encode", None)) or not (
             hasattr(type(tokenizer), "__len__") or hasattr(tokenizer, "vocab_size")
         ):

@@ -17,6 +17,7 @@ from lightning_longshield.context_parallel.mesh import CONTEXT_PARALLEL
 from lightning_longshield.lora import LoraOptions, apply_lora, reset_adapters
 from lightning_longshield.loss import IGNORE_INDEX, chunked_token_loss_sums, loss_divisors, token_loss_sums
 from lightning_longshield.models import Llama, LlamaConfig
+from lightning_longshield.text_data import ByteTokenizer
 from lightning_longshield.token_perplexity import TokenPerplexity
 from simulate.loss_chunks import LossChunking, check_loss_chunking, resolve_loss_chunk_tokens
 
@@ -189,8 +190,17 @@ class CausalLMModule(L.LightningModule):
         self.val_perplexity = TokenPerplexity()
 
     def setup(self, stage: str) -> None:
-        """Refuse data whose tokenizer has more tokens than the model's embedding (the data module's `check_vocab`)."""
+        """Refuse data whose tokenizer has more tokens than the model's embedding (the data module's `check_vocab`),
+        and byte-level data for a pretrained checkpoint, whose token ids mean other things."""
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if self.pretrained_directory is not None and isinstance(getattr(datamodule, "tokenizer", None), ByteTokenizer):
+            raise ValueError(
+                f"The model is the pretrained checkpoint {self.pretrained_directory}, but the data module encodes"
+                " text as UTF-8 bytes (ByteTokenizer): byte values would be trained as the checkpoint's token ids."
+                " Encode the data with the checkpoint's tokenizer: LocalTextDataModule(files,"
+                f" tokenizer='{self.pretrained_directory}') (longshield-train takes the model directory's tokenizer"
+                " when --data.tokenizer is not set)."
+            )
         check_vocab = getattr(datamodule, "check_vocab", None)
         if callable(check_vocab):
             check_vocab(self.config.vocab_size)

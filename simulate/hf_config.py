@@ -28,7 +28,7 @@ Spec = TypeVar("Spec", bound=ModelSpec)
 def spec_from_hf_config(hf_config: Mapping[str, Any], spec_class: type[Spec] = ModelSpec) -> Spec:  # type: ignore[assignment]
     """The `ModelSpec` (or ``spec_class``, e.g. `LlamaConfig`) of a Hugging Face Llama ``config.json`` read as a
     dict; ValueError for what the Llama of this project lacks (another architecture, biases, another activation,
-    another RoPE, a head size other than ``hidden_size // num_attention_heads``).
+    another RoPE, a head size other than ``hidden_size // num_attention_heads``, pre-quantized weights).
 
     ``torch_dtype`` is not part of the shape: the training precision is chosen separately.
     """
@@ -39,6 +39,14 @@ def spec_from_hf_config(hf_config: Mapping[str, Any], spec_class: type[Spec] = M
         raise ValueError(
             f"Found a checkpoint with model_type={model_type!r} and architectures={architectures}; only Llama"
             " checkpoints (model_type 'llama', LlamaForCausalLM) are supported."
+        )
+    quantization = hf_config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, Mapping) else "?"
+        raise ValueError(
+            f"The checkpoint is pre-quantized (quantization_config, quant_method {method!r}): its stored weights are"
+            " not the model's parameters, and DP-SGD trains full-precision ones. Use the unquantized release of the"
+            " model."
         )
     hf = {**HF_LLAMA_DEFAULTS, **{key: value for key, value in hf_config.items() if value is not None}}
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]

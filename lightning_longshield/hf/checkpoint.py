@@ -46,9 +46,12 @@ _BLOCK_NAMES = {
 }
 #: Name segments of wrappers that leave the weight itself unchanged (torch.compile, activation checkpointing, PEFT).
 _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "base_layer"})
-#: Files of the source checkpoint that an export copies as they are: the tokenizer and the generation defaults.
+#: Files of the source checkpoint that an export copies as they are: the tokenizer (also a byte-level BPE one saved
+#: as ``vocab.json`` and ``merges.txt``), the generation defaults, and the license files a derivative of a model such
+#: as Llama must carry.
 CARRIED_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                 "chat_template.json", "generation_config.json")
+                 "chat_template.json", "generation_config.json", "vocab.json", "merges.txt",
+                 "LICENSE", "LICENSE.txt", "LICENSE.md", "USE_POLICY.md", "NOTICE")
 #: ``config.json`` entries an export takes from the source checkpoint: the special tokens' ids.
 CARRIED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -300,7 +303,8 @@ def write_pretrained(
 
     A tied model whose output weight no longer equals its embedding (a LoRA adapter on the head, merged) is written
     untied, with ``lm_head.weight``. With ``source``, the Hugging Face directory the model was loaded from, the
-    special tokens' ids of its ``config.json`` and its `CARRIED_FILES` (tokenizer, generation defaults) come along.
+    special tokens' ids of its ``config.json`` and its `CARRIED_FILES` (tokenizer, generation defaults, license) come
+    along.
     """
     save_file = require_hf("safetensors.torch").save_file
     config = _untied_if_heads_differ(state, config)

@@ -13,6 +13,7 @@ from lightning_longshield.local_text_data import BYTE_EOS, LocalTextDataModule, 
 from lightning_longshield.loss import IGNORE_INDEX
 from lightning_longshield.module import check_batch
 from lightning_longshield.text_data import ByteTokenizer, python_stdlib_sources
+from tests.support.helpers import write_sentencepiece_tokenizer
 
 pytest.importorskip("datasets")
 pa = pytest.importorskip("pyarrow")
@@ -116,6 +117,34 @@ def test_sequence_windows_are_disjoint_and_cover_the_training_documents(use_toke
         "one sequence of 33 tokens of concatenated documents; a document spanning several sequences is"
         " protected only per sequence"
     )
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_dir(tmp_path_factory, texts) -> Path:
+    pytest.importorskip("sentencepiece")
+    directory = tmp_path_factory.mktemp("sentencepiece")
+    write_sentencepiece_tokenizer(directory, texts)
+    return directory
+
+
+def test_a_sentencepiece_tokenizer_under_a_home_relative_path_is_read(texts, sentencepiece_dir, tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.setenv("HOME", str(sentencepiece_dir.parent))
+    dm = module(write(tmp_path / "data", texts, "jsonl"), tmp_path, tokenizer=f"~/{sentencepiece_dir.name}",
+                seq_len=32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(sentencepiece_dir, local_files_only=True)
+    stream = [token for i in dm.train_documents for token in tokenizer.encode(texts[i]) + [tokenizer.eos_token_id]]
+    assert stream[0] == tokenizer.bos_token_id == 1 and dm.vocab_size == 200
+    assert dm.train_dataset[0]["input_ids"].tolist() == stream[:32]
+
+
+def test_a_sentencepiece_tokenizer_without_its_packages_names_them(sentencepiece_dir, tmp_path, monkeypatch):
+    def unreadable(*args, **kwargs):
+        raise ImportError("LlamaTokenizer requires the SentencePiece library")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", unreadable)
+    with pytest.raises(ValueError, match="pip install sentencepiece protobuf"):
+        LocalTextDataModule(write(tmp_path, SHORT, "jsonl"), tokenizer=sentencepiece_dir)
 
 
 def test_document_split_is_seeded_disjoint_and_drops_empty_documents(texts, tmp_path):

@@ -82,11 +82,12 @@ def test_non_private_true_trains_without_dp_warns_and_prints_no_guarantee(capsys
     assert "Privacy guarantee" not in captured.out and "NOT differentially private" in captured.err
 
 
-def test_the_tokenizer_comes_from_the_model_directory_unless_given(tmp_path):
+def test_the_tokenizer_comes_from_the_model_directory_unless_given(tmp_path, monkeypatch):
     texts = [p.read_text(encoding="utf-8") for p in python_stdlib_sources() if 2_000 < p.stat().st_size < 8_000][:6]
     write_demo_llama(tmp_path / "hf", texts, vocab_size=300, hidden_size=32, intermediate_size=64)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    args = ["--config", str(CONFIGS / "finetune_lora.yaml"), "--model.config", str(tmp_path / "hf"),
+    monkeypatch.setenv("HOME", str(tmp_path))  # the model as ~/hf: the model and its tokenizer both found
+    args = ["--config", str(CONFIGS / "finetune_lora.yaml"), "--model.config", "~/hf",
             "--data.init_args.data_files", str(tmp_path / "docs.jsonl"), "--data.init_args.val_files", "null"]
     assert len(run_cli(args, run=False).datamodule.tokenizer) == 300
     train_bpe_tokenizer(texts, tmp_path / "other", vocab_size=280)

@@ -15,7 +15,14 @@ from lightning_longshield.hf import checkpoint, require_hf
 from lightning_longshield.models import Llama, LlamaConfig
 from simulate.specs import RopeScaling
 from tests.support import hf_workers
-from tests.support.helpers import RandomTokens, assert_models_close, full_state, loader, make_trainer
+from tests.support.helpers import (
+    RandomTokens,
+    assert_models_close,
+    full_state,
+    loader,
+    make_trainer,
+    write_sentencepiece_tokenizer,
+)
 from tests.support.process_runner import run_processes
 
 transformers = pytest.importorskip("transformers")
@@ -158,6 +165,7 @@ def test_legacy_rope_fields_read_like_rope_parameters() -> None:
         (dict(attention_bias=True), "attention_bias"),
         (dict(mlp_bias=True), "mlp_bias"),
         (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        (dict(quantization_config=dict(quant_method="fp8")), "pre-quantized .* Use the unquantized release"),
     ],
 )
 def test_unsupported_configs_are_refused(override: dict, message: str) -> None:
@@ -197,6 +205,19 @@ def test_missing_files_and_tensors_are_named(tmp_path: Path) -> None:
         checkpoint.load_model(tmp_path)
     with pytest.raises(FileNotFoundError, match="No Hugging Face model directory at .*nowhere': no such directory"):
         checkpoint.load_model(tmp_path / "nowhere")
+
+
+def test_byte_level_data_for_a_pretrained_checkpoint_is_refused(tmp_path: Path) -> None:
+    """Byte values are not the checkpoint's token ids (``StdlibTextDataModule``, or ``LocalTextDataModule`` without a
+    tokenizer): the fit stops before training and names the tokenizer to use."""
+    from lightning_longshield import CausalLMModule, LongShieldStrategy
+    from lightning_longshield.text_data import StdlibTextDataModule
+
+    write_hf_llama(tmp_path / "hf", vocab_size=300)
+    trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0), max_steps=1)
+    with pytest.raises(ValueError, match=r"encodes text as UTF-8 bytes .* LocalTextDataModule\(files, tokenizer='"):
+        trainer.fit(CausalLMModule(tmp_path / "hf"), datamodule=StdlibTextDataModule(seq_len=16, max_bytes=20_000))
+    assert trainer.global_step == 0
 
 
 def test_the_module_takes_a_path_and_tells_a_missing_directory_from_an_unknown_preset(tmp_path: Path) -> None:
@@ -325,3 +346,34 @@ def test_an_export_carries_the_checkpoints_tokenizer_special_tokens_and_dtype(tm
     with pytest.warns(UserWarning, match="is gone: the export in .* has no tokenizer"):
         checkpoint.save_pretrained(model, tmp_path / "orphan")
     assert not (tmp_path / "orphan" / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("tokenizer", ["sentencepiece", "vocab-and-merges"])
+def test_an_export_carries_tokenizers_saved_without_tokenizer_json_and_the_license(tmp_path: Path,
+                                                                                   tokenizer: str) -> None:
+    """A Llama 2 tokenizer is often only ``tokenizer.model``; a byte-level BPE one can be ``vocab.json`` and
+    ``merges.txt``. The export reads as the source does, and carries the license a derivative must."""
+    import textwrap
+
+    texts = [Path(textwrap.__file__).read_text(encoding="utf-8")]
+    source = tmp_path / "hf"
+    write_hf_llama(source, vocab_size=300)
+    if tokenizer == "sentencepiece":
+        pytest.importorskip("sentencepiece")
+        write_sentencepiece_tokenizer(source, texts)
+    else:
+        from lightning_longshield.hf.demo import train_bpe_tokenizer
+
+        train_bpe_tokenizer(texts, tmp_path / "bpe", vocab_size=280)._tokenizer.model.save(str(source))
+        (source / "tokenizer_config.json").write_text(json.dumps(dict(
+            tokenizer_class="GPT2Tokenizer", eos_token="<eos>", bos_token="<eos>", unk_token="<eos>")))
+    (source / "LICENSE.txt").write_text("license text")
+    (source / "USE_POLICY.md").write_text("use policy")
+    checkpoint.save_pretrained(checkpoint.load_model(source), tmp_path / "out")
+    assert (tmp_path / "out" / "LICENSE.txt").read_text() == "license text"
+    assert (tmp_path / "out" / "USE_POLICY.md").read_text() == "use policy"
+    text = "def wrap(text, width=70):"
+    expected = transformers.AutoTokenizer.from_pretrained(source)(text).input_ids
+    assert len(expected) > 1
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out")(text).input_ids == expected
+

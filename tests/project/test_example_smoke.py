@@ -65,7 +65,8 @@ def test_finetune_hf_example_prints_guarantee_with_unit_and_exports(tmp_path):
     guarantee = re.search(r"Privacy guarantee: \(epsilon=(\S+), delta=(\S+)\)-DP .*privacy unit: one document",
                           result.stdout)
     before = re.search(r"Validation perplexity before training: (\S+)", result.stdout)
-    perplexity = re.search(r"Validation perplexity: (\S+) .* after training, on the same", result.stdout)
+    perplexity = re.search(r"Validation perplexity: (\S+) .* after training, over the tokens of the same",
+                           result.stdout)
     outputs = re.search(r"Outputs .* are under (\S+)", result.stdout)
     assert guarantee and before and perplexity and outputs, result.stdout[-3000:]
     assert 0 < float(guarantee[1]) <= 8.0 and math.isfinite(float(perplexity[1])) and math.isfinite(float(before[1]))

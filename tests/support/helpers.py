@@ -5,9 +5,11 @@ from __future__ import annotations
 import collections
 import copy
 import gc
+import json
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
@@ -46,6 +48,23 @@ class RandomTokens(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids[index], "labels": self.labels[index]}
+
+
+def write_sentencepiece_tokenizer(directory: Path, texts: list[str], vocab_size: int = 200) -> None:
+    """A Llama-2-style tokenizer saved only as ``tokenizer.model`` (SentencePiece BPE, trained on ``texts``) and
+    ``tokenizer_config.json``: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, a BOS added to every text."""
+    import sentencepiece
+
+    directory.mkdir(parents=True, exist_ok=True)
+    corpus = directory / "corpus.txt"
+    corpus.write_text("".join(texts), encoding="utf-8")
+    sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(directory / "tokenizer"),
+                                             vocab_size=vocab_size, model_type="bpe", unk_id=0, bos_id=1, eos_id=2,
+                                             pad_id=-1, minloglevel=2)
+    corpus.unlink()
+    (directory / "tokenizer.vocab").unlink()
+    (directory / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="LlamaTokenizer", bos_token="<s>", eos_token="</s>", unk_token="<unk>", add_bos_token=True)))
 
 
 def make_trainer(strategy: LongShieldStrategy, max_steps: int, **kwargs: Any) -> L.Trainer:
