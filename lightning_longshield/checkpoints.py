@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -47,6 +48,10 @@ class StrategyCheckpoints:
     _pending_save: Optional[ShardedSave] = None
     _removals_after_commit: tuple[Any, ...] = ()  # checkpoints superseded by the save under way
     _save_group: Optional[Any] = None
+    # A checkpoint loaded by validate, test or predict: its privacy state (the DP history of the weights it holds) is
+    # what a save outside fit writes, not the session's.
+    _loaded_outside_fit = False
+    _privacy_state_outside_fit: Optional[dict[str, Any]] = None
 
     @property
     def sharded_checkpoints(self) -> bool:
@@ -68,7 +73,8 @@ class StrategyCheckpoints:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if self.privacy.ledger_path is None and self.privacy.plan is not None:  # type: ignore[attr-defined]
             self.open_privacy_ledger()  # type: ignore[attr-defined]  # a run that can be resumed keeps a ledger
-        state = self.privacy.state_dict()  # type: ignore[attr-defined]
+        state = (self._privacy_state_outside_fit if self._loaded_outside_fit and not self._fitting()
+                 else self.privacy.state_dict())  # type: ignore[attr-defined]
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state
         if not self.sharded_checkpoints:
@@ -142,14 +148,20 @@ class StrategyCheckpoints:
         else:
             checkpoint = ParallelStrategy.load_checkpoint(self, path, weights_only=False)  # type: ignore[arg-type]
         state = checkpoint.get(CHECKPOINT_KEY)
-        if state is not None and self.privacy.noise is not None:  # type: ignore[attr-defined]
+        if not self._fitting():  # validate, test, predict: the run's accounting is left as it is
+            self._loaded_outside_fit, self._privacy_state_outside_fit = True, state
+        elif state is not None:
             self.privacy.load_state_dict(state)  # type: ignore[attr-defined]
             self.privacy.resume_from_ledger(self.privacy_ledger, self.broadcast)  # type: ignore[attr-defined]
         return checkpoint
 
+    def _fitting(self) -> bool:
+        return self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # type: ignore[attr-defined]
+
     def on_train_start(self) -> None:
         """Keep the privacy ledger wherever the run can be resumed: it checkpoints, resumed, or names a ledger."""
         super().on_train_start()  # type: ignore[misc]
+        self._loaded_outside_fit, self._privacy_state_outside_fit = False, None
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         resumable = self.privacy.run_id is not None or trainer.checkpoint_callbacks  # type: ignore[attr-defined]
         if self.privacy_ledger is not None or resumable:  # type: ignore[attr-defined]

@@ -85,6 +85,32 @@ def test_resume_respects_spent_budget(tmp_path):
     assert second.get_epsilon() <= 2.0
 
 
+def test_validating_a_checkpoint_keeps_the_runs_accounting_and_a_save_carries_the_checkpoints(tmp_path):
+    """``validate(ckpt_path=...)`` after a fit leaves the run's accountant as it was (no step "rolled back"), and a
+    save outside fit writes the privacy state of the weights it holds, the loaded checkpoint's."""
+    run = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    saves = ModelCheckpoint(dirpath=tmp_path / "checkpoints", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    trainer = make_trainer(run, max_steps=6, enable_checkpointing=True, callbacks=[saves],
+                           default_root_dir=tmp_path)
+    model = module()
+    trainer.fit(model, loader(DATA, 4))
+    guarantee = run.privacy.describe_guarantee()
+    trainer.validate(model, loader(DATA, 4), ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
+    assert run.accountant.steps == 6 and run.privacy.describe_guarantee() == guarantee
+    trainer.save_checkpoint(tmp_path / "copy.ckpt")
+    history = torch.load(tmp_path / "copy.ckpt", weights_only=False)["longshield"]["accountant"]["history"]
+    assert [tuple(entry) for entry in history] == [(1.0, 0.125, 2)]
+
+    fresh = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    validator = make_trainer(fresh, max_steps=1)
+    validator.validate(module(), loader(DATA, 4), ckpt_path=tmp_path / "checkpoints" / "step=4.ckpt")
+    validator.save_checkpoint(tmp_path / "resaved.ckpt")  # a Trainer that never fitted: the weights' DP history kept
+    resumed = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    trainer = make_trainer(resumed, max_steps=2)
+    trainer.fit(module(), loader(DATA, 4), ckpt_path=tmp_path / "resaved.ckpt")  # global step 0: the validator's
+    assert resumed.accountant.steps == 4 + 2 + 2  # the checkpoint's, the two its ledger holds after it, this fit's
+
+
 def test_an_asynchronous_save_holds_the_state_of_its_step(tmp_path):
     """A save every 2 steps written in the background while training goes on: after a third step ran, the step-2
     checkpoint is in place, whole, and holds exactly step 2's parameters (the engine copied them when the save
