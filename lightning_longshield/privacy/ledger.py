@@ -8,7 +8,8 @@ before its noisy gradient is formed; on resume, every step the ledger holds for 
 checkpoint's.
 
 One line per step, JSON: ``{"run": run id, "index": the step's position in the run's accounting, "noise_multiplier",
-"sample_rate"}``. Nothing secret (no seed, no sample, no norm). A line torn by a crash during its write belongs to a
+"sample_rate", "poisson": whether its batch was Poisson-sampled, "reproducible": whether its randomness came from a
+noise_seed}``. Nothing secret (no seed, no sample, no norm). A line torn by a crash during its write belongs to a
 step that never released and is skipped, also where another run sharing the file appended its next line to the
 fragment. Any other line that does not read as a step is damaged: `read_ledger` counts it, and a resume counts it
 as a step of the run.
@@ -32,6 +33,8 @@ class LedgerEntry:
     index: int
     noise_multiplier: float
     sample_rate: float
+    poisson: bool = True
+    reproducible: bool = False
 
 
 class PrivacyLedger:
@@ -43,10 +46,12 @@ class PrivacyLedger:
         self._file: Optional[IO[str]] = None
         self._open()  # exists from now on: a resumed run that finds no ledger knows it was lost
 
-    def record(self, index: int, noise_multiplier: float, sample_rate: float) -> None:
+    def record(self, index: int, noise_multiplier: float, sample_rate: float, poisson: bool = True,
+               reproducible: bool = False) -> None:
         """Durably note that step ``index`` is about to release (returns once the line is on disk)."""
         file = self._open()
-        line = {"run": self.run_id, "index": index, "noise_multiplier": noise_multiplier, "sample_rate": sample_rate}
+        line = {"run": self.run_id, "index": index, "noise_multiplier": noise_multiplier, "sample_rate": sample_rate,
+                "poisson": poisson, "reproducible": reproducible}
         file.write(json.dumps(line) + "\n")
         file.flush()
         os.fsync(file.fileno())
@@ -111,7 +116,8 @@ def _parse(line: str) -> object:
 def _record(text: str) -> Optional[tuple[str, LedgerEntry]]:
     try:
         fields = json.loads(text)
-        entry = LedgerEntry(int(fields["index"]), float(fields["noise_multiplier"]), float(fields["sample_rate"]))
+        entry = LedgerEntry(int(fields["index"]), float(fields["noise_multiplier"]), float(fields["sample_rate"]),
+                            bool(fields.get("poisson", True)), bool(fields.get("reproducible", False)))
         return str(fields["run"]), entry
     except (ValueError, KeyError, TypeError):
         return None

@@ -93,6 +93,9 @@ class PrivacySession:
         self.ledger_since: Optional[int] = None  # the first step index that ledger records for this run
         self.rolled_back_steps = 0  # steps that ran after the checkpoint a run resumed from
         self.accounting_incomplete = False  # a resume found the run's ledger missing: steps may be uncounted
+        # How steps before this fit ran (checkpoint and ledger): without Poisson sampling, or from a noise_seed.
+        self.earlier_without_poisson = False
+        self.earlier_reproducible = False
 
     @property
     def max_grad_norm(self) -> float:
@@ -234,7 +237,8 @@ class PrivacySession:
         plan = self.plan
         assert plan is not None
         if self.ledger is not None:
-            self.ledger.record(self.accountant.steps, plan.noise_multiplier, plan.sample_rate)
+            self.ledger.record(self.accountant.steps, plan.noise_multiplier, plan.sample_rate,
+                               poisson=self.poisson_sampling, reproducible=self.noise_seed is not None)
 
     def resume_from_ledger(self, path: Optional[str | os.PathLike], broadcast: Callable[[T], T]) -> None:
         """After `load_state_dict`: add to the accountant every step the ledger at ``path`` (default: the one the
@@ -276,6 +280,8 @@ class PrivacySession:
             entries = entries + [_worst_step(entries, self._restored_plan)] * lost
         for entry in entries:
             self.accountant.step(entry.noise_multiplier, entry.sample_rate)
+            self.earlier_without_poisson |= not entry.poisson
+            self.earlier_reproducible |= entry.reproducible
         self.rolled_back_steps += len(entries)
         if entries:
             rank_zero_info(
@@ -335,9 +341,11 @@ class PrivacySession:
             raise ValueError("No guarantee yet: training has not started.")
         rolled_back = (f", of which {self.rolled_back_steps} were rolled back by a resume"
                        if self.rolled_back_steps else "")
+        fixed_batches = ("poisson_sampling=False" if not self.poisson_sampling else
+                         "poisson_sampling=False before a resume")
         claim = (f"Privacy guarantee: (epsilon={self.get_epsilon():.3f}, delta={plan.delta:.3g})-DP"
-                 if self.poisson_sampling else
-                 f"Privacy figure, NOT a guarantee of this run (poisson_sampling=False: its fixed batches get no"
+                 if self.poisson_sampling and not self.earlier_without_poisson else
+                 f"Privacy figure, NOT a guarantee of this run ({fixed_batches}: its fixed batches get no"
                  f" amplification by sampling, which the figure assumes): epsilon={self.get_epsilon():.3f},"
                  f" delta={plan.delta:.3g}")
         if self.accounting_incomplete:
@@ -372,7 +380,9 @@ class PrivacySession:
             state = "MT19937 generators (all 624 state words" if on_cpu else "Philox generators (seed and offset"
             projections = (f"; norm projections: {state} keyed by {key} through SHAKE-256; not a cryptographic"
                            " stream)")
-        return f"Randomness: {sampling}; {noise}{projections}."
+        earlier = ("; before a resume: noise and sampling reproducible from a noise_seed (private only while that"
+                   " seed is secret)" if self.earlier_reproducible and self.noise_seed is None else "")
+        return f"Randomness: {sampling}; {noise}{projections}{earlier}."
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -383,7 +393,9 @@ class PrivacySession:
             return None
         return {"plan": self.plan.state_dict(), "accountant": self.accountant.state_dict(), "run_id": self.run_id,
                 "ledger": self.ledger_path, "ledger_since": self.ledger_since,
-                "rolled_back_steps": self.rolled_back_steps, "accounting_incomplete": self.accounting_incomplete}
+                "rolled_back_steps": self.rolled_back_steps, "accounting_incomplete": self.accounting_incomplete,
+                "ran_without_poisson": self.earlier_without_poisson or not self.poisson_sampling,
+                "ran_reproducibly": self.earlier_reproducible or self.noise_seed is not None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the checkpoint's accounting; its plan fixes the mechanism when training starts."""
@@ -394,6 +406,8 @@ class PrivacySession:
         self.ledger_since = state.get("ledger_since")
         self.rolled_back_steps = state.get("rolled_back_steps", 0)
         self.accounting_incomplete = state.get("accounting_incomplete", False)
+        self.earlier_without_poisson = state.get("ran_without_poisson", False)
+        self.earlier_reproducible = state.get("ran_reproducibly", False)
 
 
 def _worst_step(entries: list[LedgerEntry], restored_plan: Optional[dict[str, Any]]) -> LedgerEntry:
@@ -402,4 +416,6 @@ def _worst_step(entries: list[LedgerEntry], restored_plan: Optional[dict[str, An
     steps = list(entries)
     if restored_plan is not None:
         steps.append(LedgerEntry(-1, float(restored_plan["noise_multiplier"]), float(restored_plan["sample_rate"])))
-    return LedgerEntry(-1, min(step.noise_multiplier for step in steps), max(step.sample_rate for step in steps))
+    return LedgerEntry(-1, min(step.noise_multiplier for step in steps), max(step.sample_rate for step in steps),
+                       poisson=all(step.poisson for step in steps),
+                       reproducible=any(step.reproducible for step in steps))

@@ -54,7 +54,7 @@ def test_lines_are_whole_and_per_run(tmp_path):
     whole = [line for line in path.read_text().splitlines() if line.endswith("}")]
     assert len(whole) == 4  # the torn line stayed alone on its line
     for line in whole:
-        assert set(json.loads(line)) == {"run", "index", "noise_multiplier", "sample_rate"}  # nothing secret
+        assert set(json.loads(line)) == {"run", "index", "noise_multiplier", "sample_rate", "poisson", "reproducible"}
 
 
 def test_a_fragment_glued_to_another_runs_line_is_skipped_and_damaged_lines_are_counted(tmp_path):
@@ -155,6 +155,25 @@ def _finished_guarantee(root) -> str:
     strategy = _strategy()
     _fit(strategy, root, max_steps=2)
     return strategy.privacy.describe_guarantee()
+
+
+@pytest.mark.filterwarnings("ignore:noise_seed is set", "ignore:poisson_sampling=False")
+def test_how_steps_before_a_resume_ran_stays_in_the_printed_guarantee(tmp_path):
+    """Fixed batches or a noise_seed before a resume are said after it: the checkpoint and the ledger keep them."""
+    _fit(_strategy(poisson_sampling=False), tmp_path / "fixed", max_steps=2)
+    resumed = _strategy()
+    _fit(resumed, tmp_path / "fixed", max_steps=3, ckpt_path=tmp_path / "fixed" / "checkpoints" / "step=2.ckpt")
+    assert resumed.privacy.describe_guarantee().startswith(
+        "Privacy figure, NOT a guarantee of this run (poisson_sampling=False before a resume")
+    _fit(_strategy(noise_seed=3), tmp_path / "seeded", max_steps=2)
+    resumed = _strategy()
+    _fit(resumed, tmp_path / "seeded", max_steps=3, ckpt_path=tmp_path / "seeded" / "checkpoints" / "step=2.ckpt")
+    assert "before a resume: noise and sampling reproducible from a noise_seed" in resumed.privacy.describe_guarantee()
+    lines = [json.loads(line) for line in (tmp_path / "seeded" / LEDGER_FILE).read_text().splitlines()]
+    assert [(line["reproducible"], line["poisson"]) for line in lines] == [(True, True)] * 2 + [(False, True)]
+    fresh = _strategy()
+    _fit(fresh, tmp_path / "fresh", max_steps=1)
+    assert "before a resume" not in fresh.privacy.describe_guarantee()
 
 
 def _run_id(root) -> str:
