@@ -234,12 +234,7 @@ def best_epsilon_lower_bound(
     ``(1 - confidence) / K`` (a union bound), so the best of them still holds at ``confidence``. With one candidate
     this is ``epsilon_lower_bound`` of ``count_correct_guesses``.
     """
-    unique = list(dict.fromkeys((int(k_plus), int(k_minus)) for k_plus, k_minus in candidates))
-    if not unique:
-        raise ValueError("candidates is empty: pass at least one (k_plus, k_minus) pair, e.g. [(100, 100)]")
-    if not (isinstance(confidence, numbers.Real) and 0.0 < confidence < 1.0):
-        raise ValueError(f"confidence={confidence!r} is outside (0, 1): pass e.g. 0.95 for a 95% lower bound")
-    per_candidate = 1.0 - (1.0 - float(confidence)) / len(unique)
+    unique, per_candidate = _candidates_and_level(candidates, confidence)
     best: AuditResult | None = None
     for k_plus, k_minus in unique:
         guesses, correct = count_correct_guesses(scores, included, k_plus, k_minus)
@@ -248,6 +243,29 @@ def best_epsilon_lower_bound(
             best = AuditResult(epsilon, k_plus, k_minus, guesses, correct)
     assert best is not None
     return best
+
+
+def largest_reportable_bound(
+    m: int, delta: float, candidates: Sequence[tuple[int, int]], confidence: float = 0.95
+) -> float:
+    """The most `best_epsilon_lower_bound` can report for ``m`` canaries: every guess right at every candidate. An
+    audit whose claim is at or above it cannot show the claim broken, whatever the mechanism does."""
+    unique, per_candidate = _candidates_and_level(candidates, confidence)
+    return max(epsilon_lower_bound(m, k_plus + k_minus, k_plus + k_minus, delta, per_candidate)
+               for k_plus, k_minus in unique)
+
+
+def _candidates_and_level(candidates: Sequence[tuple[int, int]], confidence: float) -> tuple[list[tuple[int, int]],
+                                                                                            float]:
+    """The distinct ``(k_plus, k_minus)`` candidates (whole numbers, checked) and the confidence each is tested at,
+    ``1 - (1 - confidence) / K`` (a union bound over the K of them)."""
+    unique = list(dict.fromkeys((_as_count("k_plus", k_plus), _as_count("k_minus", k_minus))
+                                for k_plus, k_minus in candidates))
+    if not unique:
+        raise ValueError("candidates is empty: pass at least one (k_plus, k_minus) pair, e.g. [(100, 100)]")
+    if not (isinstance(confidence, numbers.Real) and 0.0 < confidence < 1.0):
+        raise ValueError(f"confidence={confidence!r} is outside (0, 1): pass e.g. 0.95 for a 95% lower bound")
+    return unique, 1.0 - (1.0 - float(confidence)) / len(unique)
 
 
 def _as_count(name: str, value: object) -> int:

@@ -12,6 +12,7 @@ The inclusion draws come from the audit's own generator, independent of the run'
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -26,15 +27,19 @@ CANARY_KEY = "canary"  # index of the canary a record is, -1 for the run's own r
 
 @dataclass
 class Canaries:
-    """``m`` canaries, each included in the training data with probability 1/2 (``included``)."""
+    """``m`` canaries, each included in the training data with probability 1/2 (``included``). The inclusion bits
+    must be independent of everything else in the run: ``seed=None`` (the default) draws the seed from OS entropy; a
+    given seed makes the audit reproducible (and its bits known beforehand to whoever knows the seed)."""
 
     m: int
-    seed: int = 0
+    seed: Optional[int] = None
     included: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.m < 2:
             raise ValueError(f"m={self.m}: an audit needs canaries to guess about; pass m of a few hundred or more.")
+        if self.seed is None:
+            self.seed = secrets.randbits(62)
         generator = torch.Generator().manual_seed(self.seed)
         self.included = (torch.rand(self.m, generator=generator) < 0.5).tolist()
 

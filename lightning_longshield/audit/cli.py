@@ -46,13 +46,28 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--target-delta", type=float, default=1e-5)
     parser.add_argument("--confidence", type=float, default=0.95,
                         help="the lower bound's confidence, in (0, 1): 0.95, not 95")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="the audit's canaries and inclusion draws, and the model's initialisation")
+    parser.add_argument("--seed", type=int, default=0, help="the model's initialisation")
+    parser.add_argument("--canary-seed", type=int,
+                        help="the canaries and their inclusion bits (default: OS entropy; the report gives it)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", metavar="PNG", help="also save the guess-accuracy curve there (needs matplotlib)")
     args = parser.parse_args(argv)
     if args.canaries < 2 or (args.steps is not None and args.steps < 1) or args.records < 1:
         parser.error("--canaries must be at least 2, --steps and --records at least 1.")
+    if args.batch_size < 1 or args.seq_len < 2:
+        parser.error("--batch-size must be at least 1 and --seq-len at least 2.")
+    if not args.config and args.batch_size > args.records + args.canaries // 2:
+        parser.error(f"--batch-size {args.batch_size} is more than the records and about half the canaries"
+                     f" ({args.records} + {args.canaries // 2}): the Poisson sampling rate would exceed 1. Lower"
+                     " --batch-size, or raise --records or --canaries.")
+    if not 0 < args.target_delta < 1:
+        parser.error(f"--target-delta {args.target_delta} must be in (0, 1), e.g. 1e-5.")
+    if not args.max_grad_norm > 0:
+        parser.error(f"--max-grad-norm {args.max_grad_norm} must be above 0.")
+    if args.noise_multiplier is not None and not args.noise_multiplier >= 0:
+        parser.error(f"--noise-multiplier {args.noise_multiplier} must be at least 0 (0: no noise).")
+    if args.target_epsilon is not None and not 0 < args.target_epsilon < float("inf"):
+        parser.error(f"--target-epsilon {args.target_epsilon} must be a finite number above 0.")
     try:
         check_audit_inputs(args.magnitude, args.confidence)
     except ValueError as err:
@@ -65,7 +80,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     run = _run_from_file(args) if args.config else _reduced_run(args)
     report = audit_training(**run, canaries=args.canaries, canary_type=args.canary_type, magnitude=args.magnitude,
-                            confidence=args.confidence, seed=args.seed)
+                            confidence=args.confidence, seed=args.canary_seed)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
     if args.plot:
         report.plot(args.plot)

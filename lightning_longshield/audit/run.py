@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -14,7 +15,7 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_longshield.audit.bounds import best_epsilon_lower_bound
+from lightning_longshield.audit.bounds import best_epsilon_lower_bound, largest_reportable_bound
 from lightning_longshield.audit.canaries import (
     CANARY_KEY,
     CanaryScores,
@@ -49,6 +50,15 @@ class AuditReport:
     scale: str
     #: ``(k, fraction of the k highest-scoring canaries that were inserted)``, k up to half the canaries.
     top_guess_accuracy: tuple[tuple[int, float], ...] = ()
+    #: The most this audit could report (every guess right): a claim at or above it cannot be shown broken.
+    largest_reportable_bound: float = math.inf
+    #: The seed of the canaries and their inclusion bits (OS entropy unless given), to reproduce the audit.
+    canary_seed: Optional[int] = None
+
+    @property
+    def can_refute_claim(self) -> bool:
+        """Whether a bound above the claimed epsilon was reachable at this audit's size and confidence."""
+        return self.largest_reportable_bound > self.claimed_epsilon
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,7 +93,18 @@ class AuditReport:
                 f" claimed epsilon={self.claimed_epsilon:.3f} at delta={self.delta:.3g}; empirical lower bound"
                 f" {self.epsilon_lower_bound:.3f} at {100 * self.confidence:.4g}% confidence ({self.correct} of"
                 f" {self.guesses} guesses correct). A lower bound is evidence, not proof: it can only show a"
-                " guarantee broken (lower bound above the claim), never that it holds.")
+                " guarantee broken (lower bound above the claim), never that it holds." + self._limits())
+
+    def _limits(self) -> str:
+        """What limits this audit's reading: a claim it could not refute, or a bound capped by its size."""
+        notes = ""
+        if not self.can_refute_claim:
+            notes += (f" At this size and confidence no run can show more than {self.largest_reportable_bound:.3f},"
+                      " which is not above the claim: this audit could not detect a broken guarantee. Use more"
+                      " canaries or a lower confidence.")
+        if self.guesses and self.correct == self.guesses:
+            notes += " Every guess was right: the bound is capped by the audit's size, not measured."
+        return notes
 
 
 def audit_training(
@@ -97,7 +118,7 @@ def audit_training(
     canary_type: CanaryType = "gradient",
     magnitude: float = 1.0,
     confidence: float = 0.95,
-    seed: int = 0,
+    seed: Optional[int] = None,
     scale: str = "as configured",
     trainer_options: Optional[Mapping[str, Any]] = None,
 ) -> AuditReport:
@@ -110,7 +131,9 @@ def audit_training(
     size (a model without a trainable output layer: any coordinate, at ``micro_batch_size=1``, logged).
     ``"input"`` (black box, a `CausalLMModule`): random token sequences scored by their loss on the trained model.
     Canaries are sampled, clipped and noised like every record. ``scale`` says how this run relates to the real one
-    (e.g. fewer steps), and is reported. One process.
+    (e.g. fewer steps), and is reported. ``seed`` fixes the canaries and their inclusion bits (default: OS entropy;
+    the report gives the seed used). One process. A warning says when the audit's size and confidence cannot reach
+    a bound above the claim (`AuditReport.largest_reportable_bound`).
     """
     from lightning_longshield import LongShieldStrategy
     from lightning_longshield.progress import StepProgressBar
@@ -163,10 +186,18 @@ def audit_training(
     else:
         scores = loss_scores(module, inputs, lambda m, record: causal_lm_loss(m(record["input_ids"][None]),
                                                                               record["labels"][None]))
-    best = best_epsilon_lower_bound(scores, chosen.included, plan.delta, guess_candidates(canaries), confidence)
-    return AuditReport(canary_type, canaries, len(chosen.inserted), strategy.get_epsilon(), best.epsilon, confidence,
-                       plan.delta, best.guesses, best.correct, trainer.global_step, scale,
-                       top_guess_accuracy(scores, chosen.included))
+    candidates = guess_candidates(canaries)
+    best = best_epsilon_lower_bound(scores, chosen.included, plan.delta, candidates, confidence)
+    report = AuditReport(canary_type, canaries, len(chosen.inserted), strategy.get_epsilon(), best.epsilon,
+                         confidence, plan.delta, best.guesses, best.correct, trainer.global_step, scale,
+                         top_guess_accuracy(scores, chosen.included),
+                         largest_reportable_bound(canaries, plan.delta, candidates, confidence), chosen.seed)
+    if not report.can_refute_claim:
+        warnings.warn(f"The audit of {canaries} canaries at {100 * confidence:.4g}% confidence can report at most"
+                      f" epsilon {report.largest_reportable_bound:.3f}, not above the claimed"
+                      f" {report.claimed_epsilon:.3f}: it could not detect a broken guarantee. Use more canaries or a"
+                      " lower confidence.", UserWarning, stacklevel=2)
+    return report
 
 
 def check_audit_inputs(magnitude: float, confidence: float) -> None:

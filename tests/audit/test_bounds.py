@@ -17,7 +17,8 @@ from lightning_longshield.audit import (
     count_correct_guesses,
     epsilon_lower_bound,
 )
-from lightning_longshield.audit.bounds import DEFAULT_TOLERANCE
+from lightning_longshield.audit.bounds import DEFAULT_TOLERANCE, largest_reportable_bound
+from lightning_longshield.audit.canaries import guess_candidates
 
 # --- published values ------------------------------------------------------------------------------------------------
 # Steinke, Nasr and Jagielski, "Privacy Auditing with One (1) Training Run", arXiv:2305.08846, Appendix D: the worked
@@ -286,6 +287,22 @@ def test_other_entry_points_reject_bad_inputs() -> None:
         count_correct_guesses([0.1, math.nan], [True, False], 1, 0)
     with pytest.raises(ValueError, match="candidates is empty"):
         best_epsilon_lower_bound([0.1, 0.2], [True, False], 1e-5, [])
+    for fractional in ((1.5, 0), (True, 0), (1, -1)):  # never rounded or taken as a count
+        with pytest.raises(ValueError, match="must be a whole number|is negative"):
+            best_epsilon_lower_bound([0.1, 0.2], [True, False], 1e-5, [fractional])
+
+
+@pytest.mark.parametrize(("m", "confidence", "largest"), [(60, 0.95, 2.14), (1000, 0.95, 4.91), (1000, 0.999, 1.29)])
+def test_an_audits_largest_reportable_bound_is_its_all_correct_bound(m: int, confidence: float,
+                                                                      largest: float) -> None:
+    """What an audit of ``m`` canaries can report at most (delta 1e-5, the audit's guess counts): a claim at or
+    above it cannot be shown broken, which a report must say."""
+    candidates = guess_candidates(m)
+    ceiling = largest_reportable_bound(m, 1e-5, candidates, confidence)
+    assert ceiling == pytest.approx(largest, abs=0.01)
+    included = [index % 2 == 0 for index in range(m)]
+    oracle = [1.0 if bit else 0.0 for bit in included]  # every guess right
+    assert best_epsilon_lower_bound(oracle, included, 1e-5, candidates, confidence).epsilon == ceiling
 
 
 def test_no_evidence_gives_zero() -> None:
