@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +38,7 @@ class DurableCheckpointIO(TorchCheckpointIO):
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         temporary = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        remove_stale_partials(target.parent)
         try:
             write_durably(temporary, lambda file: torch.save(checkpoint, file))
             os.replace(temporary, target)
@@ -51,6 +54,28 @@ class DurableCheckpointIO(TorchCheckpointIO):
                    else "no whole checkpoint is beside it")
             raise CorruptCheckpointError(f"Checkpoint {path} is truncated or damaged and was not loaded; {fix}.")
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
+#: A checkpoint's temporary (``.<name>[.<pid>].partial``, file or folder) untouched for this long was left by a save
+#: that was killed; a save under way, this run's or another's sharing the folder, writes to its own all along.
+STALE_PARTIAL_SECONDS = 3600.0
+
+
+def remove_stale_partials(folder: Path) -> None:
+    """Remove the temporaries of killed saves in ``folder``: those whose newest write is `STALE_PARTIAL_SECONDS`
+    old."""
+    now = time.time()
+    for stale in folder.glob(".*.partial"):
+        try:
+            entries = [stale, *stale.iterdir()] if stale.is_dir() else [stale]
+            if now - max(entry.stat().st_mtime for entry in entries) < STALE_PARTIAL_SECONDS:
+                continue
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
 
 
 def write_durably(path: Path, write: Callable[[IO[bytes]], object]) -> None:

@@ -38,7 +38,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lightning_longshield.durable_checkpoints import CorruptCheckpointError, newest_whole_checkpoint, write_durably
+from lightning_longshield.durable_checkpoints import (
+    CorruptCheckpointError,
+    newest_whole_checkpoint,
+    remove_stale_partials,
+    write_durably,
+)
 from lightning_longshield.privacy.ledger import fsync_directory
 
 METADATA_FILE = "meta.pt"
@@ -109,8 +114,8 @@ def save_sharded(
     temporary = final.with_name(f".{final.name}.partial")
     if rank == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
-        for stale in final.parent.glob(".*.partial"):  # left by saves that were killed
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_stale_partials(final.parent)
+        shutil.rmtree(temporary, ignore_errors=True)  # a killed save of this name
         temporary.mkdir()
     barrier()
     options = StateDictOptions(cpu_offload=False)

@@ -3,6 +3,9 @@ its name and the newest whole checkpoint beside it, never loaded in part."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -79,6 +82,29 @@ def test_a_sharded_checkpoint_appears_whole_and_replaces_its_name(tmp_path):
     assert (path / "meta.pt").stat().st_mtime_ns >= first
     assert {".metadata", "meta.pt", "manifest.json"} <= {p.name for p in path.iterdir()}
     assert is_whole_sharded_checkpoint(path)
+
+
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_a_save_removes_what_killed_saves_left_but_not_a_save_under_way(tmp_path, checkpoint_format):
+    """Temporaries untouched for an hour were left by killed saves (a file per full save, a folder per sharded one);
+    a fresh one may be another run's save in progress in the same folder, and stays."""
+    strategy = LongShieldStrategy(noise_multiplier=1.0, target_delta=1e-3, checkpoint_format=checkpoint_format)
+    trainer = make_trainer(strategy, max_steps=1, default_root_dir=tmp_path)
+    trainer.fit(make_module(small_config(n_layers=1)), loader(DATA, 4))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    old_file, old_folder = folder / ".step=2.ckpt.123.partial", folder / ".step=4.ckpt.partial"
+    fresh_file, fresh_folder = folder / ".step=6.ckpt.456.partial", folder / ".other.ckpt.partial"
+    for path in (old_folder, fresh_folder):
+        path.mkdir()
+        (path / "__0_0.distcp").write_bytes(b"shard")
+    for path in (old_file, fresh_file):
+        path.write_bytes(b"partial")
+    hours_ago = time.time() - 2 * 3600
+    for path in (old_file, old_folder, old_folder / "__0_0.distcp"):
+        os.utime(path, (hours_ago, hours_ago))
+    trainer.save_checkpoint(folder / "last.ckpt")
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["last.ckpt", fresh_file.name, fresh_folder.name])
 
 
 @pytest.mark.parametrize("atomic", [True, False], ids=["exchanged", "renamed-aside"])
