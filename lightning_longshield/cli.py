@@ -69,11 +69,17 @@ def is_private_strategy(strategy: Any) -> bool:
 
 class SaveConfigToLogDir(SaveConfigCallback):
     """Saves the merged configuration in the logger's log directory; nothing without a logger (rather than
-    ``config.yaml`` in the working directory)."""
+    ``config.yaml`` in the working directory). A strategy's ``noise_seed`` is saved as null: the run's noise and
+    sampling are private only while it stays secret, and the log directory sits next to the checkpoints."""
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.logger is None:
             return
+        strategy = self.config.get("trainer", {}).get("strategy")
+        init_args = getattr(strategy, "init_args", None)
+        if init_args is not None and init_args.get("noise_seed") is not None:
+            self.config = self.config.clone()
+            self.config.trainer.strategy.init_args.noise_seed = None
         super().setup(trainer, pl_module, stage)
 
 

@@ -65,6 +65,17 @@ def test_console_script_exits_zero_and_prints_the_guarantee(tmp_path):
     assert not list(workdir.iterdir())
 
 
+@pytest.mark.filterwarnings("ignore:noise_seed is set")
+def test_the_saved_config_holds_no_noise_seed(tmp_path):
+    """The log directory's config.yaml sits next to the checkpoints: a noise_seed saved there would undo the noise."""
+    cli = run_cli(["fit", "--config", str(CONFIGS / "stdlib_tiny.yaml"), *QUICK, "--trainer.max_steps", "1",
+                   "--data.init_args.max_bytes", "50000", "--data.init_args.seq_len", "32", "--trainer.logger", "true",
+                   "--trainer.default_root_dir", str(tmp_path), "--trainer.strategy.init_args.noise_seed", "987654321"])
+    assert cli.trainer.strategy.privacy.noise_seed == 987654321  # the run itself used it
+    (saved,) = tmp_path.rglob("config.yaml")
+    assert "987654321" not in saved.read_text() and "noise_seed: null" in saved.read_text()
+
+
 @pytest.mark.parametrize("strategy", ["auto", "ddp", "lightning.pytorch.strategies.SingleDeviceStrategy"])
 def test_a_strategy_without_dp_is_refused_unless_acknowledged(strategy, tmp_path):
     args = ["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--trainer.strategy", strategy]
