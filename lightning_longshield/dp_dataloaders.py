@@ -53,7 +53,9 @@ def rebuild_dataloader(
     loader_class: type[DataLoader] = DataLoader,
 ) -> DataLoader:
     """A plain `DataLoader` (or ``loader_class``) over the same dataset and worker settings with a new (batch)
-    sampler. The old loader's ``generator`` is not carried: it drew the sampling this replaces."""
+    sampler. The old loader's ``generator`` is not carried: it drew the sampling this replaces. Batches come in
+    order whatever ``in_order`` said: each data-parallel group takes its part of the same draw at the same step,
+    and out of order they would train on parts of different draws (a sample in two parts of one step)."""
     workers = dataloader.num_workers
     kwargs: dict[str, Any] = dict(
         collate_fn=collate_fn or dataloader.collate_fn,
@@ -67,8 +69,6 @@ def rebuild_dataloader(
     if workers:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
         kwargs["multiprocessing_context"] = dataloader.multiprocessing_context
-        if hasattr(dataloader, "in_order"):  # torch >= 2.6
-            kwargs["in_order"] = dataloader.in_order
     if batch_sampler is not None:
         return loader_class(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
     return loader_class(
@@ -116,17 +116,19 @@ def _refuse_a_selecting_sampler(dataloader: DataLoader, size: int) -> None:
         )
 
 
-def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, data_parallel_size: int) -> DataLoader:
+def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, data_parallel_size: int,
+                             training: bool = False) -> DataLoader:
     """Split ``dataloader`` over data-parallel groups (group ``g`` takes samples g, g+D, ...); CP peers share a split.
 
-    The DataLoader's own shuffling is kept (a `RandomSampler` becomes a shuffling `DistributedSampler`).
+    The DataLoader's own shuffling is kept (a `RandomSampler` becomes a shuffling `DistributedSampler`). For
+    ``training`` the last ``N mod D`` samples of an epoch are left out: the sampler would otherwise pad its last round
+    with repeated samples, one of them then in two groups' parts of one logical batch.
     """
     if data_parallel_size == 1:
         return dataloader
     shuffle = isinstance(dataloader.sampler, RandomSampler)
-    sampler = DistributedSampler(
-        dataloader.dataset, num_replicas=data_parallel_size, rank=data_parallel_rank, shuffle=shuffle
-    )
+    sampler = DistributedSampler(dataloader.dataset, num_replicas=data_parallel_size, rank=data_parallel_rank,
+                                 shuffle=shuffle, drop_last=training)
     return rebuild_dataloader(dataloader, sampler=sampler)
 
 
@@ -140,7 +142,7 @@ def training_dataloader(
     """Poisson logical batches from ``sampling`` (draws numbered from ``first_draw``, the DP steps already taken),
     or, without it, the DataLoader's own batches split over data-parallel groups."""
     if sampling is None:
-        return data_parallel_dataloader(dataloader, data_parallel_rank, data_parallel_size)
+        return data_parallel_dataloader(dataloader, data_parallel_rank, data_parallel_size, training=True)
     return poisson_dataloader(dataloader, sampling, first_draw, data_parallel_rank, data_parallel_size)
 
 

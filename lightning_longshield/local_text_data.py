@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import codecs
 import glob
+import hashlib
 import itertools
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -178,8 +180,10 @@ class LocalTextDataModule(L.LightningDataModule):
 
     Documents: a ``.txt`` file is one document; a ``.jsonl`` line, a ``.json`` record or a ``.parquet`` row is one
     document, its text in ``text_field``. Files are read with ``datasets.load_dataset`` (local files only) and
-    tokenized with ``Dataset.map``; both are cached by ``datasets`` under ``cache_dir`` (default: its own cache), so
-    a second run reuses the tokens. ``tokenizer`` is None (UTF-8 bytes, `ByteTokenizer`), a path to a saved Hugging
+    tokenized with ``Dataset.map``; both are cached by ``datasets`` under ``cache_dir`` (default: its own cache), in
+    a folder per version of the files, so a second run reuses the tokens and a changed file is read again. A custom
+    tokenizer object is cached by its class's name and its state: after changing its code, pass a new ``cache_dir``.
+    ``tokenizer`` is None (UTF-8 bytes, `ByteTokenizer`), a path to a saved Hugging
     Face tokenizer (``AutoTokenizer.from_pretrained(path, local_files_only=True)``) or an object with
     ``encode(text) -> list[int]`` and ``len()`` or ``vocab_size``. Each document is encoded with the tokenizer's own
     special tokens and, with ``add_eos``, ends with its EOS token (the byte-level tokenizer uses byte 0, NUL).
@@ -249,6 +253,14 @@ class LocalTextDataModule(L.LightningDataModule):
         self.val_files = None if val_files is None else resolve_data_files(val_files)
         if self.val_files is not None:
             refuse_blank_files(self.val_files, "val_files")
+            shared = sorted({path.resolve() for path in self.files} & {path.resolve() for path in self.val_files})
+            if shared:
+                more = ", ..." if len(shared) > 1 else ""
+                raise ValueError(
+                    f"val_files and data_files share {len(shared)} file(s) ({shared[0]}{more}):"
+                    " their documents would be trained on and their validation loss released without noise. Keep"
+                    " the public validation files out of data_files (another folder, or a glob that leaves them out)."
+                )
         self.tokenizer = self._load_tokenizer(tokenizer)
         self.text_field, self.seq_len, self.privacy_unit = text_field, seq_len, privacy_unit
         if add_eos and self.eos_token_id is None:
@@ -362,7 +374,8 @@ class LocalTextDataModule(L.LightningDataModule):
             paths = [str(p) for p in group]
             try:
                 raw = datasets.load_dataset(
-                    builder, data_files=paths, split="train", cache_dir=self.cache_dir, num_proc=self.num_proc,
+                    builder, data_files=paths, split="train", cache_dir=self._files_cache_dir(paths, datasets),
+                    num_proc=self.num_proc,
                     **({"sample_by": "document"} if builder == "text" else {}),
                 )
             except StopIteration as error:  # what `datasets` raises for a file without records
@@ -394,6 +407,18 @@ class LocalTextDataModule(L.LightningDataModule):
             if remaining == 0:
                 break
         return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+    def _files_cache_dir(self, paths: list[str], datasets: Any) -> str:
+        """A cache folder per version of ``paths``: `datasets` keys local files by their modification time alone, so
+        a file rewritten with its time kept (``cp -p``, ``rsync -a``, unpacking an archive) would train on its old
+        tokens, e.g. records deleted from it. Its size, inode and change time (which no copy can set) name the
+        folder, with this library's version."""
+        from lightning_longshield import __version__
+
+        stats = [(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) for path in paths
+                 for st in [os.stat(path)]]
+        digest = hashlib.sha256(json.dumps([__version__, stats]).encode()).hexdigest()[:16]
+        return os.path.join(self.cache_dir or datasets.config.HF_DATASETS_CACHE, f"longshield-{digest}")
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_dataset is not None:

@@ -81,7 +81,9 @@ class CollateAllowingEmpty:
             raise type(error)(
                 f"The sampled records could not be collated into one batch ({type(error).__name__} in the collate"
                 " function; its message is withheld, as it can quote values of the sampled records). Make every"
-                " record the same length (pack or pad them in the dataset), or pass a collate_fn that pads them."
+                " record the same length (pack or pad them in the dataset), or pass a collate_fn that pads them on"
+                " the right, with labels -100 (the model has no attention mask: left padding would make a record's"
+                " loss depend on the longest other record sampled with it)."
             ) from None
 
 

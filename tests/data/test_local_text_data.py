@@ -239,6 +239,26 @@ def test_second_setup_reuses_the_cached_tokens(texts, tokenizer_dir, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in cache.rglob("cache-*.arrow")} == files
 
 
+def test_a_file_rewritten_with_its_time_kept_is_read_again(texts, tmp_path):
+    """``cp -p``, ``rsync -a`` or an archive keep a file's modification time, which alone keys `datasets`' cache: the
+    rewritten file (a document deleted from it) must not train on its old tokens."""
+    import os
+
+    data = write(tmp_path / "data", texts[:3], "jsonl")
+    assert len(module(data, tmp_path, privacy_unit="document").train_dataset) == 3
+    kept = data.stat()
+    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts[1:3]), encoding="utf-8")
+    os.utime(data, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    assert len(module(data, tmp_path, privacy_unit="document").train_dataset) == 2
+
+
+def test_validation_files_among_the_training_files_are_refused(texts, tmp_path):
+    data = write(tmp_path / "data", texts, "txt")
+    for val_files in (data / "doc00.txt", data):
+        with pytest.raises(ValueError, match="val_files and data_files share .* trained on and their validation"):
+            LocalTextDataModule(data, val_files=val_files)
+
+
 def test_errors_name_the_fix(texts, tokenizer_dir, tmp_path):
     data = write(tmp_path / "data", texts, "jsonl", field="content")
     with pytest.raises(FileNotFoundError, match="No .* files match data_files entry"):

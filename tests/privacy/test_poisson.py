@@ -155,8 +155,21 @@ def test_the_poisson_dataloader_keeps_the_worker_settings():
 
     original = torch.utils.data.DataLoader(RandomTokens(size=8), batch_size=2, num_workers=1,
                                            multiprocessing_context="spawn", persistent_workers=True,
-                                           generator=torch.Generator().manual_seed(0))
+                                           generator=torch.Generator().manual_seed(0), in_order=False)
     rebuilt = poisson_dataloader(original, SecretKey.from_seed(0), 0, 0, 1)
     assert rebuilt.multiprocessing_context is original.multiprocessing_context
     assert (rebuilt.num_workers, rebuilt.persistent_workers, rebuilt.pin_memory_device) == (1, True, "")
     assert rebuilt.generator is None
+    # Out of order, data-parallel groups would train on parts of different draws in one step.
+    assert rebuilt.in_order
+
+
+def test_without_poisson_sampling_no_sample_is_in_two_groups_parts_of_a_batch():
+    """``DistributedSampler`` pads its last round with repeated samples: N 3 over 2 groups gave [0, 2] and [1, 0]."""
+    from lightning_longshield.dp_dataloaders import data_parallel_dataloader
+
+    loader = torch.utils.data.DataLoader(RandomTokens(size=3), batch_size=2)
+    parts = [list(data_parallel_dataloader(loader, rank, 2, training=True).sampler) for rank in (0, 1)]
+    assert parts == [[0], [1]]
+    evaluation = [list(data_parallel_dataloader(loader, rank, 2).sampler) for rank in (0, 1)]
+    assert set(evaluation[0] + evaluation[1]) == {0, 1, 2}  # evaluation sees every sample
