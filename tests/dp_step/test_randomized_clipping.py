@@ -145,7 +145,8 @@ def test_projections_are_fresh_secret_and_never_stored():
         strategy = fit(module, steps=1, noise_multiplier=1.0, norms=ProjectedNorms("hutchinson", projection_dim=4))
     state = strategy.privacy.state_dict()
     assert "key" not in repr(state) and set(state) == {"plan", "accountant", "run_id", "ledger", "ledger_since",
-                                                    "rolled_back_steps"}
+                                                    "rolled_back_steps", "accounting_incomplete",
+                                                    "ran_without_poisson", "ran_reproducibly"}
     assert state["accountant"]["estimator"] == "hutchinson"
     described = strategy.privacy.describe_randomness()
     assert "norm projections: MT19937 generators (all 624 state words keyed by noise_seed" in described
