@@ -5,8 +5,8 @@ each window of ``--seq-len`` bytes is one privacy unit, logical batches are Pois
 ``--batch-size``, and the noise is calibrated so that ``--max-steps`` steps spend at most ``--target-epsilon``.
 The last 5% of the windows are held out; the script ends by printing the privacy guarantee, what it covers, and
 the validation perplexity. The noise and the Poisson sampling come from OS entropy (``--seed`` fixes only the
-model's initialisation); nothing computed from the training batches is logged. The defaults take under two
-minutes on an idle 2-core CPU and reach a validation perplexity near 22 (a uniform guess over bytes is 256):
+model's initialisation); nothing computed from the training batches is logged. The defaults take a few
+minutes on an idle 2-core CPU and reach a validation perplexity of about 22 to 27 (a uniform guess over bytes is 256):
 
     python examples/train_dp_stdlib.py
     python examples/train_dp_stdlib.py --seq-len 256 --batch-size 32 --max-steps 100 --target-epsilon 3

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_longshield import hf
 from lightning_longshield.hf import require_hf
+from lightning_longshield.local_text_data import LocalTextDataModule  # noqa: F401  (so `--data LocalTextDataModule` names it)
 from lightning_longshield.module import CausalLMModule
 from lightning_longshield.progress import StepProgressBar
 from lightning_longshield.strategy import LongShieldStrategy

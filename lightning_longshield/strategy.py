@@ -47,7 +47,11 @@ from lightning_longshield.privacy import DPSGDEngine, PrivacyAccountant
 from lightning_longshield.privacy.metric_guard import SampledBatchMetricGuard
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
 from lightning_longshield.privacy.session import PrivacySession
-from lightning_longshield.trainer_checks import check_minimums_within_budget, check_trainer_for_dp_sgd
+from lightning_longshield.trainer_checks import (
+    check_minimums_within_budget,
+    check_trainer_for_dp_sgd,
+    warn_micro_batch_above_batch,
+)
 from simulate.strategy_config import (
     DEFAULT_BUCKET_MB,
     CheckpointPolicy,
@@ -76,8 +80,9 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         poisson_sampling: ``False`` uses the DataLoader's own batches as logical batches; the accountant still
             assumes Poisson sampling, so the reported epsilon is then not a formal guarantee.
         accountant: ``"prv"`` (default; Opacus's PRV accountant with a bounded grid, tighter) or ``"rdp"``.
-        secure_mode: noise from ChaCha20 keyed by fresh OS entropy (cryptographic; Opacus's four-draw Gaussians)
-            instead of torch generators keyed per step (fast, hardened). Poisson masks are SHAKE-256 either way.
+        secure_mode: noise from ChaCha20 keyed by fresh OS entropy with Opacus's four-draw Gaussians, instead of
+            the default AES-256-CTR keystreams on CPU (cryptographic, Box-Muller) and keyed Philox generators on GPU
+            (hardened). Poisson masks are SHAKE-256 either way.
         seed: seeds the global RNGs of every process (initialisation, dropout, order of non-private data), never
             the noise or the Poisson sampling: those come from OS entropy drawn at each ``fit``, never stored.
         noise_seed: for tests only: reproducible noise and sampling from this seed (a warning says why not to).
@@ -285,6 +290,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         if not self.lightning_module.trainer.training:
             return data_parallel_dataloader(dataloader, rank, size)
         self.privacy.record_training_data(training_set_size(dataloader), dataloader.batch_size)
+        warn_micro_batch_above_batch(self.config.micro_batch_size, dataloader.batch_size)
         self._padding.use_data(dataloader.dataset, dataloader.collate_fn)
         if self.preflight:
             _preflight.run_preflight(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import LearningRateFinder, ThroughputMonitor
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -66,4 +68,17 @@ def check_minimums_within_budget(trainer: pl.Trainer, steps_left_in_budget: int)
             f"{' and '.join(asked)} asks for more steps than the privacy budget allows ({allowed} in all): Lightning"
             " would keep training past the budget's stop, which the strategy refuses. Lower the minimum, or allow a"
             " larger budget (target_epsilon)."
+        )
+
+
+def warn_micro_batch_above_batch(micro_batch_size: int, batch_size: Optional[int]) -> None:
+    """Say when ``micro_batch_size`` exceeds the DataLoader's ``batch_size`` (the expected Poisson batch of a
+    data-parallel group): micro-batches are cut from the sampled batch, so the pre-flight then plans, and may refuse,
+    memory for micro-batches the run will hardly ever form."""
+    if batch_size is not None and micro_batch_size > batch_size:
+        rank_zero_warn(
+            f"micro_batch_size={micro_batch_size} is above the DataLoader's batch_size={batch_size}, the expected"
+            " sampled batch of each data-parallel group: micro-batches are cut from the sampled batch, while the"
+            f" pre-flight plans memory for micro-batches of {micro_batch_size}. Set micro_batch_size at or below"
+            " batch_size."
         )

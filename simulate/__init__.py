@@ -3,7 +3,7 @@
 >>> from simulate import plan, max_seq_len
 >>> p = plan(model="llama3.1-8b", gpus=4, method="v2", mbs=1, seq_len=16384)
 >>> p.fits, round(p.peak_memory_gib), max_seq_len(model="llama3.2-1b", gpus=4, method="v3").config.seq_len
-(True, 74, 131072)
+(True, 71, 1048576)
 """
 
 from simulate.config import METHODS, RunConfig, make_config, plan_strategy

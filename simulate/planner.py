@@ -172,9 +172,11 @@ def _cp_sizes(probe: RunConfig, context_parallel: bool, seq_len: int) -> list[in
     return [n for n in (2**k for k in range(g.bit_length())) if g % n == 0 and seq_len % (2 * n) == 0]
 
 
-def _rank_key(p: Plan) -> tuple[float, float]:
+def _rank_key(p: Plan) -> tuple[float, float, bool]:
+    """Fastest, then least memory, then the strategy's default exchange (V2; at CP 1 V1 is the same run and would
+    only add a non-default argument)."""
     tps = p.tokens_per_second_per_gpu
-    return (-tps if tps is not None else 0.0, p.peak_memory_gib)
+    return (-tps if tps is not None else 0.0, p.peak_memory_gib, p.config.method.name != "v2")
 
 
 def _round(x: float | None, digits: int = 1) -> float | None:

@@ -196,6 +196,12 @@ def get_model_spec(name: str) -> ModelSpec:
             return read_hf_config(os.path.expanduser(name))
         except FileNotFoundError as err:
             raise ValueError(str(err)) from None
+    if os.sep in name or name.startswith((".", "~")):  # meant as a folder, relative to the working directory
+        raise ValueError(
+            f"No Hugging Face model directory at {os.path.abspath(os.path.expanduser(name))!r}: no such folder (a"
+            f" relative path is read from the working directory, {os.getcwd()!r}). Create or fetch it, or give a"
+            f" preset: {sorted(MODEL_PRESETS)}."
+        )
     raise ValueError(
         f"Unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}, or give a local Hugging Face Llama"
         " checkpoint folder (one with a config.json)."

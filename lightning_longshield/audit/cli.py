@@ -25,9 +25,16 @@ import torch
 from lightning_longshield.audit.run import audit_training, check_audit_inputs
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, except ``None`` (those flags' help says what applies)."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="longshield-audit", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=_DefaultsHelp)
     parser.add_argument("--config", metavar="YAML", help="audit the run a longshield-train file describes")
     parser.add_argument("--preset", default="tiny", help="LlamaConfig preset of the audited model")
     parser.add_argument("--canaries", type=int, default=1000, help="m: canaries, each inserted with probability 1/2")
@@ -42,8 +49,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     privacy = parser.add_mutually_exclusive_group()
     privacy.add_argument("--target-epsilon", type=float, help="calibrate the noise to this budget (default 8)")
     privacy.add_argument("--noise-multiplier", type=float, help="sigma (0: no noise, the claim is infinite)")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--target-delta", type=float, default=1e-5)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C")
+    parser.add_argument("--target-delta", type=float, default=1e-5,
+                        help="delta of the audited guarantee (the reduced run's; training's default is 1/(10 N))")
     parser.add_argument("--confidence", type=float, default=0.95,
                         help="the lower bound's confidence, in (0, 1): 0.95, not 95")
     parser.add_argument("--seed", type=int, default=0, help="the model's initialisation")

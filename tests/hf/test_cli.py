@@ -104,6 +104,9 @@ def test_the_tokenizer_comes_from_the_model_directory_unless_given(tmp_path, mon
     train_bpe_tokenizer(texts, tmp_path / "other", vocab_size=280)
     explicit = run_cli([*args, "--data.init_args.tokenizer", str(tmp_path / "other")], run=False)
     assert len(explicit.datamodule.tokenizer) == 280
+    by_name = run_cli(["--model.config", "~/hf", "--data", "LocalTextDataModule", "--data.data_files",
+                       str(tmp_path / "docs.jsonl")], run=False)  # the class by its name, without its module
+    assert type(by_name.datamodule).__name__ == "LocalTextDataModule" and len(by_name.datamodule.tokenizer) == 300
 
 
 def test_any_tokenizer_file_makes_the_model_directory_the_tokenizer(tmp_path):

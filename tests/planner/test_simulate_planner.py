@@ -11,6 +11,7 @@ from simulate.planner import candidate_seq_lens
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(model="llama9"), "Unknown model preset"),
+    (dict(model="demo/tiny-llama"), "No Hugging Face model directory at .*demo/tiny-llama': no such folder"),
     (dict(gpu="tpu"), "Unknown GPU"),
     (dict(method="v9"), "Unknown method"),
     (dict(mbs=0), "positive integer"),
@@ -56,6 +57,8 @@ def test_recommendations_all_fit_and_are_ranked_by_throughput() -> None:
     speeds = [p.tokens_per_second_per_gpu for p in plans]
     assert speeds == sorted(speeds, reverse=True)
     assert recommend("llama3.1-70b", 1, 16384) == []
+    # At CP 1 V1 and V2 are one run: the strategy's default exchange comes first, not V1's extra argument.
+    assert recommend("llama3.2-1b", 1, 4096)[0].config.method.name == "v2"
 
 
 def test_compare_covers_methods_times_micro_batch_sizes() -> None:

@@ -282,3 +282,8 @@ def test_the_throughput_monitor_is_warned_about():
     monitor = ThroughputMonitor(batch_size_fn=lambda batch: max(1, batch["input_ids"].shape[0]))
     with pytest.warns(UserWarning, match="ThroughputMonitor logs the samples of every training batch"):
         fit(LongShieldStrategy(noise_multiplier=1.0), callbacks=[monitor])
+
+
+def test_a_micro_batch_size_above_the_batch_size_is_warned_about():
+    with pytest.warns(UserWarning, match=r"micro_batch_size=64 is above the DataLoader.s batch_size=2.*at or below"):
+        fit(LongShieldStrategy(noise_multiplier=1.0, micro_batch_size=64))
