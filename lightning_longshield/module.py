@@ -20,6 +20,7 @@ from lightning_longshield.models import Llama, LlamaConfig
 from lightning_longshield.text_data import ByteTokenizer
 from lightning_longshield.token_perplexity import TokenPerplexity
 from simulate.loss_chunks import LossChunking, check_loss_chunking, resolve_loss_chunk_tokens
+from simulate.specs import looks_like_path
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -79,11 +80,7 @@ def resolve_model_config(
         )
     text = os.fspath(config)
     presets = LlamaConfig.preset_names()
-    looks_like_path = (
-        not isinstance(config, str) or any(sep in text for sep in {os.sep, os.altsep or os.sep, "/"})
-        or text.startswith((".", "~")) or (os.path.exists(text) and text not in presets)
-    )
-    if looks_like_path or hf.is_model_directory(text):
+    if not isinstance(config, str) or looks_like_path(text, presets) or hf.is_model_directory(text):
         directory = os.path.expanduser(text)
         config = hf.read_config(directory)  # a FileNotFoundError that says what is missing
         hf.check_weights(directory)  # now, not after the data is tokenized
@@ -199,7 +196,7 @@ class CausalLMModule(L.LightningModule):
                 " text as UTF-8 bytes (ByteTokenizer): byte values would be trained as the checkpoint's token ids."
                 " Encode the data with the checkpoint's tokenizer: LocalTextDataModule(files,"
                 f" tokenizer='{self.pretrained_directory}') (longshield-train takes the model directory's tokenizer"
-                " when --data.tokenizer is not set)."
+                " when --data.init_args.tokenizer is not set)."
             )
         check_vocab = getattr(datamodule, "check_vocab", None)
         if callable(check_vocab):

@@ -7,6 +7,7 @@ and the model that is simulated can never drift apart.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -184,6 +185,13 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 }
 
 
+def looks_like_path(name: str, presets: Iterable[str]) -> bool:
+    """Whether a model name is meant as a folder: it holds a path separator, starts with ``.`` or ``~``, or exists
+    and is no preset name."""
+    return (any(sep in name for sep in {os.sep, os.altsep or os.sep, "/"}) or name.startswith((".", "~"))
+            or (os.path.exists(name) and name not in presets))
+
+
 def get_model_spec(name: str) -> ModelSpec:
     """Return the preset called ``name``, or the spec of the local Hugging Face Llama checkpoint folder ``name``
     (its ``config.json``, read with `simulate.hf_config`); anything else lists the valid presets."""
@@ -196,11 +204,12 @@ def get_model_spec(name: str) -> ModelSpec:
             return read_hf_config(os.path.expanduser(name))
         except FileNotFoundError as err:
             raise ValueError(str(err)) from None
-    if os.sep in name or name.startswith((".", "~")):  # meant as a folder, relative to the working directory
+    if looks_like_path(name, MODEL_PRESETS):  # meant as a folder, relative to the working directory
+        path = os.path.abspath(os.path.expanduser(name))
+        found = "not a folder" if os.path.exists(path) else "no such folder"
         raise ValueError(
-            f"No Hugging Face model directory at {os.path.abspath(os.path.expanduser(name))!r}: no such folder (a"
-            f" relative path is read from the working directory, {os.getcwd()!r}). Create or fetch it, or give a"
-            f" preset: {sorted(MODEL_PRESETS)}."
+            f"No Hugging Face model directory at {path!r}: {found} (a relative path is read from the working"
+            f" directory, {os.getcwd()!r}). Create or fetch it, or give a preset: {sorted(MODEL_PRESETS)}."
         )
     raise ValueError(
         f"Unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}, or give a local Hugging Face Llama"
