@@ -2,9 +2,10 @@
 
 Hook-based DP libraries keep a reference to every layer input from a forward hook, so checkpointing frees nothing
 and the hook fires again on recomputation. Here per-sample gradients read their activations through autograd's
-saved-tensor mechanism (`PerSampleGradTap` and `PerSampleLinear` save with ``save_for_backward``), which
-non-reentrant checkpointing controls: nothing captured in a checkpointed block's first forward outlives it, and
-backward uses the recomputed activations. Layers outside checkpointed blocks are captured as before.
+saved-tensor mechanism (`PerSampleGradTap`, `PerSampleLinear` and `PerSampleRMSNorm` save with
+``save_for_backward``), which non-reentrant checkpointing controls: nothing captured in a checkpointed block's first
+forward outlives it, and backward uses the recomputed activations. Layers outside checkpointed blocks are captured as
+before.
 """
 
 from __future__ import annotations

@@ -185,6 +185,53 @@ def test_normalization_samplers_equal_torch_func_and_opacus(layer, shape):
         assert all(torch.equal(ours[param], opacus[param]) for param in layer.parameters())
 
 
+@pytest.mark.parametrize(("normalized_shape", "shape", "eps"), [
+    (8, (3, 5, 8), 1e-5), (8, (3, 8), None), ((2, 8), (3, 4, 2, 8), 1e-6),
+], ids=["tokens", "no_token_dims_default_eps", "two_feature_dims"])
+def test_rms_norm_node_equals_the_layer_and_torch_func(normalized_shape, shape, eps):
+    """Under capture a plain fp32 ``nn.RMSNorm`` on CPU runs as one node (`PerSampleRMSNorm`): the same output as the
+    layer bit for bit, autograd's input gradient, and torch.func's per-sample weight gradient."""
+    torch.manual_seed(0)
+    layer = torch.nn.RMSNorm(normalized_shape, eps=eps)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+    reference = copy.deepcopy(layer)
+    inputs, grad_output = torch.randn(shape) * 3, torch.randn(shape)
+    capture = PerSampleGradCapture(layer)
+    capture.start_microbatch(shape[0])
+    x = inputs.clone().requires_grad_()
+    output = layer(x)
+    assert type(output.grad_fn).__name__ == "PerSampleRMSNormBackward"
+    output.backward(grad_output)
+    captured = capture.collect()
+
+    x_reference = inputs.clone().requires_grad_()
+    expected_output = reference(x_reference)
+    expected_output.backward(grad_output)
+    assert torch.equal(output, expected_output)
+    torch.testing.assert_close(x.grad, x_reference.grad, rtol=1e-5, atol=1e-6)
+    params = {name: p.detach() for name, p in reference.named_parameters()}
+
+    def sample_output(params, x, g):
+        return (functional_call(reference, params, (x[None],)) * g[None]).sum()
+
+    expected = vmap(grad(sample_output), in_dims=(None, 0, 0))(params, inputs, grad_output)
+    torch.testing.assert_close(captured["weight"], expected["weight"], rtol=1e-5, atol=1e-6)
+    assert layer.weight.grad is None
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_rms_norm_keeps_the_tap_outside_fp32():
+    """A bf16 input (mixed dtypes, or a bf16 layer) takes the layer's own forward behind a tap, as on GPUs."""
+    layer = torch.nn.RMSNorm(8)
+    capture = PerSampleGradCapture(layer)
+    capture.start_microbatch(2)
+    output = layer(torch.randn(2, 3, 8, dtype=torch.bfloat16, requires_grad=True))
+    assert type(output.grad_fn).__name__ == "PerSampleGradTapBackward"
+    output.float().sum().backward()
+    assert capture.collect()["weight"].shape == (2, 8)
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["weight", "weight_and_bias"])
 @pytest.mark.parametrize("shape", [(3, 5, 8), (3, 8), (3, 2, 4, 8)], ids=["tokens", "no_token_dims", "two_token_dims"])
 def test_linear_sampler_equals_torch_func_and_opacus(bias, shape):

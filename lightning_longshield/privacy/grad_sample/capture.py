@@ -18,7 +18,7 @@ from lightning_longshield.privacy.grad_sample.bookkeeping import (
 )
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.grad_sample.layers import check_supported_layers, trainable_layers
-from lightning_longshield.privacy.grad_sample.tap import PerSampleGradTap, PerSampleLinear
+from lightning_longshield.privacy.grad_sample.tap import PerSampleGradTap, PerSampleLinear, PerSampleRMSNorm
 
 # Receives (weight name, activation, output gradient) of a linear layer during backward.
 LinearWeightHandler = Callable[[str, torch.Tensor, torch.Tensor], None]
@@ -28,10 +28,11 @@ class PerSampleGradCapture:
     """Computes per-sample gradients ``(B, *shape)`` of all trainable parameters of ``model``, keyed by name.
 
     In per-sample mode (``enabled``) each trainable layer's forward (replaced on the instance by a `CapturedForward`)
-    runs a plain ``nn.Linear`` as the one autograd node `PerSampleLinear`, and any other layer with detached
-    parameters, its output passed through a `PerSampleGradTap`; in backward, the exchange turns (activation, output
-    gradient) into per-sample gradients (with the layer's Opacus sampler, completing context-parallel partials by
-    communication), and autograd never builds the summed ``.grad``. A parameter shared by several layers (tied
+    runs a plain ``nn.Linear`` as the one autograd node `PerSampleLinear`, a plain ``nn.RMSNorm`` on CPU as
+    `PerSampleRMSNorm` (which forms its per-sample gradient itself), and any other layer with detached parameters, its
+    output passed through a `PerSampleGradTap`; in backward, the exchange turns (activation, output gradient) into
+    per-sample gradients (with the layer's Opacus sampler, completing context-parallel partials by communication),
+    and autograd never builds the summed ``.grad``. A parameter shared by several layers (tied
     embeddings) receives the sum of its uses, under its first name.
 
     With ``per_sample="ghost"`` or ``"mixed"`` linear and embedding weights go to a `BookKeeper`: it takes their
@@ -108,15 +109,18 @@ class PerSampleGradCapture:
             forward.uninstall()
         self._forwards.clear()
 
-    def _forward(self, layer: nn.Module, forward: Callable[..., Any], plain_linear: bool, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Any:
+    def _forward(self, layer: nn.Module, forward: Callable[..., Any], plain: Optional[type[nn.Module]],
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``layer``'s forward with per-sample capture: its parameters reach autograd only through a tap (or, for a
-        plain ``nn.Linear``, the one node `PerSampleLinear`), whose backward hands the capture the layer's input and
-        output gradient."""
+        ``plain`` layer with its class's own forward, one node: `PerSampleLinear`, `PerSampleRMSNorm`), whose
+        backward hands the capture the layer's input and output gradient (or its per-sample gradient)."""
         if torch._C._current_graph_task_id() == -1:  # a forward call, not a checkpoint's recomputation in backward
             self._count_call(layer)
-        if plain_linear and len(args) == 1 and not kwargs:
-            return PerSampleLinear.apply(self._receive, layer, args[0], layer.weight, layer.bias)
+        if plain is not None and len(args) == 1 and not kwargs:
+            if plain is nn.Linear:
+                return PerSampleLinear.apply(self._receive, layer, args[0], layer.weight, layer.bias)
+            if _fused_rms_norm_applies(layer, args[0]):
+                return PerSampleRMSNorm.apply(self._receive_per_sample, layer, args[0], layer.weight)
         parameters = layer._parameters
         originals = {attr: parameters[attr] for attr in self._layer_names[id(layer)]}
         for attr, param in originals.items():
@@ -138,13 +142,7 @@ class PerSampleGradCapture:
             self.bookkeeper.shared = self.bookkeeper.shared | set(names)
 
     def _receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
-        if grad_output.dim() == 0 or grad_output.shape[0] != self.batch_size:
-            # Every path (materialised, book-kept, fused) would take dimension 0 as the samples: a layer applied to an
-            # input shared by the batch would spread one sample's gradient over every sample's norm.
-            raise RuntimeError(NOT_BATCH_FIRST)
-        self._calls[id(layer)] += 1
-        if self._calls[id(layer)] > max(1, self._forward_calls[id(layer)]):
-            self._check_repeated_call(layer)
+        self._count_delivery(layer, grad_output)
         if self._fused is not None and id(layer) in self._fused_layers and self._forward_calls[id(layer)] <= 1:
             self._fused(self._layer_names[id(layer)]["weight"], activation, grad_output)
             return
@@ -153,6 +151,23 @@ class PerSampleGradCapture:
             return
         for name, grad_sample in self.bookkeeper.receive(layer, activation, grad_output, self._name_of).items():
             self.exchange.store(name, grad_sample)
+
+    def _receive_per_sample(self, layer: nn.Module, grad_samples: dict[nn.Parameter, torch.Tensor]) -> None:
+        """A layer's per-sample gradients, formed by its own node (`PerSampleRMSNorm`): stored as the exchange
+        stores its sampler's."""
+        for param, grad_sample in grad_samples.items():
+            self._count_delivery(layer, grad_sample)
+            self.exchange.store(self._name_of(layer, param), grad_sample)
+
+    def _count_delivery(self, layer: nn.Module, batch_first: torch.Tensor) -> None:
+        """Check that a delivery has the micro-batch's samples along dimension 0, and count it."""
+        if batch_first.dim() == 0 or batch_first.shape[0] != self.batch_size:
+            # Every path (materialised, book-kept, fused) would take dimension 0 as the samples: a layer applied to an
+            # input shared by the batch would spread one sample's gradient over every sample's norm.
+            raise RuntimeError(NOT_BATCH_FIRST)
+        self._calls[id(layer)] += 1
+        if self._calls[id(layer)] > max(1, self._forward_calls[id(layer)]):
+            self._check_repeated_call(layer)
 
     def _check_repeated_call(self, layer: nn.Module) -> None:
         """More backward deliveries than forward calls were counted (a call the capture did not see as one): the
@@ -228,6 +243,14 @@ class PerSampleGradCapture:
         return self.exchange.finish()
 
 
+def _fused_rms_norm_applies(layer: nn.Module, activation: Any) -> bool:
+    """Whether `PerSampleRMSNorm` runs ``layer`` on ``activation``: an fp32 CPU input and weight. Elsewhere the
+    layer's own forward runs behind a tap: on GPUs torch's RMSNorm already is one fused node, and lower-precision or
+    mixed dtypes keep the sampler's dtypes."""
+    return (isinstance(activation, torch.Tensor) and activation.device.type == "cpu"
+            and activation.dtype == layer.weight.dtype == torch.float32)
+
+
 def _layer_input(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The input of a supported layer's call (its one argument: positional, or by keyword as ``input``)."""
     if args:
@@ -247,15 +270,17 @@ class CapturedForward:
         self.layer = layer
         self.own = layer.__dict__.get("forward")  # a forward installed on the instance before this one
         self.forward: Callable[..., Any] = layer.forward
-        # F.linear itself, unless the instance's forward was replaced (it is then called as it is)
-        self.plain_linear = type(layer) is nn.Linear and self.own is None
+        # The layer's class, where its forward is F.linear's or F.rms_norm's own (not replaced on the instance, which
+        # is then called as it is): it runs as one autograd node.
+        plain = type(layer) in (nn.Linear, nn.RMSNorm) and self.own is None
+        self.plain: Optional[type[nn.Module]] = type(layer) if plain else None
         layer.forward = self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         capture = self.capture
         if capture is None or not (capture.enabled and torch.is_grad_enabled()):
             return self.forward(*args, **kwargs)
-        return capture._forward(self.layer, self.forward, self.plain_linear, args, kwargs)
+        return capture._forward(self.layer, self.forward, self.plain, args, kwargs)
 
     def uninstall(self) -> None:
         """Pass every call through from now on, and put the layer's previous forward back if this one is still the

@@ -11,6 +11,8 @@ from torch import nn
 
 # Receives (layer, activation, grad_output) during backward.
 GradientSink = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
+# Receives (layer, {parameter: per-sample gradient (B, *shape)}) during backward.
+PerSampleGradientSink = Callable[[nn.Module, dict[nn.Parameter, torch.Tensor]], None]
 
 
 class PerSampleGradTap(torch.autograd.Function):
@@ -88,3 +90,46 @@ class PerSampleLinear(torch.autograd.Function):
         if grad_input.dtype != activation.dtype:
             grad_input = grad_input.to(activation.dtype)
         return None, None, grad_input, None, None
+
+
+class PerSampleRMSNorm(torch.autograd.Function):
+    """``nn.RMSNorm``'s forward, for an fp32 input and weight on CPU, as one autograd node whose backward
+    hands the weight's per-sample gradient to a sink and returns only the input's gradient.
+
+    On CPU torch forms an RMSNorm that needs gradients from composite ops (a square, a mean, a reciprocal square root
+    and two products, each with its backward node), where its fused kernel serves inference only. This node runs the
+    fused forward, which gives the same output bit for bit and the reciprocal RMS ``r``, and forms in backward, from
+    the saved input ``x`` and ``r``: the normalised input ``x r``, the per-sample weight gradient (the sum over the
+    tokens of ``x r g``, the value of `normalization_gradients` without its recomputed normalisation) and the input
+    gradient ``r (w g - x r mean(w g x r))``. At the tiny preset (micro-batch 4, T 256) a layer's forward and
+    backward take about 0.6 of what the tap path took (the composite ops and the sampler's recomputation).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        sink: PerSampleGradientSink,
+        layer: nn.RMSNorm,
+        activation: torch.Tensor,
+        weight: nn.Parameter,
+    ) -> torch.Tensor:
+        output, rstd = torch.ops.aten._fused_rms_norm(activation, list(layer.normalized_shape), weight, layer.eps)
+        ctx.sink, ctx.layer = sink, layer
+        ctx.save_for_backward(activation, rstd, weight)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        activation, rstd, weight = ctx.saved_tensors
+        features = len(ctx.layer.normalized_shape)
+        token_dims = tuple(range(1, activation.dim() - features))
+        normalized = activation * rstd
+        product = normalized * grad_output
+        ctx.sink(ctx.layer, {ctx.layer.weight: product.sum(token_dims) if token_dims else product})
+        del product
+        if not ctx.needs_input_grad[2]:
+            return None, None, None, None
+        feature_dims = tuple(range(activation.dim() - features, activation.dim()))
+        scaled = grad_output * weight
+        projection = (scaled * normalized).mean(feature_dims, keepdim=True)
+        return None, None, scaled.sub_(normalized.mul_(projection)).mul_(rstd), None
