@@ -129,7 +129,7 @@ def autograd_nodes(output: torch.Tensor) -> int:
 def test_per_sample_capture_adds_no_autograd_nodes():
     """With per-sample capture (micro-batch 2) the forward builds no more autograd nodes than non-DP's: a linear
     layer is one node (`PerSampleLinear`) where autograd's linear takes a matrix product and its views, an fp32 RMSNorm
-    on CPU one node (`PerSampleRMSNorm`) where autograd's takes five, and every other layer adds one tap. Before, a
+    on CPU one node (`PerSampleRMSNorm`) where autograd's takes six, and every other layer adds one tap. Before, a
     forward pre-hook and hook per layer added the tap to autograd's own nodes: 188 nodes against non-DP's 183 on this
     two-block model; then 143 with `PerSampleLinear`, now 113."""
     from lightning_longshield.models import Llama

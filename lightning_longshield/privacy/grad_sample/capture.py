@@ -245,8 +245,8 @@ class PerSampleGradCapture:
 
 def _fused_rms_norm_applies(layer: nn.Module, activation: Any) -> bool:
     """Whether `PerSampleRMSNorm` runs ``layer`` on ``activation``: an fp32 CPU input and weight. Elsewhere the
-    layer's own forward runs behind a tap: on GPUs torch's RMSNorm already is one fused node, and lower-precision or
-    mixed dtypes keep the sampler's dtypes."""
+    layer's own forward runs behind a tap: on GPUs torch's RMSNorm has a fused kernel and backward, and
+    lower-precision or mixed dtypes keep the sampler's dtypes."""
     return (isinstance(activation, torch.Tensor) and activation.device.type == "cpu"
             and activation.dtype == layer.weight.dtype == torch.float32)
 

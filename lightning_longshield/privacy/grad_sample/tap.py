@@ -96,13 +96,14 @@ class PerSampleRMSNorm(torch.autograd.Function):
     """``nn.RMSNorm``'s forward, for an fp32 input and weight on CPU, as one autograd node whose backward
     hands the weight's per-sample gradient to a sink and returns only the input's gradient.
 
-    On CPU torch forms an RMSNorm that needs gradients from composite ops (a square, a mean, a reciprocal square root
-    and two products, each with its backward node), where its fused kernel serves inference only. This node runs the
-    fused forward, which gives the same output bit for bit and the reciprocal RMS ``r``, and forms in backward, from
-    the saved input ``x`` and ``r``: the normalised input ``x r``, the per-sample weight gradient (the sum over the
-    tokens of ``x r g``, the value of `normalization_gradients` without its recomputed normalisation) and the input
-    gradient ``r (w g - x r mean(w g x r))``. At the tiny preset (micro-batch 4, T 256) a layer's forward and
-    backward take about 0.6 of what the tap path took (the composite ops and the sampler's recomputation).
+    On CPU torch forms an RMSNorm from six composite ops (a square, a mean, the epsilon's add, a reciprocal square
+    root and two products), each with its backward node when it needs gradients, and the tap path then recomputed the
+    normalisation for the sampler. This node runs the same ops once without recording them (``_fused_rms_norm``,
+    composite on CPU: the same output bit for bit, and the reciprocal RMS ``r``) and forms in backward, from the saved
+    input ``x`` and ``r``: the normalised input ``x r``, the per-sample weight gradient (the sum over the tokens of
+    ``x r g``, the value of `normalization_gradients` without its recomputed normalisation) and the input gradient
+    ``r (w g - x r mean(w g x r))``. At the tiny preset (micro-batch 4, T 256) a layer's forward and backward take
+    about half of what the tap path took.
     """
 
     @staticmethod
