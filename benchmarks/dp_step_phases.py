@@ -9,9 +9,13 @@ clipping, whose in-backward part is then counted in ``backward``), and per step 
 optimizer step. Every step of every loop runs in turn (non-DP, then each DP loop), so a drift of the machine's speed
 weighs on all of them alike; ``--warmup`` rounds are not timed. Reported: the median milliseconds per optimizer step
 of each phase and of the whole step, per loop; each DP loop's phases minus non-DP's; and ``<loop>_over_nondp``, the
-ratio of the median step times. On CUDA every phase ends with a synchronisation (the phases then add up to the
-step). On CPU the process first lets glibc keep freed memory, as the strategy does when it fits
-(`lightning_longshield.cpu_allocator`); both loops run with it. Example (the tiny preset, 2 CPU cores: about a minute):
+ratio of the median step times. The ``opacus`` loop (Opacus's hooks, `GradSampleModule` and `DPOptimizer`, as
+its ``BatchMemoryManager`` runs micro-batches: ``clip_and_accumulate`` after each backward, then ``add_noise``,
+``scale_grad`` and the optimizer step) runs in the same rotation, and ``opacus_over_<loop>`` is its median step over
+each LongShield loop's: ours against Opacus, side by side. On CUDA every phase ends with a synchronisation (the
+phases then add up to the step). On CPU the process first lets glibc keep freed memory, as the strategy does when it
+fits (`lightning_longshield.cpu_allocator`); all loops run with it. Example (the tiny preset, 2 CPU cores: a few
+minutes):
 
     python benchmarks/dp_step_phases.py --micro-batch-size 4 --seq-len 256 --accumulation 4 --steps 16
 """
@@ -23,10 +27,13 @@ import dataclasses
 import json
 import statistics
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+from opacus import GradSampleModule
+from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from lightning_longshield.cpu_allocator import retain_freed_memory
@@ -39,6 +46,7 @@ from simulate.strategy_config import PerLayerClipping, StrategyConfig
 
 DP_LOOPS = {"flat": StrategyConfig(), "per_layer": StrategyConfig(clipping=PerLayerClipping(kernel="torch"))}
 NOISE_MULTIPLIER, MAX_GRAD_NORM, SAMPLE_RATE = 1.0, 1.0, 0.01  # the accounting does not change the timing
+OPACUS = "opacus"
 Phases = dict[str, float]
 
 
@@ -51,8 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per optimizer step")
     parser.add_argument("--steps", type=int, default=16, help="timed optimizer steps of each loop")
     parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps of each loop first")
-    parser.add_argument("--loops", nargs="+", choices=sorted(DP_LOOPS), default=sorted(DP_LOOPS),
-                        help="DP loops timed against non-DP")
+    loops = [*sorted(DP_LOOPS), OPACUS]
+    parser.add_argument("--loops", nargs="+", choices=loops, default=loops, help="DP loops timed against non-DP")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     for name in ("seq_len", "micro_batch_size", "accumulation", "steps"):
@@ -107,6 +115,32 @@ def dp_step(model: nn.Module, optimizer: torch.optim.Optimizer, engine: DPSGDEng
     timer("optimizer", optimizer.step)
 
 
+def opacus_step(model: nn.Module, optimizer: DPOptimizer, batches: torch.Tensor, timer: PhaseTimer) -> None:
+    for index, tokens in enumerate(batches):
+        loss = timer("forward", mean_loss, model, tokens)
+        timer("backward", loss.backward)
+        timer("clipping", opacus_clip, optimizer, index + 1 < len(batches))
+    timer("noise", opacus_noise, optimizer)
+    timer("optimizer", optimizer.original_optimizer.step)
+    optimizer.zero_grad(set_to_none=True)  # the sums too: the last call was not a skipped step
+
+
+def opacus_clip(optimizer: DPOptimizer, more: bool) -> None:
+    """Clip and add a micro-batch's per-sample gradients; with ``more`` micro-batches to come in the logical batch,
+    drop them and ``.grad``, as Opacus's skipped step and ``zero_grad`` do (the last one's are read by
+    ``scale_grad``)."""
+    optimizer.clip_and_accumulate()
+    if more:
+        for param in optimizer.params:
+            param.grad_sample = None
+            param.grad = None
+
+
+def opacus_noise(optimizer: DPOptimizer) -> None:
+    optimizer.add_noise()
+    optimizer.scale_grad()
+
+
 def run(args: argparse.Namespace) -> dict[str, object]:
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -124,11 +158,20 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     steps: dict[str, Callable[[PhaseTimer], None]] = {}
     model, optimizer = fresh_model()
     steps["nondp"] = lambda timer, m=model, o=optimizer: nondp_step(m, o, tokens, timer)
-    for loop in args.loops:
+    ours = [loop for loop in args.loops if loop in DP_LOOPS]
+    for loop in ours:
         model, optimizer = fresh_model()
         engine = DPSGDEngine(model, MAX_GRAD_NORM, GaussianNoise(device), PrivacyAccountant("rdp"),
                              config=DP_LOOPS[loop])
         steps[loop] = lambda timer, m=model, o=optimizer, e=engine: dp_step(m, o, e, tokens, timer)
+    if OPACUS in args.loops:
+        # Opacus's hooks on the embedding, whose input needs no gradient, warn at every backward.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        model, optimizer = fresh_model()
+        private = DPOptimizer(optimizer, noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM,
+                              expected_batch_size=args.accumulation * args.micro_batch_size)
+        hooked = GradSampleModule(model)
+        steps[OPACUS] = lambda timer, m=hooked, o=private: opacus_step(m, o, tokens, timer)
 
     timed: dict[str, list[Phases]] = defaultdict(list)
     for round_ in range(args.warmup + args.steps):
@@ -146,6 +189,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         report[f"{loop}_minus_nondp_ms"] = {phase: round(value - base.get(phase, 0.0), 2)
                                             for phase, value in medians[loop].items()}
         report[f"{loop}_over_nondp"] = round(medians[loop]["step"] / base["step"], 3)
+    if OPACUS in args.loops:
+        for loop in ours:
+            report[f"opacus_over_{loop}"] = round(medians[OPACUS]["step"] / medians[loop]["step"], 3)
     return report
 
 

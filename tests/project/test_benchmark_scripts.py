@@ -150,13 +150,15 @@ def test_dp_step_phases_reports_each_phase_against_non_dp():
                            "--steps", "1", "--warmup", "1", timeout=300)
     report = json.loads(stdout)
     medians = report["median_ms_per_step"]
-    assert set(medians) == {"nondp", "flat", "per_layer"}
-    assert set(medians["flat"]) == {"forward", "backward", "clipping", "noise", "optimizer", "step"}
+    assert set(medians) == {"nondp", "flat", "per_layer", "opacus"}
+    assert set(medians["flat"]) == set(medians["opacus"]) == {"forward", "backward", "clipping", "noise", "optimizer",
+                                                              "step"}
     for phases in medians.values():  # the step's own timer spans its phases
         assert 0 < sum(value for phase, value in phases.items() if phase != "step") <= phases["step"] + 0.01
-    for loop in ("flat", "per_layer"):
+    for loop in ("flat", "per_layer", "opacus"):
         assert report[f"{loop}_over_nondp"] > 0
         assert report[f"{loop}_minus_nondp_ms"]["noise"] == medians[loop]["noise"]  # non-DP draws none
+    assert report["opacus_over_flat"] == round(medians["opacus"]["step"] / medians["flat"]["step"], 3)
 
 
 @pytest.mark.slow
