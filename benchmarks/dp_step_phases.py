@@ -127,8 +127,9 @@ def opacus_step(model: nn.Module, optimizer: DPOptimizer, batches: torch.Tensor,
 
 def opacus_clip(optimizer: DPOptimizer, more: bool) -> None:
     """Clip and add a micro-batch's per-sample gradients; with ``more`` micro-batches to come in the logical batch,
-    drop them and ``.grad``, as Opacus's skipped step and ``zero_grad`` do (the last one's are read by
-    ``scale_grad``)."""
+    drop them and ``.grad``, as Opacus's skipped step and ``zero_grad(set_to_none=True)`` do (its default,
+    ``set_to_none=False``, zeroes ``.grad`` in place: a pass per parameter more). The last one's are read by
+    ``scale_grad``."""
     optimizer.clip_and_accumulate()
     if more:
         for param in optimizer.params:
