@@ -119,7 +119,7 @@ class PerSampleGradCapture:
         if plain is not None and len(args) == 1 and not kwargs:
             if plain is nn.Linear:
                 return PerSampleLinear.apply(self._receive, layer, args[0], layer.weight, layer.bias)
-            if _fused_rms_norm_applies(layer, args[0]):
+            if _rms_norm_node_applies(layer, args[0]):
                 return PerSampleRMSNorm.apply(self._receive_per_sample, layer, args[0], layer.weight)
         parameters = layer._parameters
         originals = {attr: parameters[attr] for attr in self._layer_names[id(layer)]}
@@ -243,7 +243,7 @@ class PerSampleGradCapture:
         return self.exchange.finish()
 
 
-def _fused_rms_norm_applies(layer: nn.Module, activation: Any) -> bool:
+def _rms_norm_node_applies(layer: nn.Module, activation: Any) -> bool:
     """Whether `PerSampleRMSNorm` runs ``layer`` on ``activation``: an fp32 CPU input and weight. Elsewhere the
     layer's own forward runs behind a tap: on GPUs torch's RMSNorm has a fused kernel and backward, and
     lower-precision or mixed dtypes keep the sampler's dtypes."""
