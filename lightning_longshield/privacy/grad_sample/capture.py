@@ -152,12 +152,11 @@ class PerSampleGradCapture:
         for name, grad_sample in self.bookkeeper.receive(layer, activation, grad_output, self._name_of).items():
             self.exchange.store(name, grad_sample)
 
-    def _receive_per_sample(self, layer: nn.Module, grad_samples: dict[nn.Parameter, torch.Tensor]) -> None:
-        """A layer's per-sample gradients, formed by its own node (`PerSampleRMSNorm`): stored as the exchange
-        stores its sampler's."""
-        for param, grad_sample in grad_samples.items():
-            self._count_delivery(layer, grad_sample)
-            self.exchange.store(self._name_of(layer, param), grad_sample)
+    def _receive_per_sample(self, layer: nn.Module, param: nn.Parameter, grad_sample: torch.Tensor) -> None:
+        """A one-parameter layer's per-sample gradient, formed by its own node (`PerSampleRMSNorm`): stored as the
+        exchange stores its sampler's."""
+        self._count_delivery(layer, grad_sample)
+        self.exchange.store(self._name_of(layer, param), grad_sample)
 
     def _count_delivery(self, layer: nn.Module, batch_first: torch.Tensor) -> None:
         """Check that a delivery has the micro-batch's samples along dimension 0, and count it."""

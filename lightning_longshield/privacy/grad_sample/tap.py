@@ -11,8 +11,8 @@ from torch import nn
 
 # Receives (layer, activation, grad_output) during backward.
 GradientSink = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
-# Receives (layer, {parameter: per-sample gradient (B, *shape)}) during backward.
-PerSampleGradientSink = Callable[[nn.Module, dict[nn.Parameter, torch.Tensor]], None]
+# Receives (layer, parameter, its per-sample gradient (B, *shape)) during backward.
+PerSampleGradientSink = Callable[[nn.Module, nn.Parameter, torch.Tensor], None]
 
 
 class PerSampleGradTap(torch.autograd.Function):
@@ -126,7 +126,7 @@ class PerSampleRMSNorm(torch.autograd.Function):
         token_dims = tuple(range(1, activation.dim() - features))
         normalized = activation * rstd
         product = normalized * grad_output
-        ctx.sink(ctx.layer, {ctx.layer.weight: product.sum(token_dims) if token_dims else product})
+        ctx.sink(ctx.layer, ctx.layer.weight, product.sum(token_dims) if token_dims else product)
         del product
         if not ctx.needs_input_grad[2]:
             return None, None, None, None
