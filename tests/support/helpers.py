@@ -67,11 +67,16 @@ def write_sentencepiece_tokenizer(directory: Path, texts: list[str], vocab_size:
         tokenizer_class="LlamaTokenizer", bos_token="<s>", eos_token="</s>", unk_token="<unk>", add_bos_token=True)))
 
 
+# Trainers' root directories (a saved checkpoint's privacy ledger goes there) live under one directory per process,
+# removed when the process exits: a run of the suite creates thousands.
+_TRAINER_ROOTS = tempfile.TemporaryDirectory(prefix="longshield-tests-")
+
+
 def make_trainer(strategy: LongShieldStrategy, max_steps: int, **kwargs: Any) -> L.Trainer:
     defaults = dict(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        default_root_dir=tempfile.mkdtemp(prefix="longshield-test-"),  # a saved checkpoint's privacy ledger goes here
+        default_root_dir=tempfile.mkdtemp(dir=_TRAINER_ROOTS.name),
     )
     return L.Trainer(strategy=strategy, **{**defaults, **kwargs})
 
