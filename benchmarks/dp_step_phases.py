@@ -2,20 +2,21 @@
 engine against the same plain PyTorch loop without DP, alternating step by step in one process. Prints JSON.
 
 Both loops train identical copies of a Llama preset on the same micro-batches, ``--accumulation`` micro-batches per
-AdamW step. The non-DP loop accumulates each micro-batch's gradient into ``.grad``; each DP loop (``flat``: one norm
-per sample, ``per_layer``: equal per-layer bounds) runs `DPSGDEngine` as the strategy does: ``prepare_microbatch``,
-forward, backward, ``accumulate_microbatch`` (the clipping: after backward for flat clipping, during it for per-layer
-clipping, whose in-backward part is then counted in ``backward``), and per step ``release`` (the noise) and the
-optimizer step. Every step of every loop runs in turn (non-DP, then each DP loop), so a drift of the machine's speed
-weighs on all of them alike; ``--warmup`` rounds are not timed. Reported: the median milliseconds per optimizer step
-of each phase and of the whole step, per loop; each DP loop's phases minus non-DP's; and ``<loop>_over_nondp``, the
-ratio of the median step times. The ``opacus`` loop (Opacus's hooks, `GradSampleModule` and `DPOptimizer`, as
-its ``BatchMemoryManager`` runs micro-batches: ``clip_and_accumulate`` after each backward, then ``add_noise``,
+AdamW step. The non-DP loop accumulates each micro-batch's gradient into ``.grad``; each DP loop (``flat``: one norm per
+sample, ``per_layer``: equal per-layer bounds) runs `DPSGDEngine` as the strategy does: ``prepare_microbatch``, forward,
+backward, ``accumulate_microbatch`` (the clipping: after backward for flat clipping, during it for per-layer clipping,
+whose in-backward part is then counted in ``backward``), and per step ``release`` (the noise) and the optimizer step.
+Every step of every loop runs in turn (non-DP, then each DP loop), so a drift of the machine's speed weighs on all of
+them alike; ``--warmup`` rounds are not timed. Reported: the median milliseconds per optimizer step of each phase and of
+the whole step, per loop; each DP loop's phases minus non-DP's; ``<loop>_over_nondp``, the ratio of the median step
+times, and ``<loop>_over_nondp_quartiles``, the quartiles of the ratios of each round's two steps (their spread says how
+far one run's figure can be trusted). The ``opacus`` loop (Opacus's hooks, `GradSampleModule` and `DPOptimizer`, as its
+``BatchMemoryManager`` runs micro-batches: ``clip_and_accumulate`` after each backward, then ``add_noise``,
 ``scale_grad`` and the optimizer step) runs in the same rotation, and ``opacus_over_<loop>`` is its median step over
-each LongShield loop's: ours against Opacus, side by side. On CUDA every phase ends with a synchronisation (the
-phases then add up to the step). On CPU the process first lets glibc keep freed memory, as the strategy does when it
-fits (`lightning_longshield.cpu_allocator`); all loops run with it. Example (the tiny preset, 2 CPU cores: a few
-minutes):
+each LongShield loop's (with ``opacus_over_<loop>_quartiles``): ours against Opacus, side by side. On CUDA every phase
+ends with a synchronisation (the phases then add up to the step). On CPU the process first lets glibc keep freed memory,
+as the strategy does when it fits (`lightning_longshield.cpu_allocator`); all loops run with it. Example (the tiny
+preset, 2 CPU cores: a few minutes):
 
     python benchmarks/dp_step_phases.py --micro-batch-size 4 --seq-len 256 --accumulation 4 --steps 16
 """
@@ -190,10 +191,21 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         report[f"{loop}_minus_nondp_ms"] = {phase: round(value - base.get(phase, 0.0), 2)
                                             for phase, value in medians[loop].items()}
         report[f"{loop}_over_nondp"] = round(medians[loop]["step"] / base["step"], 3)
+        report[f"{loop}_over_nondp_quartiles"] = paired_quartiles(timed[loop], timed["nondp"])
     if OPACUS in args.loops:
         for loop in ours:
             report[f"opacus_over_{loop}"] = round(medians[OPACUS]["step"] / medians[loop]["step"], 3)
+            report[f"opacus_over_{loop}_quartiles"] = paired_quartiles(timed[OPACUS], timed[loop])
     return report
+
+
+def paired_quartiles(numerator: list[Phases], denominator: list[Phases]) -> list[float]:
+    """The quartiles of the step-time ratios of the same rounds: how far one round's ratio strays from the median
+    ratio (a round's two steps ran seconds apart, so a drift of the machine's speed cancels in each)."""
+    ratios = [top["step"] / bottom["step"] for top, bottom in zip(numerator, denominator)]
+    if len(ratios) < 2:
+        return [round(ratios[0], 3)] * 3
+    return [round(value, 3) for value in statistics.quantiles(ratios, n=4, method="inclusive")]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -147,7 +147,7 @@ def test_fused_per_layer_worker_refuses_cpu():
 @pytest.mark.slow
 def test_dp_step_phases_reports_each_phase_against_non_dp():
     stdout = run_benchmark("dp_step_phases.py", "--seq-len", "16", "--micro-batch-size", "2", "--accumulation", "2",
-                           "--steps", "1", "--warmup", "1", timeout=300)
+                           "--steps", "2", "--warmup", "1", timeout=300)
     report = json.loads(stdout)
     medians = report["median_ms_per_step"]
     assert set(medians) == {"nondp", "flat", "per_layer", "opacus"}
@@ -158,7 +158,10 @@ def test_dp_step_phases_reports_each_phase_against_non_dp():
     for loop in ("flat", "per_layer", "opacus"):
         assert report[f"{loop}_over_nondp"] > 0
         assert report[f"{loop}_minus_nondp_ms"]["noise"] == medians[loop]["noise"]  # non-DP draws none
+        quartiles = report[f"{loop}_over_nondp_quartiles"]
+        assert len(quartiles) == 3 and 0 < quartiles[0] <= quartiles[1] <= quartiles[2]
     assert report["opacus_over_flat"] == round(medians["opacus"]["step"] / medians["flat"]["step"], 3)
+    assert len(report["opacus_over_per_layer_quartiles"]) == 3
 
 
 @pytest.mark.slow
