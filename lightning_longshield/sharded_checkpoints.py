@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lightning_longshield.dist_compat import all_gathered, world_size
 from lightning_longshield.durable_checkpoints import (
     CorruptCheckpointError,
     newest_whole_checkpoint,
@@ -86,7 +87,7 @@ class ShardedSave:
         barrier()
         files = _checksums(temporary, own=lambda name: name.startswith(f"__{rank}_") or (rank == 0 and not
                                                                                              name.startswith("__")))
-        gathered = _all_gathered(files)  # a collective: every rank
+        gathered = all_gathered(files)  # a collective: every rank
         if rank == 0:
             manifest = {name: entry for part in gathered for name, entry in part.items()}
             write_durably(temporary / MANIFEST_FILE, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
@@ -139,9 +140,9 @@ def load_sharded(path: os.PathLike | str, model: nn.Module, optimizers: list[Opt
     after checking it whole (the ranks share the reading of its files); returns its remaining Lightning state. A
     collective."""
     folder = Path(path)
-    world = _world_size()
+    world = world_size()
     share = _manifest_problem(folder, dist.get_rank() if world > 1 else 0, world)  # each rank checks its share
-    _refuse_if_damaged(folder, next((problem for problem in _all_gathered(share) if problem), None))
+    _refuse_if_damaged(folder, next((problem for problem in all_gathered(share) if problem), None))
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
     dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
     set_model_state_dict(model, state[MODEL_KEY], options=StateDictOptions(strict=strict))
@@ -272,19 +273,6 @@ def _exchange(first: Path, second: Path) -> bool:
     renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     renameat2.restype = ctypes.c_int
     return renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0
-
-
-def _all_gathered(value: Any) -> list[Any]:
-    """``value`` from every rank, in rank order (this one's alone without a process group); a collective."""
-    if _world_size() == 1:
-        return [value]
-    gathered: list[Any] = [None] * _world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def load_hyperparameters(optimizer: Optimizer, saved_groups: list[dict[str, Any]]) -> None:

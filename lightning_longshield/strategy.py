@@ -49,6 +49,7 @@ from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
 from lightning_longshield.privacy.session import PrivacySession
 from lightning_longshield.trainer_checks import (
     check_minimums_within_budget,
+    check_same_training_data,
     check_trainer_for_dp_sgd,
     warn_micro_batch_above_batch,
 )
@@ -289,7 +290,9 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         rank, size = self.data_parallel_rank, self.data_parallel_size
         if not self.lightning_module.trainer.training:
             return data_parallel_dataloader(dataloader, rank, size)
-        self.privacy.record_training_data(training_set_size(dataloader), dataloader.batch_size)
+        dataset_size = training_set_size(dataloader)
+        check_same_training_data(dataset_size, dataloader.batch_size)
+        self.privacy.record_training_data(dataset_size, dataloader.batch_size)
         warn_micro_batch_above_batch(self.config.micro_batch_size, dataloader.batch_size)
         self._padding.use_data(dataloader.dataset, dataloader.collate_fn)
         if self.preflight:

@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import LearningRateFinder, ThroughputMonitor
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
+from lightning_longshield.dist_compat import all_gathered
 from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
 
@@ -82,3 +83,33 @@ def warn_micro_batch_above_batch(micro_batch_size: int, batch_size: Optional[int
             f" pre-flight plans memory for micro-batches of {micro_batch_size}. Set micro_batch_size at or below"
             " batch_size."
         )
+
+
+def check_same_training_data(dataset_size: int, batch_size: Optional[int]) -> None:
+    """Refuse a fit whose processes hold training sets of different sizes or DataLoaders of different batch sizes; a
+    collective (every rank calls it, and every rank raises alike).
+
+    Every process draws the same Poisson mask over its own copy of the training set, at the rate its own DataLoader
+    gives (``batch_size`` x data-parallel size / dataset size). Only if all agree are the data-parallel groups'
+    batches one Poisson sample at the rate the accountant is told; context-parallel ranks would otherwise cut shards
+    of different sequences.
+    """
+    seen = all_gathered((dataset_size, batch_size))
+    if len(set(seen)) == 1:
+        return
+    ranks: dict[tuple[int, Optional[int]], list[int]] = {}
+    for rank, value in enumerate(seen):
+        ranks.setdefault(value, []).append(rank)
+    held = "; ".join(f"{_rank_list(holders)}: {size} samples, batch_size={batch}"
+                     for (size, batch), holders in ranks.items())
+    raise ValueError(
+        f"The processes hold different training data ({held}). Every process must load the same training set with"
+        " the same DataLoader batch_size: each draws the Poisson sample over its own copy, and the sampling rate the"
+        " accountant uses is batch_size x data-parallel size / dataset size. Build the dataset identically on every"
+        " rank (the strategy splits the sampled batch across data-parallel groups itself)."
+    )
+
+
+def _rank_list(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}{', ...' if len(ranks) > 8 else ''}"

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_longshield.dist_compat import world_size
 from lightning_longshield.hf import TOKENIZER_FILES, require_hf
 from lightning_longshield.lora import is_adapter_parameter, merged_state_dict
 from lightning_longshield.models import Llama, LlamaConfig
@@ -353,7 +354,7 @@ def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch
         source = None
     if dtype is None and source is not None:
         dtype = checkpoint_dtype(source)
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    distributed = world_size() > 1
     writer = not distributed or dist.get_rank() == 0
     state = merged_state_dict(model, keep=writer)
     if writer:
