@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import glob
 import hashlib
+import inspect
 import itertools
 import json
 import os
@@ -162,6 +163,9 @@ class _Encode:
         transformers = sys.modules.get("transformers")
         self.batched = transformers is not None and isinstance(tokenizer, transformers.PreTrainedTokenizerBase)
         self.tokenizer, self.eos = tokenizer, eos
+        # Part of what `datasets` hashes into the cache's fingerprint: it pickles an object by its class's name and
+        # its state, so without the code an edited `encode` would reuse the old tokens.
+        self.tokenizer_code = "" if self.batched else _class_code(type(tokenizer))
 
     def __call__(self, texts: list[Optional[str]]) -> dict[str, list[list[int]]]:
         texts = [text or "" for text in texts]
@@ -175,6 +179,20 @@ class _Encode:
         return tokens + [self.eos] if self.eos is not None and tokens[-1:] != [self.eos] else tokens
 
 
+def _class_code(cls: type) -> str:
+    """The source of ``cls`` and of its bases outside the standard library's built-ins (a class's name where its
+    source cannot be read: defined interactively, or compiled)."""
+    parts = []
+    for klass in cls.__mro__:
+        if klass.__module__ == "builtins":
+            continue
+        try:
+            parts.append(inspect.getsource(klass))
+        except (OSError, TypeError):
+            parts.append(f"{klass.__module__}.{klass.__qualname__}")
+    return "\n".join(parts)
+
+
 class LocalTextDataModule(L.LightningDataModule):
     """Causal-LM samples from local text files, with the privacy unit stated explicitly.
 
@@ -182,7 +200,8 @@ class LocalTextDataModule(L.LightningDataModule):
     document, its text in ``text_field``. Files are read with ``datasets.load_dataset`` (local files only) and
     tokenized with ``Dataset.map``; both are cached by ``datasets`` under ``cache_dir`` (default: its own cache), in
     a folder per version of the files, so a second run reuses the tokens and a changed file is read again. A custom
-    tokenizer object is cached by its class's name and its state: after changing its code, pass a new ``cache_dir``.
+    tokenizer object is cached by its state and the source of its class (and bases): after changing code outside them
+    (a helper function it calls), pass a new ``cache_dir``.
     ``tokenizer`` is None (UTF-8 bytes, `ByteTokenizer`), a path to a saved Hugging
     Face tokenizer (``AutoTokenizer.from_pretrained(path, local_files_only=True)``) or an object with
     ``encode(text) -> list[int]`` and ``len()`` or ``vocab_size``. Each document is encoded with the tokenizer's own

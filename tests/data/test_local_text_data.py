@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -237,6 +238,34 @@ def test_second_setup_reuses_the_cached_tokens(texts, tokenizer_dir, tmp_path):
     files = {p: p.stat().st_mtime_ns for p in cache.rglob("cache-*.arrow")}
     module(data, tmp_path, tokenizer=tokenizer_dir)
     assert {p: p.stat().st_mtime_ns for p in cache.rglob("cache-*.arrow")} == files
+
+
+TOKENIZER_MODULE = """
+class ShiftTokenizer:
+    vocab_size = 300
+
+    def encode(self, text):
+        return [byte + {shift} for byte in text.encode()]
+"""
+
+
+def test_a_custom_tokenizer_whose_code_changed_tokenizes_again(texts, tmp_path, monkeypatch):
+    """`datasets` keys a tokenizer object by its class's name and state: the class's source must count too, or an
+    edited `encode` would train on the old code's tokens."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no cached bytecode of the first version
+    data = write(tmp_path / "data", texts[:2], "jsonl")
+    source = tmp_path / "shift_tokenizer.py"
+    for shift in (1, 20):  # the same cache_dir, the same tokenizer state
+        source.write_text(TOKENIZER_MODULE.format(shift=shift))
+        importlib.invalidate_caches()
+        loaded = sys.modules.get("shift_tokenizer")
+        tokenizer_module = importlib.import_module("shift_tokenizer") if loaded is None else importlib.reload(loaded)
+        dm = module(data, tmp_path, tokenizer=tokenizer_module.ShiftTokenizer(), privacy_unit="document")
+        assert dm.train_dataset[0]["input_ids"][:5].tolist() == [byte + shift for byte in texts[0].encode()[:5]]
+    monkeypatch.delitem(sys.modules, "shift_tokenizer")
 
 
 def test_a_file_rewritten_with_its_time_kept_is_read_again(texts, tmp_path):
