@@ -9,8 +9,8 @@ whose in-backward part is then counted in ``backward``), and per step ``release`
 Every step of every loop runs in turn (non-DP, then each DP loop), so a drift of the machine's speed weighs on all of
 them alike; ``--warmup`` rounds are not timed. Reported: the median milliseconds per optimizer step of each phase and of
 the whole step, per loop; each DP loop's phases minus non-DP's; ``<loop>_over_nondp``, the ratio of the median step
-times, and ``<loop>_over_nondp_quartiles``, the quartiles of the ratios of each round's two steps (their spread says how
-far one run's figure can be trusted). The ``opacus`` loop (Opacus's hooks, `GradSampleModule` and `DPOptimizer`, as its
+times, and ``<loop>_over_nondp_quartiles``, the quartiles of the ratios of each round's two steps (how far single
+rounds scatter). The ``opacus`` loop (Opacus's hooks, `GradSampleModule` and `DPOptimizer`, as its
 ``BatchMemoryManager`` runs micro-batches: ``clip_and_accumulate`` after each backward, then ``add_noise``,
 ``scale_grad`` and the optimizer step) runs in the same rotation, and ``opacus_over_<loop>`` is its median step over
 each LongShield loop's (with ``opacus_over_<loop>_quartiles``): ours against Opacus, side by side. On CUDA every phase
@@ -200,8 +200,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
 
 def paired_quartiles(numerator: list[Phases], denominator: list[Phases]) -> list[float]:
-    """The quartiles of the step-time ratios of the same rounds: how far one round's ratio strays from the median
-    ratio (a round's two steps ran seconds apart, so a drift of the machine's speed cancels in each)."""
+    """The quartiles of the step-time ratios of the same rounds (a round's two steps ran seconds apart, so a drift of
+    the machine's speed cancels in each): how far single rounds scatter around the middle one."""
     ratios = [top["step"] / bottom["step"] for top, bottom in zip(numerator, denominator)]
     if len(ratios) < 2:
         return [round(ratios[0], 3)] * 3

@@ -5,9 +5,9 @@ from __future__ import annotations
 import codecs
 import glob
 import hashlib
-import inspect
 import itertools
 import json
+import marshal
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -164,7 +164,7 @@ class _Encode:
         self.batched = transformers is not None and isinstance(tokenizer, transformers.PreTrainedTokenizerBase)
         self.tokenizer, self.eos = tokenizer, eos
         # Part of what `datasets` hashes into the cache's fingerprint: it pickles an object by its class's name and
-        # its state, so without the code an edited `encode` would reuse the old tokens.
+        # its state, so without the code an edited `encode` (once reloaded) would reuse the old tokens.
         self.tokenizer_code = "" if self.batched else _class_code(type(tokenizer))
 
     def __call__(self, texts: list[Optional[str]]) -> dict[str, list[list[int]]]:
@@ -180,17 +180,26 @@ class _Encode:
 
 
 def _class_code(cls: type) -> str:
-    """The source of ``cls`` and of its bases outside the standard library's built-ins (a class's name where its
-    source cannot be read: defined interactively, or compiled)."""
-    parts = []
+    """A digest of the code that runs for an instance of ``cls``: the compiled functions (methods, static and class
+    methods, properties) and scalar class attributes of ``cls`` and its bases (not ``object``), as loaded in this
+    process, not as its source file reads now (it may have been edited since). A compiled class counts by its
+    name."""
+    digest = hashlib.sha256()
     for klass in cls.__mro__:
         if klass.__module__ == "builtins":
             continue
-        try:
-            parts.append(inspect.getsource(klass))
-        except (OSError, TypeError):
-            parts.append(f"{klass.__module__}.{klass.__qualname__}")
-    return "\n".join(parts)
+        digest.update(f"{klass.__module__}.{klass.__qualname__}".encode())
+        for name, value in sorted(vars(klass).items()):
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            functions = [value.fget, value.fset, value.fdel] if isinstance(value, property) else [value]
+            for function in functions:
+                code = getattr(function, "__code__", None)
+                if code is not None:
+                    digest.update(name.encode() + marshal.dumps(code))
+                elif isinstance(function, (bool, int, float, str, bytes, type(None))):
+                    digest.update(name.encode() + repr(function).encode())
+    return digest.hexdigest()
 
 
 class LocalTextDataModule(L.LightningDataModule):
@@ -200,8 +209,8 @@ class LocalTextDataModule(L.LightningDataModule):
     document, its text in ``text_field``. Files are read with ``datasets.load_dataset`` (local files only) and
     tokenized with ``Dataset.map``; both are cached by ``datasets`` under ``cache_dir`` (default: its own cache), in
     a folder per version of the files, so a second run reuses the tokens and a changed file is read again. A custom
-    tokenizer object is cached by its state and the source of its class (and bases): after changing code outside them
-    (a helper function it calls), pass a new ``cache_dir``.
+    tokenizer object is cached by its state and the code of its class and bases as loaded: after changing code
+    outside them (a helper function it calls), pass a new ``cache_dir``.
     ``tokenizer`` is None (UTF-8 bytes, `ByteTokenizer`), a path to a saved Hugging
     Face tokenizer (``AutoTokenizer.from_pretrained(path, local_files_only=True)``) or an object with
     ``encode(text) -> list[int]`` and ``len()`` or ``vocab_size``. Each document is encoded with the tokenizer's own

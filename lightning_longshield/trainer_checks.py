@@ -101,7 +101,9 @@ def check_same_training_data(dataset_size: int, batch_size: Optional[int]) -> No
     for rank, value in enumerate(seen):
         ranks.setdefault(value, []).append(rank)
     held = "; ".join(f"{_rank_list(holders)}: {size} samples, batch_size={batch}"
-                     for (size, batch), holders in ranks.items())
+                     for (size, batch), holders in list(ranks.items())[:4])
+    if len(ranks) > 4:
+        held += f"; {len(ranks) - 4} other combinations"
     raise ValueError(
         f"The processes hold different training data ({held}). Every process must load the same training set with"
         " the same DataLoader batch_size: each draws the Poisson sample over its own copy, and the sampling rate the"

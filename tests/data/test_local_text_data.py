@@ -250,22 +250,31 @@ class ShiftTokenizer:
 
 
 def test_a_custom_tokenizer_whose_code_changed_tokenizes_again(texts, tmp_path, monkeypatch):
-    """`datasets` keys a tokenizer object by its class's name and state: the class's source must count too, or an
-    edited `encode` would train on the old code's tokens."""
+    """`datasets` keys a tokenizer object by its class's name and state: the class's code must count too, or an
+    edited `encode` would train on the old code's tokens. The code as loaded counts, not the file: a file edited
+    but not yet reloaded still tokenizes with the old code, whose tokens must not be cached as the new code's."""
     import importlib
 
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no cached bytecode of the first version
     data = write(tmp_path / "data", texts[:2], "jsonl")
     source = tmp_path / "shift_tokenizer.py"
-    for shift in (1, 20):  # the same cache_dir, the same tokenizer state
-        source.write_text(TOKENIZER_MODULE.format(shift=shift))
+
+    def first_tokens(tokenizer) -> list[int]:  # the same cache_dir every time
+        return module(data, tmp_path, tokenizer=tokenizer, privacy_unit="document").train_dataset[0]["input_ids"][:5]
+
+    expected = {shift: [byte + shift for byte in texts[0].encode()[:5]] for shift in (1, 20)}
+    try:
+        source.write_text(TOKENIZER_MODULE.format(shift=1))
+        loaded = importlib.import_module("shift_tokenizer")
+        assert first_tokens(loaded.ShiftTokenizer()).tolist() == expected[1]
+        source.write_text(TOKENIZER_MODULE.format(shift=20))  # edited, not reloaded: the old code runs
+        assert first_tokens(loaded.ShiftTokenizer()).tolist() == expected[1]
         importlib.invalidate_caches()
-        loaded = sys.modules.get("shift_tokenizer")
-        tokenizer_module = importlib.import_module("shift_tokenizer") if loaded is None else importlib.reload(loaded)
-        dm = module(data, tmp_path, tokenizer=tokenizer_module.ShiftTokenizer(), privacy_unit="document")
-        assert dm.train_dataset[0]["input_ids"][:5].tolist() == [byte + shift for byte in texts[0].encode()[:5]]
-    monkeypatch.delitem(sys.modules, "shift_tokenizer")
+        reloaded = importlib.reload(loaded)
+        assert first_tokens(reloaded.ShiftTokenizer()).tolist() == expected[20]
+    finally:
+        sys.modules.pop("shift_tokenizer", None)
 
 
 def test_a_file_rewritten_with_its_time_kept_is_read_again(texts, tmp_path):

@@ -164,6 +164,18 @@ def test_dp_step_phases_reports_each_phase_against_non_dp():
     assert len(report["opacus_over_per_layer_quartiles"]) == 3
 
 
+def test_paired_quartiles_of_one_and_of_several_rounds(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from dp_step_phases import paired_quartiles
+
+    def rounds(*steps: float) -> list[dict[str, float]]:
+        return [{"step": step} for step in steps]
+
+    assert paired_quartiles(rounds(3.0), rounds(2.0)) == [1.5, 1.5, 1.5]
+    # Ratios 1.0, 1.1, 1.2, 1.3, 1.4 in another order: the quartiles of the rounds' own ratios.
+    assert paired_quartiles(rounds(2.8, 1.0, 2.2, 1.3, 2.4), rounds(2.0, 1.0, 2.0, 1.0, 2.0)) == [1.1, 1.2, 1.3]
+
+
 @pytest.mark.slow
 def test_chunked_loss_benchmark_runs_and_reports_ratios():
     stdout = run_benchmark("chunked_loss.py", "--seq-len", "64", "--vocab", "512", "--chunk-tokens", "16", "--repeats",

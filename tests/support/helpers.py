@@ -68,15 +68,15 @@ def write_sentencepiece_tokenizer(directory: Path, texts: list[str], vocab_size:
 
 
 # Trainers' root directories (a saved checkpoint's privacy ledger goes there) live under one directory per process,
-# removed when the process exits: a run of the suite creates thousands.
-_TRAINER_ROOTS = tempfile.TemporaryDirectory(prefix="longshield-tests-")
+# removed when the process exits (`process_runner` removes its forked workers'): a run of the suite creates thousands.
+TRAINER_ROOTS = tempfile.TemporaryDirectory(prefix="longshield-tests-")
 
 
 def make_trainer(strategy: LongShieldStrategy, max_steps: int, **kwargs: Any) -> L.Trainer:
     defaults = dict(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        default_root_dir=tempfile.mkdtemp(dir=_TRAINER_ROOTS.name),
+        default_root_dir=tempfile.mkdtemp(dir=TRAINER_ROOTS.name),
     )
     return L.Trainer(strategy=strategy, **{**defaults, **kwargs})
 

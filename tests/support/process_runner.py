@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +23,9 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any],
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+        helpers = sys.modules.get("tests.support.helpers")
+        if helpers is not None:  # a forked worker ends in os._exit, which runs no finalizer
+            helpers.TRAINER_ROOTS.cleanup()
 
 
 def run_processes(world_size: int, tmp_path: Path, fn: Callable[..., Any], *args: Any,
