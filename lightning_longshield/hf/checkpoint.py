@@ -313,6 +313,7 @@ def write_pretrained(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    _remove_replaced_shards(directory)
     config_dict = hf_config_dict(config, dtype or tensors["model.embed_tokens.weight"].dtype)
     if source is not None:
         source = Path(source).expanduser()
@@ -323,6 +324,22 @@ def write_pretrained(
             if carried_file.is_file() and not (target.exists() and target.samefile(carried_file)):
                 shutil.copyfile(carried_file, target)
     (directory / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2) + "\n")
+
+
+def _remove_replaced_shards(directory: Path) -> None:
+    """Remove a sharded checkpoint's index and the shards it names from ``directory``, now that ``model.safetensors``
+    holds the export there: a loader that follows the index would read the old weights. Only after the new file is
+    written, so a failed export leaves the old checkpoint whole."""
+    index = directory / WEIGHTS_INDEX_FILE
+    if not index.is_file():
+        return
+    shards = {directory / name for name in json.loads(index.read_text()).get("weight_map", {}).values()}
+    shards = {shard for shard in shards if shard.parent == directory and shard.name != WEIGHTS_FILE}
+    for shard in shards:
+        shard.unlink(missing_ok=True)
+    index.unlink()
+    warnings.warn(f"{directory} held a sharded checkpoint: its index and {len(shards)} shards were removed, replaced"
+                  f" by the export's {WEIGHTS_FILE}.", stacklevel=3)
 
 
 def _untied_if_heads_differ(state: Mapping[str, torch.Tensor], config: LlamaConfig) -> LlamaConfig:

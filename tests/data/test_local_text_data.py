@@ -213,6 +213,18 @@ def test_files_directories_globs_and_max_documents(texts, tmp_path):
     assert len(module([directory, jsonl], tmp_path, privacy_unit="document", max_documents=4).train_dataset) == 4
 
 
+def test_special_tokens_written_in_a_document_are_text(texts, tokenizer_dir, tmp_path):
+    """A chat log quoting "<eos>" must not put an end of document (or turn) in the middle of its tokens."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    quoted = f"the log ends with {tokenizer.eos_token} and {tokenizer.pad_token} here"
+    data = write(tmp_path / "data", [quoted, texts[0]], "jsonl")
+    sample = module(data, tmp_path, tokenizer=str(tokenizer_dir), privacy_unit="document").train_dataset[0]
+    length = int((sample["labels"] != IGNORE_INDEX).sum()) + 1  # the document's tokens, before the padding
+    ids = sample["input_ids"][:length].tolist()
+    assert ids[-1] == tokenizer.eos_token_id and tokenizer.decode(ids[:-1]) == quoted
+    assert tokenizer.eos_token_id not in ids[:-1] and tokenizer.pad_token_id not in ids
+
+
 class CountingTokenizer(ByteTokenizer):
     """Bytes, counting the texts encoded (in a module-level list, so the tokenizer's own state never changes)."""
 

@@ -133,6 +133,21 @@ def test_export_gives_transformers_logits(tmp_path: Path, ids: torch.Tensor, tie
         torch.testing.assert_close(reloaded[name], param, rtol=0, atol=0)
 
 
+def test_an_export_over_a_sharded_checkpoint_removes_its_index_and_shards(tmp_path: Path, ids: torch.Tensor) -> None:
+    """A loader that follows the index would otherwise read the old shards beside the export's model.safetensors."""
+    write_hf_llama(tmp_path, max_shard_size="20KB")
+    shards = set(json.loads((tmp_path / checkpoint.WEIGHTS_INDEX_FILE).read_text())["weight_map"].values())
+    (tmp_path / "notes.txt").write_text("kept")
+    model = checkpoint.load_model(tmp_path)
+    randomize_(model)
+    with pytest.warns(UserWarning, match=f"its index and {len(shards)} shards were removed"):
+        checkpoint.save_pretrained(model, tmp_path)
+    assert not (tmp_path / checkpoint.WEIGHTS_INDEX_FILE).exists()
+    assert not any((tmp_path / shard).exists() for shard in shards) and (tmp_path / "notes.txt").exists()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    torch.testing.assert_close(hf_logits(hf, ids), our_logits(model, ids), **CLOSE)
+
+
 def test_dtypes_on_load_and_export(tmp_path: Path) -> None:
     write_hf_llama(tmp_path / "hf")
     model = checkpoint.load_model(tmp_path / "hf", dtype=torch.bfloat16)
