@@ -5,6 +5,7 @@ spent)."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -231,9 +232,12 @@ def test_epsilon_after_sigkills_of_a_two_process_run_covers_every_step_that_ran(
 def _attempt(root, kill_after: int, point: str, processes: int = 1, kill_rank: int = 0) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "tests.support.ledger_crash_worker", str(root), "6", str(kill_after), point,
                str(processes), str(kill_rank)]
-    # A session of its own: a two-process attempt kills its whole process group, never the test's.
+    # A session of its own: a two-process attempt kills its whole process group, never the test's. Its temporary
+    # files go under the test's folder: a killed process removes none.
+    scratch = Path(root) / "tmp"
+    scratch.mkdir(exist_ok=True)
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2],
-                          start_new_session=True)
+                          start_new_session=True, env={**os.environ, "TMPDIR": str(scratch)})
 
 
 @pytest.mark.slow
