@@ -208,8 +208,10 @@ def loss_scores(module: pl.LightningModule, canaries: InputCanaries,
                 loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]) -> list[float]:
     """Black-box scores: minus each canary's loss on the trained ``module`` (a member should have a lower loss)."""
     module.eval()
+    device = next(module.parameters()).device  # the trained model stays where it trained
     with torch.no_grad():
-        return [-float(loss(module, canaries.record(index))) for index in range(canaries.m)]
+        return [-float(loss(module, {key: value.to(device) for key, value in canaries.record(index).items()}))
+                for index in range(canaries.m)]
 
 
 def guess_candidates(m: int, fractions: Sequence[float] = (0.02, 0.05, 0.1, 0.2, 0.4)) -> list[tuple[int, int]]:

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_longshield.audit.bounds import best_epsilon_lower_bound, largest_reportable_bound
@@ -127,15 +126,14 @@ def audit_training(
     `LongShieldStrategy(**strategy_options)` for ``max_steps`` DP steps of expected logical batch ``batch_size``, and
     audit the run.
 
-    ``canary_type="gradient"`` (white box): each canary's gradient is ``magnitude x max_grad_norm`` on one coordinate of
-    the output layer, through a call of that layer, scored on every released update, at the run's micro-batch size (a
-    model without a trainable output layer: any coordinate, at ``micro_batch_size=1``, logged). ``"input"`` (black box,
-    a `CausalLMModule`): random token sequences scored by their loss on the trained model. Canaries are sampled, clipped
-    and noised like every record. ``scale`` says how this run relates to the real one (e.g. fewer steps), and is
-    reported. ``seed`` fixes the canaries and their inclusion bits (default: OS entropy; the report gives the seed
-    used). One process, on one CUDA GPU where there is one, else the CPU (``trainer_options`` passes other `Trainer`
-    arguments, such as ``accelerator``). A warning says when the audit's size and confidence cannot reach a bound above
-    the claim (`AuditReport.largest_reportable_bound`).
+    ``canary_type="gradient"`` (white box): each canary's gradient is ``magnitude x max_grad_norm`` on one coordinate
+    of the output layer, through a call of that layer, scored on every released update, at the run's micro-batch
+    size (a model without a trainable output layer: any coordinate, at ``micro_batch_size=1``, logged).
+    ``"input"`` (black box, a `CausalLMModule`): random token sequences scored by their loss on the trained model.
+    Canaries are sampled, clipped and noised like every record. ``scale`` says how this run relates to the real one
+    (e.g. fewer steps), and is reported. ``seed`` fixes the canaries and their inclusion bits (default: OS entropy;
+    the report gives the seed used). One process. A warning says when the audit's size and confidence cannot reach
+    a bound above the claim (`AuditReport.largest_reportable_bound`).
     """
     from lightning_longshield import LongShieldStrategy
     from lightning_longshield.progress import StepProgressBar
@@ -171,8 +169,7 @@ def audit_training(
     else:
         raise ValueError(f"canary_type={canary_type!r}: choose 'gradient' (white box) or 'input' (black box).")
     strategy = LongShieldStrategy(**options)
-    accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-    settings: dict[str, Any] = {**dict(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
+    settings: dict[str, Any] = {**dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                                        enable_model_summary=False, num_sanity_val_steps=0, enable_progress_bar=True),
                                 **(trainer_options or {})}
     if settings["enable_progress_bar"]:
