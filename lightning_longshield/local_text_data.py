@@ -9,7 +9,6 @@ import itertools
 import json
 import os
 import sys
-import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -19,6 +18,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_longshield.code_digest import class_code_digest
 from lightning_longshield.hf import require_hf
 from lightning_longshield.loss import IGNORE_INDEX
 from lightning_longshield.text_data import ByteTokenizer, PackedTokenDataset
@@ -165,53 +165,21 @@ class _Encode:
         self.tokenizer, self.eos = tokenizer, eos
         # Part of what `datasets` hashes into the cache's fingerprint: it pickles an object by its class's name and
         # its state, so without the code an edited `encode` (once reloaded), or this class's, would reuse old tokens.
-        self.code = _class_code(type(self)) + ("" if self.batched else _class_code(type(tokenizer)))
+        self.code = class_code_digest(type(self)) + ("" if self.batched else class_code_digest(type(tokenizer)))
+        # A special token's text inside a document ("</s>", "<|eot_id|>") is text, not a control token. Only fast
+        # tokenizers split special tokens alone: slow ones would split every added token, changing ordinary text.
+        self.options = {"split_special_tokens": True} if getattr(tokenizer, "is_fast", False) else {}
 
     def __call__(self, texts: list[Optional[str]]) -> dict[str, list[list[int]]]:
         texts = [text or "" for text in texts]
         if self.batched:
-            # A special token's text inside a document ("</s>", "<|eot_id|>") is text, not a control token.
-            ids = self.tokenizer(texts, verbose=False, split_special_tokens=True)["input_ids"]
+            ids = self.tokenizer(texts, verbose=False, **self.options)["input_ids"]
         else:
             ids = [self.tokenizer.encode(text) for text in texts]
         return {"input_ids": [self._end(list(tokens)) if text else [] for text, tokens in zip(texts, ids)]}
 
     def _end(self, tokens: list[int]) -> list[int]:
         return tokens + [self.eos] if self.eos is not None and tokens[-1:] != [self.eos] else tokens
-
-
-def _class_code(cls: type) -> str:
-    """A digest of the code that runs for an instance of ``cls``: the compiled functions (methods, static and class
-    methods, properties) and scalar class attributes of ``cls`` and its bases (not ``object``), as loaded in this
-    process, not as its source file reads now (it may have been edited since). The same in every process (no
-    addresses, no hash order); a compiled class counts by its name."""
-    digest = hashlib.sha256()
-    for klass in cls.__mro__:
-        if klass.__module__ == "builtins":
-            continue
-        digest.update(f"{klass.__module__}.{klass.__qualname__}".encode())
-        for name, value in sorted(vars(klass).items()):
-            if isinstance(value, (staticmethod, classmethod)):
-                value = value.__func__
-            functions = [value.fget, value.fset, value.fdel] if isinstance(value, property) else [value]
-            for function in functions:
-                code = getattr(function, "__code__", None)
-                if isinstance(code, types.CodeType):
-                    digest.update(name.encode())
-                    _add_code(digest, code)
-                elif isinstance(function, (bool, int, float, str, bytes, type(None))):
-                    digest.update(name.encode() + repr(function).encode())
-    return digest.hexdigest()
-
-
-def _add_code(digest: Any, code: types.CodeType) -> None:
-    """Hash a code object's bytecode, names and constants (nested functions' too), not its file or line numbers."""
-    digest.update(code.co_code + repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):
-            _add_code(digest, constant)
-        else:  # a frozenset's repr follows the process's string hashing: sort it
-            digest.update(repr(sorted(map(repr, constant)) if isinstance(constant, frozenset) else constant).encode())
 
 
 class LocalTextDataModule(L.LightningDataModule):

@@ -312,8 +312,12 @@ def write_pretrained(
     tensors = hf_state_dict(state, config, dtype)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    _remove_replaced_shards(directory)
+    replaced = _replaced_shards(directory)
+    # Written aside, then renamed into place: an export cut short never leaves a partial file that shadows the
+    # checkpoint already there.
+    partial = directory / f".{WEIGHTS_FILE}.partial"
+    save_file(tensors, str(partial), metadata={"format": "pt"})
+    os.replace(partial, directory / WEIGHTS_FILE)
     config_dict = hf_config_dict(config, dtype or tensors["model.embed_tokens.weight"].dtype)
     if source is not None:
         source = Path(source).expanduser()
@@ -324,22 +328,33 @@ def write_pretrained(
             if carried_file.is_file() and not (target.exists() and target.samefile(carried_file)):
                 shutil.copyfile(carried_file, target)
     (directory / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2) + "\n")
+    if replaced:
+        _remove(replaced, directory)
 
 
-def _remove_replaced_shards(directory: Path) -> None:
-    """Remove a sharded checkpoint's index and the shards it names from ``directory``, now that ``model.safetensors``
-    holds the export there: a loader that follows the index would read the old weights. Only after the new file is
-    written, so a failed export leaves the old checkpoint whole."""
+def _replaced_shards(directory: Path) -> list[Path]:
+    """The index of a sharded checkpoint in ``directory`` and the shards it names there, which the export's
+    ``model.safetensors`` replaces (a loader that follows the index would read the old weights); read before
+    anything is written, so a malformed index stops the export first."""
     index = directory / WEIGHTS_INDEX_FILE
     if not index.is_file():
-        return
-    shards = {directory / name for name in json.loads(index.read_text()).get("weight_map", {}).values()}
-    shards = {shard for shard in shards if shard.parent == directory and shard.name != WEIGHTS_FILE}
-    for shard in shards:
-        shard.unlink(missing_ok=True)
-    index.unlink()
-    warnings.warn(f"{directory} held a sharded checkpoint: its index and {len(shards)} shards were removed, replaced"
-                  f" by the export's {WEIGHTS_FILE}.", stacklevel=3)
+        return []
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{index} is not a safetensors index, and the export's {WEIGHTS_FILE} would sit beside it:"
+                         " export into another directory, or remove it.") from error
+    shards = [directory / name for name in sorted(names) if isinstance(name, str)]
+    return [index] + [shard for shard in shards if shard.parent == directory and shard.name != WEIGHTS_FILE]
+
+
+def _remove(replaced: list[Path], directory: Path) -> None:
+    """Remove the replaced index and shards (after the export's files are all written), saying so."""
+    removed = [path for path in replaced if path.is_file()]
+    for path in removed:
+        path.unlink()
+    warnings.warn(f"{directory} held a sharded checkpoint: its index and {len(removed) - 1} shards were removed,"
+                  f" replaced by the export's {WEIGHTS_FILE}.", stacklevel=3)
 
 
 def _untied_if_heads_differ(state: Mapping[str, torch.Tensor], config: LlamaConfig) -> LlamaConfig:

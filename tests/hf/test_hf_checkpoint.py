@@ -148,6 +148,14 @@ def test_an_export_over_a_sharded_checkpoint_removes_its_index_and_shards(tmp_pa
     torch.testing.assert_close(hf_logits(hf, ids), our_logits(model, ids), **CLOSE)
 
 
+def test_an_export_beside_a_malformed_index_stops_before_writing(tmp_path: Path) -> None:
+    (tmp_path / checkpoint.WEIGHTS_INDEX_FILE).write_text("not json")
+    with pytest.raises(ValueError, match="is not a safetensors index"):
+        checkpoint.save_pretrained(Llama(LlamaConfig(vocab_size=96, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                                     ffn_dim=64, max_seq_len=64)), tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [checkpoint.WEIGHTS_INDEX_FILE]
+
+
 def test_dtypes_on_load_and_export(tmp_path: Path) -> None:
     write_hf_llama(tmp_path / "hf")
     model = checkpoint.load_model(tmp_path / "hf", dtype=torch.bfloat16)
