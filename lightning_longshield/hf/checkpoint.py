@@ -18,7 +18,7 @@ import re
 import shutil
 import warnings
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -313,27 +313,37 @@ def write_pretrained(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     replaced = _replaced_shards(directory)
-    # Written aside, then renamed into place: an export cut short never leaves a partial file that shadows the
-    # checkpoint already there.
-    partial = directory / f".{WEIGHTS_FILE}.partial"
-    save_file(tensors, str(partial), metadata={"format": "pt"})
-    os.replace(partial, directory / WEIGHTS_FILE)
     config_dict = hf_config_dict(config, dtype or tensors["model.embed_tokens.weight"].dtype)
     if source is not None:
         source = Path(source).expanduser()
         carried = _config_json(source)
         config_dict.update((key, carried[key]) for key in CARRIED_CONFIG_KEYS if key in carried)
+    # Everything that can fail on its own is done first; the weights and the config are written aside and renamed
+    # into place, so an export cut short leaves no partial file beside (or shadowing) the checkpoint already there.
+    _write_aside(directory / WEIGHTS_FILE, lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
+    _write_aside(directory / CONFIG_FILE, lambda path: path.write_text(json.dumps(config_dict, indent=2) + "\n"))
+    if source is not None:
         for name in CARRIED_FILES:
             carried_file, target = source / name, directory / name
             if carried_file.is_file() and not (target.exists() and target.samefile(carried_file)):
                 shutil.copyfile(carried_file, target)
-    (directory / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2) + "\n")
     if replaced:
         _remove(replaced, directory)
 
 
+def _write_aside(target: Path, write: Callable[[Path], object]) -> None:
+    """``write`` a file next to ``target``, then rename it into place (removed if the writing fails)."""
+    partial = target.with_name(f".{target.name}.partial")
+    try:
+        write(partial)
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
 def _replaced_shards(directory: Path) -> list[Path]:
-    """The index of a sharded checkpoint in ``directory`` and the shards it names there, which the export's
+    """The index of a sharded checkpoint in ``directory``, then the shards it names there, which the export's
     ``model.safetensors`` replaces (a loader that follows the index would read the old weights); read before
     anything is written, so a malformed index stops the export first."""
     index = directory / WEIGHTS_INDEX_FILE
@@ -344,17 +354,24 @@ def _replaced_shards(directory: Path) -> list[Path]:
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{index} is not a safetensors index, and the export's {WEIGHTS_FILE} would sit beside it:"
                          " export into another directory, or remove it.") from error
-    shards = [directory / name for name in sorted(names) if isinstance(name, str)]
-    return [index] + [shard for shard in shards if shard.parent == directory and shard.name != WEIGHTS_FILE]
+    # Normalised, not resolved: "./x" and "x" are one shard, and a shard that is a link is removed as a link.
+    shards = {Path(os.path.normpath(directory / name)) for name in names if isinstance(name, str)}
+    folder = Path(os.path.normpath(directory))
+    inside = sorted(shard for shard in shards if shard.parent == folder and shard.name != WEIGHTS_FILE)
+    return [index, *inside]
 
 
 def _remove(replaced: list[Path], directory: Path) -> None:
-    """Remove the replaced index and shards (after the export's files are all written), saying so."""
-    removed = [path for path in replaced if path.is_file()]
-    for path in removed:
-        path.unlink()
-    warnings.warn(f"{directory} held a sharded checkpoint: its index and {len(removed) - 1} shards were removed,"
-                  f" replaced by the export's {WEIGHTS_FILE}.", stacklevel=3)
+    """Remove the replaced index, then its shards (after the export's files are all written), saying so."""
+    index, *shards = replaced
+    index.unlink(missing_ok=True)
+    removed = 0
+    for shard in shards:
+        if shard.is_file() or shard.is_symlink():
+            shard.unlink(missing_ok=True)
+            removed += 1
+    warnings.warn(f"{directory} held a sharded checkpoint: its index and {removed} shards were removed, replaced by"
+                  f" the export's {WEIGHTS_FILE}.", stacklevel=3)
 
 
 def _untied_if_heads_differ(state: Mapping[str, torch.Tensor], config: LlamaConfig) -> LlamaConfig:

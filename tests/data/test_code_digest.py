@@ -13,7 +13,35 @@ from lightning_longshield import code_digest
 from lightning_longshield.code_digest import class_code_digest
 
 BASE = '''
+import enum
 import functools
+import re
+
+PATTERN = re.compile(r"\\w+|\\s")
+OFFSET = 3
+
+
+def _normalise(text):
+    return text.replace("\\t", " ")
+
+
+def scaled(factor):
+    def decorate(function):
+        @functools.wraps(function)
+        def wrapper(*args):
+            return [factor * x for x in function(*args)]
+        return wrapper
+    return decorate
+
+
+class Kind(enum.Enum):
+    WORD = 1
+    SPACE = 2
+
+
+class Normalizer:
+    def __call__(self, text):
+        return text.lower()
 
 class Base:
     def normalise(self, text):
@@ -51,6 +79,25 @@ class Tokenizer(Base):
         return 100
 
     split_on_space = functools.partialmethod(pieces)
+    NORMALIZER = Normalizer()
+    KIND = Kind.WORD
+
+    def words(self, text):
+        return [match.group() for match in PATTERN.finditer(_normalise(text))]
+
+    @scaled(2)
+    def doubled(self, text):
+        return [ord(c) + OFFSET for c in text]
+
+    @staticmethod
+    def clean(text):
+        return text.strip("-")
+
+    @property
+    def unk(self):
+        return 0
+
+    spaced = functools.partialmethod(encode, lower=True)
 '''
 
 CHANGES = {
@@ -64,12 +111,21 @@ CHANGES = {
     "a tuple class attribute": ('("<a>", "<b>")', '("<a>", "<c>")'),
     "a dict class attribute": ('{"x": 1, "y": 2}', '{"x": 1, "y": 3}'),
     "a scalar class attribute": ("LIMIT = 10", "LIMIT = 11"),
+    "a module-level helper a method calls": ('" ")', '"  ")'),
+    "a module-level pattern": ('|\\s")', '")'),
+    "a module-level constant": ("OFFSET = 3", "OFFSET = 4"),
+    "a decorator's argument (a closure)": ("@scaled(2)", "@scaled(3)"),
+    "the class of an object held by the class": ("return text.lower()", "return text.upper()"),
+    "an enum member's value": ("WORD = 1", "WORD = 3"),
+    "a static method's body": ('strip("-")', 'strip("_")'),
+    "a property's body": ("return 0", "return 1"),
+    "a partialmethod's arguments": ("partialmethod(encode, lower=True)", "partialmethod(encode, lower=False)"),
 }
 
 
 def tokenizer_class(source: str) -> type:
     namespace: dict = {"__name__": "tokenizer_module"}
-    exec(compile(source, "tokenizer_module.py", "exec"), namespace)
+    exec(compile(source, "tokenizer_module.py", "exec", dont_inherit=True), namespace)  # not this file's __future__
     return namespace["Tokenizer"]
 
 
@@ -100,7 +156,7 @@ def test_the_digest_is_the_same_in_every_process():
         f"spec = importlib.util.spec_from_file_location('code_digest', {code_digest.__file__!r})\n"
         "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
         "namespace = {'__name__': 'tokenizer_module'}\n"
-        "exec(compile(sys.stdin.read(), 'tokenizer_module.py', 'exec'), namespace)\n"
+        "exec(compile(sys.stdin.read(), 'tokenizer_module.py', 'exec', dont_inherit=True), namespace)\n"
         "print(module.class_code_digest(namespace['Tokenizer']))\n"
     )
     digests = {
@@ -114,3 +170,37 @@ def test_the_digest_is_the_same_in_every_process():
 def test_stable_repr_names_objects_by_type_not_address():
     assert code_digest.stable_repr({"b": {2, 1}, "a": (object(),)}) == (
         "dict('a': tuple(<builtins.object>), 'b': set(1, 2))")
+
+
+def test_caches_python_adds_to_a_class_and_cycles_leave_it_readable_and_unchanged():
+    cycles = "Tokenizer.SELF = Tokenizer\nTokenizer.LOOP = []\nTokenizer.LOOP.append(Tokenizer.LOOP)\n"
+    cls = tokenizer_class(BASE + cycles)
+    before = class_code_digest(cls)
+    assert isinstance(cls.__annotations__, dict)  # created on first read, on Python before 3.14
+    assert class_code_digest(cls) == before
+    shared: list = []
+    shared.extend([shared] * 8)  # a list that holds itself eight times: read once, not 8 ** depth times
+    cls.SHARED = shared
+    after = class_code_digest(cls)
+    assert after != before and class_code_digest(cls) == after
+
+
+def test_classes_that_resist_reading_still_get_a_digest():
+    source = '''
+class Meta(type):
+    def __eq__(cls, other):  # no __hash__: the class cannot sit in a set
+        return cls is other
+    __hash__ = None
+
+class Hostile:
+    def __getattr__(self, name):
+        raise KeyError(name)
+
+class Tokenizer(metaclass=Meta):
+    HELD = Hostile()
+
+    def encode(self, text):
+        return list(text.encode())
+'''
+    first = class_code_digest(tokenizer_class(source))
+    assert first == class_code_digest(tokenizer_class(source)) and len(first) == 64

@@ -156,6 +156,22 @@ def test_an_export_beside_a_malformed_index_stops_before_writing(tmp_path: Path)
     assert sorted(path.name for path in tmp_path.iterdir()) == [checkpoint.WEIGHTS_INDEX_FILE]
 
 
+def test_an_export_cut_short_leaves_the_checkpoint_there_as_it_was(tmp_path: Path, monkeypatch) -> None:
+    write_hf_llama(tmp_path)
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    model = checkpoint.load_model(tmp_path)
+    randomize_(model)
+
+    def disk_full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(safetensors_torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save_pretrained(model, tmp_path)
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
 def test_dtypes_on_load_and_export(tmp_path: Path) -> None:
     write_hf_llama(tmp_path / "hf")
     model = checkpoint.load_model(tmp_path / "hf", dtype=torch.bfloat16)
