@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from lightning_longshield.dist_compat import world_size
+from lightning_longshield.dist_compat import all_gathered, world_size
 from lightning_longshield.hf import TOKENIZER_FILES, require_hf
 from lightning_longshield.lora import is_adapter_parameter, merged_state_dict
 from lightning_longshield.models import Llama, LlamaConfig
@@ -394,7 +394,8 @@ def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch
     trained in fp32 is exported in bf16); otherwise to the parameters'.
 
     Sharded parameters are gathered one at a time to the CPU, a collective: with more than one process every rank
-    calls this, only rank 0 keeps the gathered tensors and writes them, and all return once the files are complete.
+    calls this, only rank 0 keeps the gathered tensors and writes them, and all return once the files are complete
+    (or all raise, if rank 0 could not write them).
     """
     source = getattr(model, "source_directory", None)
     if source is not None and not is_model_directory(source):
@@ -406,7 +407,17 @@ def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch
     distributed = world_size() > 1
     writer = not distributed or dist.get_rank() == 0
     state = merged_state_dict(model, keep=writer)
+    failure: Optional[Exception] = None
     if writer:
-        write_pretrained(state, model.config, directory, dtype, source)
-    if distributed:
-        dist.barrier()
+        try:
+            write_pretrained(state, model.config, directory, dtype, source)
+        except Exception as error:
+            if not distributed:
+                raise
+            failure = error
+    if distributed:  # every rank learns whether rank 0 wrote the files: none is left waiting for it
+        reported = all_gathered(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if reported[0] is not None:
+            raise RuntimeError(f"The export to {directory} failed on rank 0 ({reported[0]}).")

@@ -6,6 +6,9 @@ FSDP2 and materialises it from the checkpoint, each rank reading only its shards
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -40,6 +43,14 @@ def check_sharded_load(rank: int, world_size: int, directory: str, export_direct
     hf.save_pretrained(model, export_directory)  # all ranks gather, rank 0 writes
     for name, param in hf.load_model(export_directory).named_parameters():
         torch.testing.assert_close(param, expected[name], **EXACT)
+    # An export that fails on rank 0 (a malformed index there) fails on every rank, none left waiting for it.
+    broken = Path(export_directory, "broken")
+    if rank == 0:
+        broken.mkdir()
+        (broken / "model.safetensors.index.json").write_text("not json")
+    expected_error = (ValueError, "is not a safetensors index") if rank == 0 else (RuntimeError, "failed on rank 0")
+    with pytest.raises(expected_error[0], match=expected_error[1]):
+        hf.save_pretrained(model, broken)
 
 
 def fine_tune_from_directory(rank: int, world_size: int, directory: str, out_path: str) -> None:
