@@ -37,14 +37,9 @@ class DurableCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} takes no storage_options; pass a CheckpointIO of your own.")
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        temporary = target.with_name(f".{target.name}.{os.getpid()}.partial")
         remove_stale_partials(target.parent)
-        try:
-            write_durably(temporary, lambda file: torch.save(checkpoint, file))
-            os.replace(temporary, target)
-        finally:
-            temporary.unlink(missing_ok=True)
-        fsync_directory(target.parent)
+        # Into an open file (a second fsync of it in `replace_durably` finds nothing left to write).
+        replace_durably(target, lambda temporary: write_durably(temporary, lambda file: torch.save(checkpoint, file)))
 
     def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -76,6 +71,21 @@ def remove_stale_partials(folder: Path) -> None:
                 stale.unlink()
         except OSError:  # gone meanwhile, or not ours to remove
             continue
+
+
+def replace_durably(target: Path, write: Callable[[Path], object]) -> None:
+    """Write ``target`` whole or not at all: ``write(temporary)`` to a temporary name beside it, fsync it, rename it
+    over ``target`` and fsync the folder. The temporary is removed if anything fails, so no reader ever finds a
+    partly written ``target``, whatever kills the process."""
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        write(temporary)
+        with open(temporary, "r+b") as file:
+            os.fsync(file.fileno())
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+    fsync_directory(target.parent)
 
 
 def write_durably(path: Path, write: Callable[[IO[bytes]], object]) -> None:

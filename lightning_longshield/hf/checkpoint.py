@@ -18,7 +18,7 @@ import re
 import shutil
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_longshield.dist_compat import all_gathered, world_size
+from lightning_longshield.durable_checkpoints import replace_durably
 from lightning_longshield.hf import TOKENIZER_FILES, require_hf
 from lightning_longshield.lora import is_adapter_parameter, merged_state_dict
 from lightning_longshield.models import Llama, LlamaConfig
@@ -320,8 +321,8 @@ def write_pretrained(
         config_dict.update((key, carried[key]) for key in CARRIED_CONFIG_KEYS if key in carried)
     # Everything that can fail on its own is done first; the weights and the config are written aside and renamed
     # into place, so an export cut short leaves no partial file beside (or shadowing) the checkpoint already there.
-    _write_aside(directory / WEIGHTS_FILE, lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
-    _write_aside(directory / CONFIG_FILE, lambda path: path.write_text(json.dumps(config_dict, indent=2) + "\n"))
+    replace_durably(directory / WEIGHTS_FILE, lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
+    replace_durably(directory / CONFIG_FILE, lambda path: path.write_text(json.dumps(config_dict, indent=2) + "\n"))
     if source is not None:
         for name in CARRIED_FILES:
             carried_file, target = source / name, directory / name
@@ -329,17 +330,6 @@ def write_pretrained(
                 shutil.copyfile(carried_file, target)
     if replaced:
         _remove(replaced, directory)
-
-
-def _write_aside(target: Path, write: Callable[[Path], object]) -> None:
-    """``write`` a file next to ``target``, then rename it into place (removed if the writing fails)."""
-    partial = target.with_name(f".{target.name}.partial")
-    try:
-        write(partial)
-        os.replace(partial, target)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
 
 
 def _replaced_shards(directory: Path) -> list[Path]:
