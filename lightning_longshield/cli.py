@@ -103,6 +103,7 @@ class LongShieldCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         export_dtype(config.get("export_dtype"))  # a bad name is refused before any training
+        check_export_destination(config.get("export_to"))  # as is a folder it could not write after training
         self._tokenizer_from_model_directory(config)
         if self.subcommand not in (None, "fit"):
             return
@@ -153,9 +154,47 @@ class LongShieldCLI(LightningCLI):
         config = self.config.get(self.subcommand, {})
         export_to = config.get("export_to")
         if export_to:
-            self.model.save_pretrained(export_to, export_dtype(config.get("export_dtype")))
+            try:
+                self.model.save_pretrained(export_to, export_dtype(config.get("export_dtype")))
+            except Exception:
+                self._keep_the_trained_model(export_to)
+                raise
             if self.trainer.is_global_zero:
                 print(f"Exported the trained model to {export_to}")
+
+    def _keep_the_trained_model(self, export_to: str) -> None:
+        """After a failed export, save the trained model as a Lightning checkpoint (no noise or sampling secret is
+        in it), so that the privacy budget it spent is not lost with it; the export can be redone from it."""
+        fallback = Path(self.trainer.default_root_dir) / "trained_before_failed_export.ckpt"
+        try:
+            self.trainer.save_checkpoint(fallback)
+        except Exception as error:  # the export's own error is the one raised
+            rank_zero_warn(f"Exporting to {export_to} failed, and so did saving the trained model to {fallback}:"
+                           f" {error!r}.")
+            return
+        rank_zero_warn(f"Exporting to {export_to} failed (the error follows). The trained model was saved to"
+                       f" {fallback}: export it from there without training again (its state_dict into a"
+                       " CausalLMModule built with the same arguments, after configure_model(), then save_pretrained;"
+                       " see the user guide, 'Checkpoints and the trained model').")
+
+
+def check_export_destination(export_to: Optional[str]) -> None:
+    """Refuse an ``--export_to`` that could not be written (a file, under a file, or in a folder this process may
+    not write), before training spends the privacy budget; nothing is created."""
+    if not export_to:
+        return
+    destination = Path(export_to).expanduser()
+    if destination.exists() and not destination.is_dir():
+        raise ValueError(f"--export_to {export_to!r} is a file, not a folder: name a folder for the export.")
+    existing = destination
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--export_to {export_to!r} lies under {str(existing)!r}, a file: name a folder for the"
+                         " export.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--export_to {export_to!r}: this process may not write in {str(existing)!r}; name a folder"
+                         " it can write.")
 
 
 def export_dtype(name: Optional[str]) -> Optional[torch.dtype]:
@@ -177,6 +216,9 @@ def run_cli(args: Optional[list[str]] = None, run: bool = True) -> LongShieldCLI
         trainer_defaults={"strategy": DEFAULT_STRATEGY},
         save_config_callback=SaveConfigToLogDir,
         save_config_kwargs={"overwrite": True},
+        # The model's parameters exist only after `configure_model`, and its ``optimizer`` argument builds the
+        # optimizer over the trainable ones: LightningCLI's ``--optimizer`` would see none.
+        auto_configure_optimizers=False,
         args=args,
         run=run,
     )

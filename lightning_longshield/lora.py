@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal, Union
 
 import torch
 from torch import nn
@@ -25,8 +25,10 @@ HF_TARGET_NAMES = {
 }
 #: The linear layers of `Llama` that LoRA can adapt: every block projection and the output head.
 TARGET_NAMES = (*LORA_TARGETS, "output")
-#: PEFT's name for every linear layer but the output head.
-ALL_LINEAR = "all-linear"
+#: PEFT's name for every linear layer but the output head (a `Literal` in the field's type: a command line's
+#: ``--model.lora.target_modules all-linear`` then parses as the field, not as a mapping replacing the whole entry).
+AllLinear = Literal["all-linear"]
+ALL_LINEAR: AllLinear = "all-linear"
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class LoraOptions:
     rank: int = DEFAULT_LORA_RANK
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: Sequence[str] = LORA_TARGETS
+    target_modules: Union[AllLinear, Sequence[str]] = LORA_TARGETS
 
     def __post_init__(self) -> None:
         if int(self.rank) != self.rank or self.rank < 1:

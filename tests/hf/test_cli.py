@@ -166,3 +166,56 @@ def test_lora_fine_tune_from_flags_exports_a_checkpoint_transformers_loads(tmp_p
 def test_an_unknown_export_dtype_is_refused_before_training():
     with pytest.raises(ValueError, match=r"--export_dtype 'float8' is not one of \['float32', 'bfloat16', 'float16'\]"):
         run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--export_dtype", "float8"], run=False)
+
+
+def test_an_export_destination_it_could_not_write_is_refused_before_training(tmp_path):
+    (tmp_path / "afile").write_text("")
+    args = ["--config", str(CONFIGS / "stdlib_tiny.yaml")]
+    with pytest.raises(ValueError, match="--export_to .* lies under .*afile'.*a file: name a folder"):
+        run_cli([*args, "--export_to", str(tmp_path / "afile" / "sub")], run=False)
+    with pytest.raises(ValueError, match="--export_to .* is a file, not a folder"):
+        run_cli([*args, "--export_to", str(tmp_path / "afile")], run=False)
+    run_cli([*args, "--export_to", str(tmp_path / "new" / "deeper")], run=False)  # to be created: accepted
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_failed_export_keeps_the_trained_model_in_a_checkpoint(tmp_path, monkeypatch):
+    """The run has spent its privacy budget: an export that fails after fit leaves the trained weights in a
+    checkpoint, from which the documented recipe exports them."""
+    from lightning_longshield import CausalLMModule
+
+    def failing_export(self, *args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(CausalLMModule, "save_pretrained", failing_export)
+    with pytest.warns(UserWarning, match="Exporting to .* failed .* saved to .*trained_before_failed_export.ckpt"):
+        with pytest.raises(OSError, match="No space left"):
+            run_cli(["fit", "--config", str(CONFIGS / "stdlib_tiny.yaml"), *QUICK, "--trainer.max_steps", "1",
+                     "--data.init_args.max_bytes", "50000", "--data.init_args.seq_len", "32",
+                     "--trainer.default_root_dir", str(tmp_path), "--export_to", str(tmp_path / "out")])
+    monkeypatch.undo()
+    saved = torch.load(tmp_path / "trained_before_failed_export.ckpt", weights_only=True)
+    module = CausalLMModule("tiny")
+    module.configure_model()
+    module.load_state_dict(saved["state_dict"])
+    assert all(torch.equal(module.state_dict()[name], value) for name, value in saved["state_dict"].items())
+
+
+def test_optimizer_flags_are_the_modules_own():
+    """LightningCLI's --optimizer would build an optimizer before the model has parameters: only the module's
+    ``optimizer`` argument chooses it."""
+    with pytest.raises(SystemExit):
+        run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--optimizer", "AdamW"], run=False)
+    cli = run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--model.optimizer", "sgd"], run=False)
+    assert cli.model.optimizer_name == "sgd"
+
+
+@pytest.mark.parametrize("order", ["rank first", "targets first"])
+def test_lora_flags_combine_in_any_order(order):
+    """``all-linear`` is a value of the field, not a mapping that would replace the rank given before it."""
+    flags = [["--model.lora.rank", "4"], ["--model.lora.alpha", "32"], ["--model.lora.target_modules", "all-linear"]]
+    if order == "targets first":
+        flags.reverse()
+    cli = run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), *[f for pair in flags for f in pair]], run=False)
+    lora = cli.model.lora
+    assert (lora.rank, lora.alpha) == (4, 32.0) and lora.target_modules == ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
