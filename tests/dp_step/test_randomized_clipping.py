@@ -108,6 +108,23 @@ def test_a_sample_is_clipped_alike_whoever_else_was_drawn(estimator):
         torch.testing.assert_close(alone[name], total, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("estimator", ["hutchinson", "hutchpp"])
+def test_a_non_finite_sample_adds_zero_and_leaves_the_others_alone(estimator):
+    """A sample whose gradient is inf / NaN gets factor 0; the other samples of its micro-batch are clipped as if it
+    were a zero-gradient sample. (Before, Hutch++ bounded every sample's sketch rounding by the largest basis of the
+    micro-batch: one NaN basis made every sample's factor 0, removing up to (B - 1) C from the sum.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4, bias=False))
+    others = torch.randn(5, 6, 8)
+    poisoned = torch.full((1, 6, 8), float("inf"))
+    with_poison = clipped_sums_over(model, torch.cat([poisoned, others]), 3, estimator)  # {p,1,2} {3,4,5}
+    with_zero = clipped_sums_over(model, torch.cat([torch.zeros(1, 6, 8), others]), 3, estimator)
+    for name, total in with_zero.items():
+        assert total.norm() > 0 and torch.isfinite(with_poison[name]).all()
+        torch.testing.assert_close(with_poison[name], total, rtol=1e-5, atol=1e-9)
+
+
 @pytest.mark.slow
 def test_accounted_and_calibrated_by_the_randomized_accountant():
     """target_epsilon calibrates sigma with the randomized accountant: above the exact-clipping sigma and within

@@ -278,8 +278,9 @@ def sketch_rounding(rows: int, tokens: int, world: int, scale: torch.Tensor) -> 
 
 @dataclass
 class SketchEstimate:
-    """Estimated squared norms (fp64, ``(B,)``) and ``scale`` (fp64, 0-dim), a bound on the Frobenius norm of the
-    projections they were sketched with (`sketch_rounding`; 0 for exact norms)."""
+    """Estimated squared norms (fp64, ``(B,)``) and ``scale`` (fp64, 0-dim for a projection shared by the samples,
+    ``(B,)`` for Hutch++'s per-sample ones), a bound on the Frobenius norm of the projections each sample was sketched
+    with (`sketch_rounding`; 0 for exact norms)."""
 
     squared: torch.Tensor
     scale: torch.Tensor
@@ -447,8 +448,10 @@ class BookKeeper:
             # the norm (sqrt of a sum of squares grows by at most the sum of what its terms' roots grow by).
             squared = squared + estimated
             zero = products.new_zeros(())  # a parameter with exact norms
-            rhos = torch.stack([self._sketch_roundings.pop(name, zero).to(products) for name in names])
-            rounding = rounding + (rhos.unsqueeze(1) * products).sum(0)
+            # (P, B): a shared projection's rho is the same for every sample, Hutch++'s is each sample's own.
+            rhos = torch.stack([self._sketch_roundings.pop(name, zero).to(products).expand(products.shape[1])
+                                for name in names])
+            rounding = rounding + (rhos * products).sum(0)
         return BookKeptNorms(squared, rounding)
 
     def held_bytes(self) -> int:

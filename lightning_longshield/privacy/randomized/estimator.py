@@ -239,9 +239,11 @@ def _hutchpp(uses: list[Use], generator: Generators, projection_dim: int, reduce
 
 
 def _frobenius(matrices: torch.Tensor) -> torch.Tensor:
-    """The largest Frobenius norm of the ``(..., rows, c)`` matrices (fp64, 0-dim), rounded up generously (a scale for
-    a bound; a tensor, so that no value is read on the host)."""
-    return matrices.flatten(-2).norm(dim=-1).max() * (1 + 2**-20)
+    """The Frobenius norm of each of the ``(..., rows, c)`` matrices (fp64, shape ``...``: 0-dim for one shared
+    projection, ``(B,)`` for a sample's own), rounded up generously (a scale for a bound; a tensor, so that no value is
+    read on the host). Never a maximum over samples: a sample's bound must not depend on the others (one sample's NaN
+    basis would make every sample's bound NaN, and every factor 0)."""
+    return matrices.flatten(-2).norm(dim=-1) * (1 + 2**-20)
 
 
 def estimate_squared_norms(
