@@ -30,6 +30,8 @@ from lightning_longshield.sharded_checkpoints import (
 )
 
 CHECKPOINT_KEY = "longshield"
+# Set on a module by a checkpoint loaded outside fit: (path, privacy state), checked when a fit starts.
+_LOADED_DP_HISTORY = "_longshield_loaded_dp_history"
 
 
 class StrategyCheckpoints:
@@ -141,8 +143,8 @@ class StrategyCheckpoints:
         privacy state."""
         path = self.broadcast(checkpoint_path)  # type: ignore[attr-defined]
         self._loaded_sharded = is_sharded_checkpoint(path)
+        module = self.lightning_module  # type: ignore[attr-defined]
         if self._loaded_sharded:
-            module = self.lightning_module  # type: ignore[attr-defined]
             checkpoint = load_sharded(Path(path), module, list(self.optimizers),  # type: ignore[attr-defined]
                                       strict=module.strict_loading)
         else:
@@ -150,7 +152,13 @@ class StrategyCheckpoints:
         state = checkpoint.get(CHECKPOINT_KEY)
         if not self._fitting():  # validate, test, predict: the run's accounting is left as it is
             self._loaded_outside_fit, self._privacy_state_outside_fit = True, state
-        elif state is not None:
+            if state is not None:  # the module now holds weights with a DP history this session may not hold
+                module.__dict__[_LOADED_DP_HISTORY] = (os.fspath(path), state)
+            return checkpoint
+        module.__dict__.pop(_LOADED_DP_HISTORY, None)  # a resume: the checkpoint's history is the session's now
+        if not self.privacy.poisson_sampling:  # type: ignore[attr-defined]
+            _drop_empty_loader_states(checkpoint)
+        if state is not None:
             self.privacy.load_state_dict(state)  # type: ignore[attr-defined]
             self.privacy.resume_from_ledger(self.privacy_ledger, self.broadcast)  # type: ignore[attr-defined]
         return checkpoint
@@ -159,13 +167,37 @@ class StrategyCheckpoints:
         return self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # type: ignore[attr-defined]
 
     def on_train_start(self) -> None:
-        """Keep the privacy ledger wherever the run can be resumed: it checkpoints, resumed, or names a ledger."""
+        """Keep the privacy ledger wherever the run can be resumed: it checkpoints, resumed, or names a ledger.
+        Refuse to train on weights that validate, test or predict loaded from a DP checkpoint whose history this
+        session does not account (`check_weights_accounted`)."""
+        self.check_weights_accounted()
         super().on_train_start()  # type: ignore[misc]
         self._loaded_outside_fit, self._privacy_state_outside_fit = False, None
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         resumable = self.privacy.run_id is not None or trainer.checkpoint_callbacks  # type: ignore[attr-defined]
         if self.privacy_ledger is not None or resumable:  # type: ignore[attr-defined]
             self.open_privacy_ledger()
+
+    def check_weights_accounted(self) -> None:
+        """Raise if the module holds weights loaded outside ``fit`` from a DP checkpoint whose steps this session's
+        accountant does not hold (another run's, or later steps of this one): ``fit`` without ``ckpt_path`` would
+        report only its own steps for weights that result from those too."""
+        loaded = self.lightning_module.__dict__.get(_LOADED_DP_HISTORY)  # type: ignore[attr-defined]
+        if loaded is None:
+            return
+        path, state = loaded
+        steps = sum(int(run[2]) for run in state["accountant"]["history"])
+        session = self.privacy  # type: ignore[attr-defined]
+        run = state.get("run_id")
+        if run is not None and run == session.run_id and session.accountant.steps >= steps:
+            return  # an earlier checkpoint of the run this session accounts (validate(ckpt_path="best"), fit again)
+        raise ValueError(
+            f"The module holds the weights of the DP checkpoint {path}, loaded by validate, test or predict: they"
+            f" result from its {steps} DP steps, which this fit would not account (its epsilon would count only its"
+            f" own steps). Pass fit(ckpt_path={path!r}) to continue that run and its accounting. To start a new run"
+            " from these weights on data none of whose records that run trained on (a separate guarantee), build a"
+            " new module and load the weights yourself (module.load_state_dict)."
+        )
 
     def open_privacy_ledger(self) -> None:
         """Record every DP step from now on in the privacy ledger (written by global rank 0)."""
@@ -201,7 +233,24 @@ class StrategyCheckpoints:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         options = StateDictOptions(full_state_dict=True)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):  # type: ignore[attr-defined]
+            if any(isinstance(key, int) for key in state.get("state", {})):
+                raise ValueError(
+                    "The checkpoint's optimizer state is keyed by parameter position, as Lightning's other strategies"
+                    " save it, not by name: it was not written by LongShieldStrategy, and fit(ckpt_path=...) cannot"
+                    " continue it. Load its weights into the module (module.load_state_dict(torch.load(path)"
+                    "['state_dict'])) and start a new fit without ckpt_path."
+                )
             if not state.get("state"):  # e.g. SGD without momentum: no tensors to place, only hyper-parameters
                 load_hyperparameters(optimizer, state["param_groups"])
                 continue
             set_optimizer_state_dict(self.lightning_module, optimizer, state, options=options)  # type: ignore[attr-defined]
+
+
+def _drop_empty_loader_states(checkpoint: dict[str, Any]) -> None:
+    """Forget the training loader states a checkpoint holds when all are empty, as a Poisson run's are
+    (`PoissonDataLoader` keeps nothing): a run resumed with ``poisson_sampling=False`` has no stateful loader to give
+    them to, and Lightning would refuse the resume."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    states = loop.get("combined_loader")
+    if states and all(state == {} for state in states):
+        del loop["combined_loader"]

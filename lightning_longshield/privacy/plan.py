@@ -108,6 +108,13 @@ def resolve_plan(
         )
     if restored is not None:
         noise_multiplier, target_epsilon, delta = _kept_from_checkpoint(arguments, restored, messages)
+        if restored.get("dataset_size") not in (None, dataset_size):
+            messages.append(PlanMessage(
+                f"Resuming a checkpoint whose run trained on {restored['dataset_size']} records with {dataset_size}:"
+                " each step is accounted at its own sampling rate and epsilon counts all of them (a bound for a record"
+                " of either set). Check that the training data is meant to differ.",
+                True,
+            ))
     else:
         noise_multiplier, target_epsilon, delta = (
             arguments.noise_multiplier, arguments.target_epsilon, arguments.target_delta
@@ -164,9 +171,10 @@ def resolve_plan(
 def _kept_from_checkpoint(
     arguments: PrivacyArguments, restored: Mapping[str, Any], messages: list[PlanMessage]
 ) -> tuple[float, Optional[float], float]:
-    """The checkpoint's noise multiplier and delta, and the tighter of its target epsilon and the one passed now (a
-    lower budget changes no accounted step); a warning names each other value the user passed that differs from the
-    checkpoint's (values the user did not pass are not mentioned)."""
+    """The checkpoint's noise multiplier and delta, the tighter of its target epsilon and the one passed now (a
+    lower budget changes no accounted step), and the larger of its noise multiplier and one passed now (never less
+    noise than asked for: the accountant composes steps of either); a warning names each other value the user passed
+    that differs from the checkpoint's (values the user did not pass are not mentioned)."""
     kept = {"noise_multiplier": restored["noise_multiplier"], "target_epsilon": restored["target_epsilon"],
             "target_delta": restored["delta"]}
     given = {"noise_multiplier": arguments.noise_multiplier, "target_epsilon": arguments.target_epsilon,
@@ -180,13 +188,31 @@ def _kept_from_checkpoint(
             False,
         ))
         kept["target_epsilon"] = given["target_epsilon"]
+    if given["target_delta"] is not None and given["target_delta"] < kept["target_delta"]:
+        messages.append(PlanMessage(
+            f"Resuming a checkpoint with target_delta={given['target_delta']:g} (the checkpoint's run:"
+            f" {kept['target_delta']:g}): the smaller delta applies (epsilon is computed over every step at it).",
+            False,
+        ))
+        kept["target_delta"] = given["target_delta"]
+    if given["noise_multiplier"] is not None and given["noise_multiplier"] > kept["noise_multiplier"]:
+        earlier = kept["noise_multiplier"]
+        messages.append(PlanMessage(
+            f"Resuming a checkpoint with noise_multiplier={given['noise_multiplier']:g} (the checkpoint's run:"
+            f" {earlier:g}): the larger noise applies from now on; epsilon composes the steps of both."
+            + (" The checkpoint's steps had no noise, so epsilon stays infinite: if they did not train on this data,"
+               " start a new run from the weights instead." if earlier == 0 else ""),
+            earlier == 0,
+        ))
+        kept["noise_multiplier"] = given["noise_multiplier"]
     differ = [f"{name}={value:g} (the checkpoint's run: {_shown(kept[name])})" for name, value in given.items()
               if value is not None and value != kept[name]]
     if differ:
         messages.append(PlanMessage(
             f"Resuming a checkpoint with {', '.join(differ)}: the resumed run keeps the checkpoint's noise_multiplier"
-            " and delta, so that its accounted steps and the next ones compose under one mechanism, and the lower of"
-            " the two target_epsilon values. Start a new run (without ckpt_path) to change them.",
+            " and delta unless the value given now is larger (noise) or smaller (delta), so that its accounted steps"
+            " and the next ones compose under one mechanism, and the lower of the two target_epsilon values. Start a"
+            " new run (without ckpt_path) to change them otherwise.",
             True,
         ))
     else:

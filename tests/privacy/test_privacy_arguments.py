@@ -104,10 +104,22 @@ def test_a_resumed_run_speaks_only_of_what_the_user_set(caplog, recwarn):
 
 def test_a_resumed_run_warns_about_a_value_the_user_set_differently():
     state = _checkpointed(noise_multiplier=1.0, target_epsilon=6.0)
-    with pytest.warns(UserWarning, match=r"noise_multiplier=2 \(the checkpoint's run: 1\)") as caught:
-        resumed = _resume(state, noise_multiplier=2.0, target_epsilon=6.0)
-    assert resumed.plan.noise_multiplier == 1.0
+    with pytest.warns(UserWarning, match=r"noise_multiplier=0.5 \(the checkpoint's run: 1\)") as caught:
+        resumed = _resume(state, noise_multiplier=0.5, target_epsilon=6.0)
+    assert resumed.plan.noise_multiplier == 1.0  # never less noise than the checkpoint's run planned
     assert not any("target_epsilon=6 (" in str(w.message) for w in caught)  # the same value: not mentioned
+
+
+def test_a_resumed_run_never_adds_less_noise_than_asked_for(caplog):
+    """A larger noise_multiplier given at resume applies (the accountant composes steps of either). Before, the
+    checkpoint's was kept: a run warmed up without noise went on training without noise after a resume with
+    noise_multiplier=1."""
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        resumed = _resume(_checkpointed(noise_multiplier=1.0), noise_multiplier=2.0)
+    assert resumed.plan.noise_multiplier == 2.0
+    assert any("noise_multiplier=2 (the checkpoint's run: 1): the larger noise applies" in m for m in caplog.messages)
+    with pytest.warns(UserWarning, match="had no noise, so epsilon stays infinite"):
+        assert _resume(_checkpointed(noise_multiplier=0.0), noise_multiplier=1.0).plan.noise_multiplier == 1.0
 
 
 def test_a_resumed_run_takes_the_tighter_of_the_two_budgets():
@@ -117,6 +129,21 @@ def test_a_resumed_run_takes_the_tighter_of_the_two_budgets():
     assert _resume(_checkpointed(noise_multiplier=1.0), target_epsilon=2.0).plan.target_epsilon == 2.0
     with pytest.warns(UserWarning, match=r"target_epsilon=30 \(the checkpoint's run: 20\)"):
         assert _resume(state, noise_multiplier=1.0, target_epsilon=30.0).plan.target_epsilon == 20.0
+
+
+def test_a_resumed_run_on_more_data_takes_a_smaller_delta():
+    """A checkpoint of a run over 50 records (delta 1 / 500) resumed over 1000: its delta is too large for the new
+    set, and a smaller target_delta given now applies (before, the checkpoint's was kept and the run could not
+    resume at all); the change of data is warned about."""
+    state = _checkpointed(noise_multiplier=1.0, target_delta=None)
+    state["plan"]["dataset_size"], state["plan"]["delta"] = 50, 1 / 500
+    resumed = session(noise_multiplier=1.0, target_delta=1e-5)
+    resumed.open_fit(CPU, (0, 0), broadcast=lambda value: value)
+    resumed.load_state_dict(state)
+    resumed.record_training_data(1000, 5)
+    with pytest.warns(UserWarning, match="trained on 50 records with 1000"):
+        resumed.start_training(global_step=3, planned_steps=2, data_parallel_size=1)
+    assert resumed.plan.delta == 1e-5 and resumed.accountant.steps == 3
 
 
 def test_a_first_step_over_the_budget_says_what_it_would_spend_and_how_to_fix_it():

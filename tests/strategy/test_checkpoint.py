@@ -111,6 +111,60 @@ def test_validating_a_checkpoint_keeps_the_runs_accounting_and_a_save_carries_th
     assert resumed.accountant.steps == 4 + 2 + 2  # the checkpoint's, the two its ledger holds after it, this fit's
 
 
+def test_fit_refuses_weights_that_validate_loaded_from_a_run_it_does_not_account(tmp_path):
+    """``validate(ckpt_path=...)`` leaves the checkpoint's weights in the module: a ``fit`` without ``ckpt_path`` on
+    them would report only its own steps. Refused, naming the fix; ``fit(ckpt_path=...)`` continues that run, and
+    the run that wrote the checkpoint may go on training after validating one of its own checkpoints."""
+    first = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    trainer = make_trainer(first, max_steps=3)
+    trained = module()
+    trainer.fit(trained, loader(DATA, 4))
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+
+    second = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    other = make_trainer(second, max_steps=2)
+    model = module()
+    other.validate(model, loader(DATA, 4), ckpt_path=tmp_path / "run.ckpt")
+    with pytest.raises(ValueError, match=r"weights of the DP checkpoint .*run\.ckpt.* its 3 DP steps.*fit\(ckpt_path="):
+        other.fit(model, loader(DATA, 4))
+    assert second.accountant.steps == 0
+
+    continued = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    make_trainer(continued, max_steps=5).fit(model, loader(DATA, 4), ckpt_path=tmp_path / "run.ckpt")
+    assert continued.accountant.steps == 5
+
+    trainer.validate(trained, loader(DATA, 4), ckpt_path=tmp_path / "run.ckpt")  # its own run's checkpoint
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(trained, loader(DATA, 4))
+    assert first.accountant.steps == 4
+
+
+def test_a_poisson_run_resumes_with_fixed_batches(tmp_path):
+    """The Poisson loader's (empty) state has no loader to go to when the resumed run samples no Poisson batches:
+    it is dropped (Lightning refused the resume: "The CombinedLoader has 0 stateful loaders")."""
+    first = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    trainer = make_trainer(first, max_steps=2)
+    trainer.fit(module(), loader(DATA, 4))
+    trainer.save_checkpoint(tmp_path / "poisson.ckpt")
+    resumed = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3, poisson_sampling=False)
+    with pytest.warns(UserWarning, match="poisson_sampling=False"):
+        make_trainer(resumed, max_steps=3).fit(module(), loader(DATA, 4), ckpt_path=tmp_path / "poisson.ckpt")
+    assert resumed.accountant.steps == 3
+
+
+def test_a_checkpoint_of_another_strategy_is_refused_naming_the_fix(tmp_path):
+    """Lightning's other strategies key the optimizer state by position: named, not a KeyError from deep inside."""
+    import lightning as L
+
+    plain = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    plain.fit(module(), loader(DATA, 4))
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    strategy_ = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    with pytest.raises(ValueError, match="not written by LongShieldStrategy.*load_state_dict.*without ckpt_path"):
+        make_trainer(strategy_, max_steps=2).fit(module(), loader(DATA, 4), ckpt_path=tmp_path / "plain.ckpt")
+
+
 def test_an_asynchronous_save_holds_the_state_of_its_step(tmp_path):
     """A save every 2 steps written in the background while training goes on: after a third step ran, the step-2
     checkpoint is in place, whole, and holds exactly step 2's parameters (the engine copied them when the save
