@@ -58,10 +58,14 @@ STALE_PARTIAL_SECONDS = 3600.0
 
 def remove_stale_partials(folder: Path) -> None:
     """Remove the temporaries of killed saves in ``folder``: those whose newest write is `STALE_PARTIAL_SECONDS`
-    old."""
+    old, and any that is a symbolic link, unlinked, never followed (no save writes one; a sharded save swapping out a
+    linked ``last.ckpt`` once left one)."""
     now = time.time()
     for stale in folder.glob(".*.partial"):
         try:
+            if stale.is_symlink():
+                stale.unlink()
+                continue
             entries = [stale, *stale.iterdir()] if stale.is_dir() else [stale]
             if now - max(entry.stat().st_mtime for entry in entries) < STALE_PARTIAL_SECONDS:
                 continue

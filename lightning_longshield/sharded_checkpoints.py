@@ -116,7 +116,7 @@ def save_sharded(
     if rank == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_partials(final.parent)
-        shutil.rmtree(temporary, ignore_errors=True)  # a killed save of this name
+        _remove(temporary)  # a killed save of this name
         temporary.mkdir()
     barrier()
     options = StateDictOptions(cpu_offload=False)
@@ -239,22 +239,35 @@ def _crc32(path: Path) -> int:
 def _replace_folder(temporary: Path, final: Path) -> None:
     """Rename ``temporary`` to ``final`` (replacing a previous checkpoint of that name) and make it durable.
 
-    A previous folder is swapped with the new one in one atomic step where the system can (Linux's ``renameat2``
-    with ``RENAME_EXCHANGE``), so ``final`` names a whole checkpoint at every instant; elsewhere it is renamed aside
-    first, and a crash between the two renames leaves both whole under hidden names."""
-    if final.is_dir() and _exchange(temporary, final):  # ``temporary`` now holds the previous checkpoint
+    A previous checkpoint is swapped with the new one in one atomic step where the system can (Linux's ``renameat2``
+    with ``RENAME_EXCHANGE``), so ``final`` names a whole checkpoint at every instant; elsewhere a folder is renamed
+    aside first, and a crash between the two renames leaves both whole under hidden names. A symbolic link of that name
+    (``ModelCheckpoint(save_last="link")``) is replaced itself, never followed: what it points to stays untouched."""
+    if os.path.lexists(final) and _exchange(temporary, final):  # ``temporary`` now holds the previous one
         fsync_directory(final.parent)
-        shutil.rmtree(temporary, ignore_errors=True)
+        _remove(temporary)
         return
     previous = final.with_name(f".{final.name}.previous")
-    shutil.rmtree(previous, ignore_errors=True)
-    if final.is_dir():
+    _remove(previous)
+    if final.is_dir() and not final.is_symlink():
         final.rename(previous)
-    elif final.exists():
+    elif os.path.lexists(final):  # a file, or a link (to anything, or dangling)
         final.unlink()
     temporary.rename(final)
     fsync_directory(final.parent)
-    shutil.rmtree(previous, ignore_errors=True)
+    _remove(previous)
+
+
+def _remove(path: Path) -> None:
+    """Remove the folder, file or symbolic link ``path`` if there, as far as possible; a link is unlinked, never
+    followed."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:  # not ours to remove: left, as ``rmtree(ignore_errors=True)`` leaves a folder
+        pass
 
 
 _AT_FDCWD = -100
