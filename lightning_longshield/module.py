@@ -126,7 +126,8 @@ class CausalLMModule(L.LightningModule):
     weights are loaded; under context parallelism each rank reads only its shards). The model is built in
     `configure_model` (so strategies can build it sharded); ``model`` is the `Llama`.
     The training loss is the mean over samples of each sample's mean token loss; clipping, noise and batch scaling
-    belong to the strategy. Validation logs ``val_loss`` and ``val_perplexity``. Every batch is checked (shapes,
+    belong to the strategy. Validation logs ``val_loss`` and ``val_perplexity``, testing ``test_loss`` and
+    ``test_perplexity``; prediction returns the logits. Every batch is checked (shapes,
     token ids within ``vocab_size``) on the host before it moves to the device.
 
     ``lora`` (a `LoraOptions`) injects PEFT LoRA adapters and freezes the rest of the model: only the adapters are
@@ -185,6 +186,7 @@ class CausalLMModule(L.LightningModule):
                                    "loss_chunk_tokens": loss_chunk_tokens})
         self.model: Optional[Llama] = None
         self.val_perplexity = TokenPerplexity()
+        self.test_perplexity = TokenPerplexity()
 
     def setup(self, stage: str) -> None:
         """Refuse data whose tokenizer has more tokens than the model's embedding (the data module's `check_vocab`),
@@ -261,13 +263,29 @@ class CausalLMModule(L.LightningModule):
         return self.model(input_ids, position_ids, head=loss)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_perplexity)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        """As `validation_step`, logging ``test_loss`` and ``test_perplexity``."""
+        self._evaluate(batch, "test", self.test_perplexity)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The logits ``(B, T, vocab)`` of a batch's ``input_ids`` (a dict with that key, as the training batches, or
+        the tensor itself)."""
+        input_ids = batch["input_ids"] if isinstance(batch, Mapping) else batch
+        if not isinstance(input_ids, torch.Tensor):
+            raise ValueError("A predict batch is a LongTensor of token ids (B, T) or a dict with 'input_ids'; got"
+                             f" {type(input_ids).__name__}.")
+        return self(input_ids, batch.get("position_ids") if isinstance(batch, Mapping) else None)
+
+    def _evaluate(self, batch: Any, stage: str, perplexity: TokenPerplexity) -> None:
         input_ids, labels, position_ids, token_counts = unpack_batch(batch)
         sums = self._token_loss_sums(input_ids, labels, position_ids)
         loss = (sums / loss_divisors(labels, token_counts)).mean()
         # sync_dist: the mean over data-parallel groups (the CP ranks of a group already agree on the whole loss).
-        self.log("val_loss", self._whole_sequence(loss), batch_size=input_ids.shape[0], sync_dist=True)
-        self.val_perplexity.update(sums.sum(), (labels != IGNORE_INDEX).sum())
-        self.log("val_perplexity", self.val_perplexity, prog_bar=True)
+        self.log(f"{stage}_loss", self._whole_sequence(loss), batch_size=input_ids.shape[0], sync_dist=True)
+        perplexity.update(sums.sum(), (labels != IGNORE_INDEX).sum())
+        self.log(f"{stage}_perplexity", perplexity, prog_bar=True)
 
     def _whole_sequence(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss of whole sequences for logging: a shard's loss summed over the context-parallel group."""
