@@ -409,6 +409,19 @@ class PrivacySession:
         self.earlier_without_poisson = state.get("ran_without_poisson", False)
         self.earlier_reproducible = state.get("ran_reproducibly", False)
 
+    def load_finished_fit(self, state: dict[str, Any], noise_device: torch.device | str) -> None:
+        """Take over a fit that ran in other processes from its rank 0's `state_dict` (Lightning's spawn and fork
+        launchers bring it back): the plan, the accountant's history, epsilon, the guarantee and a checkpoint's privacy
+        state read here as there, and a next fit continues the accounting as a resume from that state would.
+
+        No secret of the fit comes along (``state`` is what a checkpoint holds). The noise here only says how the fit
+        drew (on ``noise_device``, which the guarantee describes): it has a fresh key of its own, draws nothing, and
+        the next fit replaces it.
+        """
+        self.load_state_dict(state)
+        self.plan = PrivacyPlan(**state["plan"])
+        self.noise = GaussianNoise(noise_device, secure_mode=self.secure_mode)
+
 
 def _worst_step(entries: list[LedgerEntry], restored_plan: Optional[dict[str, Any]]) -> LedgerEntry:
     """A step with the least noise and the highest sampling rate among the run's recorded ones and its checkpoint's
