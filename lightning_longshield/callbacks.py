@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 
 class PrivacyMonitor(Callback):
-    """Logs ``epsilon`` (privacy spent at the run's delta) every ``log_every_n_steps`` and on the run's last step.
+    """Logs ``epsilon`` (privacy spent at the run's delta) every ``log_every_n_steps`` and on the run's last step,
+    and writes the epsilon spent by the end of ``fit`` to every logger.
 
     `LongShieldStrategy` adds one automatically. Computing epsilon with the PRV accountant costs up to about a
     second, so it is not recomputed on every step (nor at every epoch end: with Poisson sampling an epoch can be
     a handful of steps).
+
+    Lightning writes what ``self.log`` collected to the loggers only at steps that are multiples of
+    ``log_every_n_steps`` or when ``trainer.should_stop`` is set, so a run ending on ``max_steps``, ``max_epochs`` or a
+    later stop would leave its last epsilon out of the logs: `on_train_end` writes it, unless Lightning already did.
+    Epsilon is a function of public hyper-parameters (noise multiplier, sampling rate, step count) only.
     """
+
+    def __init__(self) -> None:
+        self._start_step: Optional[int] = None  # the global step this fit started from
+        self._written_step: Optional[int] = None  # the last step whose epsilon Lightning wrote to the loggers
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_step, self._written_step = trainer.global_step, None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         strategy = trainer.strategy
-        if not hasattr(strategy, "get_epsilon") or getattr(strategy, "privacy_plan", None) is None:
+        if not _accounts(strategy):
             return
         last_epoch = trainer.max_epochs is not None and 0 < trainer.max_epochs <= trainer.current_epoch + 1
         is_last = (
@@ -31,3 +44,33 @@ class PrivacyMonitor(Callback):
         every = trainer.log_every_n_steps  # 0: no periodic logging
         if (every and trainer.global_step % every == 0) or is_last or trainer.global_step == 1:
             pl_module.log("epsilon", strategy.get_epsilon(), prog_bar=True, rank_zero_only=True)
+            if _lightning_writes_this_step(trainer):
+                self._written_step = trainer.global_step
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the final epsilon to every logger (global rank 0), unless Lightning wrote it at the last step or this
+        fit ran no step (a resume at the end of its steps or budget: nothing new was spent)."""
+        strategy = trainer.strategy
+        step = trainer.global_step
+        if not _accounts(strategy) or not trainer.is_global_zero or step in (self._start_step, self._written_step):
+            return
+        if trainer.loggers:
+            epsilon = strategy.get_epsilon()
+            for logger in trainer.loggers:
+                logger.log_metrics({"epsilon": epsilon}, step=step)
+                logger.save()
+        self._written_step = step
+
+
+def _accounts(strategy: Any) -> bool:
+    """Whether ``strategy`` accounts privacy (a `LongShieldStrategy` whose training has started)."""
+    return hasattr(strategy, "get_epsilon") and getattr(strategy, "privacy_plan", None) is not None
+
+
+def _lightning_writes_this_step(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes the metrics logged at this step to the loggers after ``on_train_batch_end`` (its
+    ``should_update_logs``; ``global_step`` counts every batch, as the strategy refuses gradient accumulation and
+    manual optimization). A ``should_stop`` set by a hook after this one is not seen."""
+    every = trainer.log_every_n_steps
+    periodic = bool(every) and (trainer.global_step % every == 0 or trainer.should_stop)
+    return periodic or bool(getattr(trainer, "fast_dev_run", False))
