@@ -30,6 +30,9 @@ from lightning_longshield.sharded_checkpoints import (
 )
 
 CHECKPOINT_KEY = "longshield"
+#: ``checkpoint_format="auto"`` writes one full file up to this many parameters (its fp32 weights and AdamW state, all
+#: on rank 0, stay under about 2 GiB) and, with several processes, sharded checkpoints above it.
+AUTO_FULL_FILE_PARAMETERS = 2**27
 # Set on a module by a checkpoint loaded outside fit: (path, privacy state), checked when a fit starts.
 _LOADED_DP_HISTORY = "_longshield_loaded_dp_history"
 
@@ -57,12 +60,16 @@ class StrategyCheckpoints:
 
     @property
     def sharded_checkpoints(self) -> bool:
-        """``checkpoint_format="sharded"`` or asynchronous saves, or ``"auto"`` with more than one process (one process
-        writes everything either way, and one file is the simplest to move and load)."""
+        """``checkpoint_format="sharded"`` or asynchronous saves, or ``"auto"`` with more than one process and more
+        than `AUTO_FULL_FILE_PARAMETERS` parameters. Below that, one file (loadable with ``torch.load``, the simplest
+        to move) costs rank 0 under about 2 GiB; one process writes everything either way."""
         chosen = self.checkpoint_format  # type: ignore[attr-defined]
         if chosen == "sharded" or self.async_checkpoints:  # type: ignore[attr-defined]
             return True
-        return chosen == "auto" and self.world_size > 1  # type: ignore[attr-defined]
+        if chosen == "full" or self.world_size == 1:  # type: ignore[attr-defined]
+            return False
+        module = self.lightning_module  # type: ignore[attr-defined]
+        return sum(p.numel() for p in module.parameters()) > AUTO_FULL_FILE_PARAMETERS
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state: gathered whole on rank 0 for one-file checkpoints; for sharded ones each rank's own

@@ -101,7 +101,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
     Args (checkpoints):
         checkpoint_format: ``"sharded"``: every rank writes and reads its own shards (PyTorch's distributed
             checkpoint engine), a folder that loads at any layout; ``"full"``: one file gathered on rank 0;
-            ``"auto"`` (default): sharded with several processes, one file with one.
+            ``"auto"`` (default): one file up to 2^27 (134 M) parameters or with one process, sharded above that
+            with several.
         async_checkpoints: sharded saves copy the shards in memory and write them in a background thread while
             training goes on; each is renamed into place once every rank has written it (checked at step starts).
 
@@ -162,8 +163,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         self.preflight = preflight
         self.privacy_ledger = privacy_ledger
         if checkpoint_format not in ("auto", "sharded", "full"):
-            raise ValueError(f"checkpoint_format={checkpoint_format!r}: choose 'auto' (sharded with several processes,"
-                             " one file with one), 'sharded' or 'full'.")
+            raise ValueError(f"checkpoint_format={checkpoint_format!r}: choose 'auto' (sharded above 134 M parameters"
+                             " with several processes, else one file), 'sharded' or 'full'.")
         if async_checkpoints and checkpoint_format == "full":
             raise ValueError("async_checkpoints=True writes sharded checkpoints in the background; use"
                              " checkpoint_format='sharded' (or 'auto') with it.")

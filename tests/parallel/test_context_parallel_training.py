@@ -231,7 +231,7 @@ def test_checkpoint_saved_under_cp_resumes_on_one_process(tmp_path, activation_c
     path = tmp_path / "cp2.ckpt"
     run_processes(2, tmp_path, save_checkpoint_under_cp, str(path), activation_checkpointing, checkpoint_format,
                   "adamw", 0.0, checkpoint_format == "auto")  # the sharded save written in the background
-    assert path.is_dir() == (checkpoint_format == "auto")  # several processes: sharded by default
+    assert path.is_dir() == (checkpoint_format == "auto")  # asynchronous saves are sharded
     saved = read_model_state(path) if path.is_dir() else torch.load(path, weights_only=False)["state_dict"]
     module = make_module(small_config(), optimizer="adamw", learning_rate=1e-2)
     assert set(saved) == {f"model.{k}" for k in module.model.state_dict()}

@@ -65,6 +65,24 @@ def test_resume_continues_the_same_run(tmp_path, optimizer, momentum, checkpoint
         assert all("momentum_buffer" in state for state in checkpoint["optimizer_states"][0]["state"].values())
 
 
+class _TwoProcesses(LongShieldStrategy):
+    """The strategy as two processes see it, holding ``lightning_module``, for the choice of format alone."""
+
+    world_size = 2
+    lightning_module = None
+
+
+@pytest.mark.parametrize("parameters, sharded", [(1000, False), (2**27, False), (2**27 + 1, True)])
+def test_auto_writes_one_file_for_a_smaller_model_and_shards_a_larger_one(parameters, sharded):
+    """``"auto"``: one ``torch.load``-able file (the contract) up to 2^27 parameters, whose full state costs rank 0
+    under about 2 GiB; sharded above that with several processes. One process always writes one file."""
+    two = _TwoProcesses(noise_multiplier=1.0)
+    two.lightning_module = torch.nn.Linear(parameters, 1, bias=False, device="meta")
+    assert two.sharded_checkpoints == sharded
+    assert _TwoProcesses(noise_multiplier=1.0, checkpoint_format="full").sharded_checkpoints is False
+    assert LongShieldStrategy(noise_multiplier=1.0).sharded_checkpoints is False  # one process
+
+
 def test_momentum_is_sgds_only():
     with pytest.raises(ValueError, match="momentum=0.9 is SGD's"):
         module("adamw", 0.9)
