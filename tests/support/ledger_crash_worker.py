@@ -114,7 +114,8 @@ def _kill_inside_sharded_saves(point: str, kill: KillAt, trainer_of: Callable[[]
 
 def main(root: Path, max_steps: int, kill_after: int, kill_point: str, processes: int = 1, kill_rank: int = 0) -> None:
     strategy = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=DELTA,
-                                  context_parallel_size=processes, checkpoint_format="sharded")
+                                  context_parallel_size=processes,
+                                  checkpoint_format="sharded" if processes > 1 else "full")
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     kill = KillAt(kill_after, kill_point if rank == kill_rank else "none")
     if kill_point == "release" and rank == kill_rank:
