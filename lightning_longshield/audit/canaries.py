@@ -13,7 +13,7 @@ The inclusion draws come from the audit's own generator, independent of the run'
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -176,8 +176,11 @@ def insert_gradient_canaries(module: pl.LightningModule, canaries: GradientCanar
     parameters = {name: p for name, p in module.named_parameters() if p.requires_grad}
     layer = canaries.layer
 
-    def through_layer(canary: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    def through_layer(canary: torch.Tensor, output: Any) -> Any:
+        """The step's output with the canaries' term added to its loss (``output["loss"]`` of a mapping)."""
         assert layer is not None
+        if isinstance(output, Mapping):
+            return {**output, "loss": through_layer(canary, output["loss"])}
         rows = canary.reshape(-1) >= 0
         width = layer.in_features
         offsets = torch.tensor([canaries.coordinates[int(i)][1] if i >= 0 else 0 for i in canary.reshape(-1)],
@@ -185,7 +188,7 @@ def insert_gradient_canaries(module: pl.LightningModule, canaries: GradientCanar
         x = torch.zeros(rows.numel(), 1, width, device=layer.weight.device, dtype=layer.weight.dtype)
         x[rows, 0, offsets[rows] % width] = 1.0
         picked = layer(x)[:, 0, :].gather(1, (offsets // width)[:, None]).squeeze(1)
-        return loss + canaries.magnitude * (picked * rows).sum() / rows.numel()
+        return output + canaries.magnitude * (picked * rows).sum() / rows.numel()
 
     def training_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
         canary = batch.pop(CANARY_KEY)

@@ -6,18 +6,23 @@
 
 It trains the model once with canaries among the records (each inserted with probability 1/2), through the same
 Poisson sampling, clipping and noise as every record, and prints the accountant's epsilon beside the empirical lower
-bound (`audit_training`); ``--json`` prints the report as JSON. The run is at the scale the flags give (by default a
-reduced one: the ``tiny`` preset, a few dozen steps), which the report states. With ``--config`` the model, the
-training data, the strategy's arguments and ``max_steps`` are the `longshield-train` file's (``--steps`` shortens the
-run and the report says so); the model, data and privacy flags are then not taken.
+bound (`audit_training`); ``--json`` prints the report as strict JSON (a non-finite number, the claimed epsilon of a
+run without noise, is ``null``). Standard output holds the report alone; the training's progress goes to standard
+error. The run is at the scale the flags give (by default a reduced one: the ``tiny`` preset, a few dozen steps),
+which the report states. With ``--config`` the model, the training data, the strategy's arguments and ``max_steps``
+are the `longshield-train` file's (``--steps`` shortens the run and the report says so), and the expected logical
+batch is the run's, ``batch_size`` x data-parallel size (``trainer.devices`` x ``trainer.num_nodes`` /
+``context_parallel_size``), so that the sampling rate is; the run's layout-only options are left out (one process),
+which the report says; the model, data and privacy flags are then not taken.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import logging
 import sys
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -86,10 +91,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    run = _run_from_file(args) if args.config else _reduced_run(args)
-    report = audit_training(**run, canaries=args.canaries, canary_type=args.canary_type, magnitude=args.magnitude,
-                            confidence=args.confidence, seed=args.canary_seed)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
+    with contextlib.redirect_stdout(sys.stderr):  # the training's progress and prints: stdout holds the report alone
+        run = _run_from_file(args) if args.config else _reduced_run(args)
+        report = audit_training(**run, canaries=args.canaries, canary_type=args.canary_type,
+                                magnitude=args.magnitude, confidence=args.confidence, seed=args.canary_seed)
+    print(report.to_json() if args.json else report.summary())
     if args.plot:
         report.plot(args.plot)
     return 0
@@ -115,8 +121,9 @@ def _reduced_run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_from_file(args: argparse.Namespace) -> dict[str, Any]:
-    """The model, training data, strategy arguments and steps of a `longshield-train` file."""
+    """The model, training data, strategy arguments, steps and expected logical batch of a `longshield-train` file."""
     from lightning_longshield.cli import run_cli
+    from lightning_longshield.context_parallel import resolve_parallel_sizes
 
     cli = run_cli(["--config", args.config, "--trainer.logger", "false", "--trainer.enable_checkpointing", "false"],
                   run=False)
@@ -131,11 +138,42 @@ def _run_from_file(args: argparse.Namespace) -> dict[str, Any]:
     if args.steps is None and (configured is None or configured < 1):
         raise SystemExit(f"{args.config}: give trainer.max_steps or --steps (the audited run's DP steps).")
     steps = args.steps if args.steps is not None else configured
+    processes, counted = _processes(trainer, args.config)
+    try:
+        data_parallel, _ = resolve_parallel_sizes(processes, options.get("context_parallel_size"))
+    except ValueError as err:
+        raise SystemExit(f"{args.config}: {err}") from None
+    batch_size = datamodule.batch_size * data_parallel  # the run's expected logical batch, so its sampling rate
     scale = "as configured" if steps == configured else f"reduced: {steps} of the configured {configured} steps"
-    return dict(module=cli.model, dataset=datamodule.train_dataset, batch_size=datamodule.batch_size,
-                max_steps=steps, strategy_options=options, scale=f"{scale} ({args.config})",
+    notes = [args.config, f"expected logical batch {batch_size} = batch_size {datamodule.batch_size} x"
+                          f" data-parallel size {data_parallel}"] + ([counted] if counted else [])
+    return dict(module=cli.model, dataset=datamodule.train_dataset, batch_size=batch_size,
+                max_steps=steps, strategy_options=options, scale=f"{scale} ({'; '.join(notes)})",
                 trainer_options={key: trainer[key] for key in ("accelerator", "precision")
                                  if trainer.get(key) is not None})
+
+
+def _processes(trainer: Mapping[str, Any], source: str) -> tuple[int, str]:
+    """The run's processes, ``trainer.devices`` x ``trainer.num_nodes``, and a note where ``devices`` is no count or
+    list (``"auto"``, ``-1``): Lightning's count for it on this machine, which the run's may differ from."""
+    devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes") or 1
+    if isinstance(devices, str) and "," in devices:  # Lightning's "0,1": device indices
+        devices = [index for index in devices.split(",") if index.strip()]
+    elif isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if isinstance(devices, (list, tuple)):
+        return len(devices) * nodes, ""
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+        return devices * nodes, ""
+    try:
+        import lightning.pytorch as pl
+
+        counted = pl.Trainer(accelerator=trainer.get("accelerator") or "auto", devices=devices, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False).num_devices
+    except Exception as err:  # e.g. GPUs asked for on a machine without them
+        raise SystemExit(f"{source}: trainer.devices={devices!r} cannot be counted here ({err}); give it as a"
+                         " count, the run's processes per node.") from None
+    return counted * nodes, f"trainer.devices={devices!r} counted here as {counted}"
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ lower bound on epsilon (Steinke, Nasr and Jagielski, 2023) beside the accountant
 from __future__ import annotations
 
 import functools
+import inspect
+import json
 import logging
 import math
 import warnings
@@ -31,6 +33,12 @@ from lightning_longshield.loss import causal_lm_loss
 log = logging.getLogger("lightning_longshield")
 
 CanaryType = Literal["gradient", "input"]
+
+#: `LongShieldStrategy` arguments of the process layout, launch and bookkeeping alone, which an audit (one process, no
+#: checkpoints) runs without: the DP mechanism (clipping, noise, sampling rate) does not depend on them.
+LAYOUT_OPTIONS = ("context_parallel_size", "shard_over", "exchange", "overlap_communication", "communication_bucket_mb",
+                  "parallel_devices", "cluster_environment", "process_group_backend", "timeout", "start_method",
+                  "checkpoint_format", "async_checkpoints", "privacy_ledger")
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,10 @@ class AuditReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        """The report as strict JSON: a non-finite number (the claimed epsilon of a run without noise) is ``null``."""
+        return json.dumps(_finite_or_none(self.to_dict()), indent=indent, allow_nan=False)
 
     def plot(self, path: str) -> None:
         """The guess-accuracy curve beside chance and the most an (epsilon, 0)-DP run at the claimed epsilon allows,
@@ -132,7 +144,10 @@ def audit_training(
     ``"input"`` (black box, a `CausalLMModule`): random token sequences scored by their loss on the trained model.
     Canaries are sampled, clipped and noised like every record. ``scale`` says how this run relates to the real one
     (e.g. fewer steps), and is reported. ``seed`` fixes the canaries and their inclusion bits (default: OS entropy;
-    the report gives the seed used). One process. A warning says when the audit's size and confidence cannot reach
+    the report gives the seed used). One process: the layout-only options (`LAYOUT_OPTIONS`, e.g.
+    ``context_parallel_size``) are dropped, and those that would change the layout are named in the report's
+    scale; pass ``batch_size`` as the run's expected logical batch (DataLoader ``batch_size`` x data-parallel size)
+    to audit its sampling rate. A warning says when the audit's size and confidence cannot reach
     a bound above the claim (`AuditReport.largest_reportable_bound`).
     """
     from lightning_longshield import LongShieldStrategy
@@ -142,7 +157,10 @@ def audit_training(
     if (trainer_options or {}).get("devices", 1) not in (1, [0], "1"):
         raise ValueError("An audit runs in one process (its canary scores read the whole released gradient): pass"
                          " devices=1; the guarantee audited is the same mechanism's.")
-    options = dict(strategy_options or {})
+    options, dropped = _mechanism_options(strategy_options or {})
+    if dropped:
+        scale = f"{scale}; in one process, without {dropped} (layout only, not the DP mechanism)"
+        log.info("The audit runs in one process, without %s: the layout does not change the DP mechanism.", dropped)
     own_step = module.__dict__.get("training_step")  # what the audit's wrapper replaces, put back after the run
     if getattr(module, "model", True) is None and hasattr(module, "configure_model"):
         module.configure_model()  # the canaries' coordinates are chosen among the parameters
@@ -207,6 +225,30 @@ def check_audit_inputs(magnitude: float, confidence: float) -> None:
                          " finite number above 0 (1 is the clipping bound).")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence={confidence} is outside (0, 1): write 0.95 for 95%.")
+
+
+def _mechanism_options(strategy_options: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """``strategy_options`` without `LAYOUT_OPTIONS`, and those dropped that differ from `LongShieldStrategy`'s
+    defaults and from one process's layout (``"context_parallel_size=2"``; empty if none)."""
+    from lightning_longshield import LongShieldStrategy
+
+    parameters = inspect.signature(LongShieldStrategy.__init__).parameters
+    one_process = {key: (parameters[key].default,) for key in LAYOUT_OPTIONS if key in parameters}
+    one_process["context_parallel_size"] = (None, 1)
+    dropped = ", ".join(f"{key}={value!r}" for key, value in strategy_options.items()
+                        if key in LAYOUT_OPTIONS and value not in one_process.get(key, ()))
+    return {key: value for key, value in strategy_options.items() if key not in LAYOUT_OPTIONS}, dropped
+
+
+def _finite_or_none(value: Any) -> Any:
+    """``value`` with every non-finite float, in nested dicts, lists and tuples, replaced by ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(item) for item in value]
+    return value
 
 
 def top_guess_accuracy(scores: list[float], included: list[bool], points: int = 20) -> tuple[tuple[int, float], ...]:

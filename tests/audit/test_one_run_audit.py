@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,8 @@ import textwrap
 import pytest
 import torch
 
-from lightning_longshield.audit import GradientCanaries, audit_training
+from lightning_longshield import CausalLMModule
+from lightning_longshield.audit import AuditReport, GradientCanaries, audit_training
 from lightning_longshield.audit import cli as audit_cli
 from lightning_longshield.audit.canaries import WithCanaries, guess_candidates
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
@@ -124,7 +126,7 @@ def test_the_audit_command_reports_claim_and_bound(canary_type, tmp_path):
                "--plot", str(plot)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout[result.stdout.index("{"):])
+    report = _strict_json(result.stdout)
     assert report["canary_type"] == canary_type and report["m"] == 60 and report["steps"] == 3
     assert report["claimed_epsilon"] == pytest.approx(8.0, rel=1e-3)
     # 60 canaries can show at most 2.14 at 95%: the audit says it could not refute the claim of 8.
@@ -203,10 +205,119 @@ def test_the_audit_command_takes_a_longshield_train_file(tmp_path, capsys):
             init_args: {target_epsilon: 4.0, target_delta: 1.0e-5, micro_batch_size: 2}
         """))
     assert audit_cli.main(["--config", str(config), "--canaries", "40", "--json"]) == 0
-    output = capsys.readouterr().out
-    report = json.loads(output[output.index("{"):])
+    report = _strict_json(capsys.readouterr().out)
     assert report["steps"] == 3 and report["scale"].startswith("as configured")
     assert report["claimed_epsilon"] == pytest.approx(4.0, rel=1e-2) and report["delta"] == 1e-5
     assert audit_cli.main(["--config", str(config), "--canaries", "40", "--steps", "2", "--json"]) == 0
-    output = capsys.readouterr().out
-    assert json.loads(output[output.index("{"):])["scale"].startswith("reduced: 2 of the configured 3 steps")
+    assert _strict_json(capsys.readouterr().out)["scale"].startswith("reduced: 2 of the configured 3 steps")
+
+
+def _strict_json(text: str) -> dict:
+    """``text`` parsed as one JSON document, refusing NaN and Infinity (as jq and other strict parsers do)."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _run_file(tmp_path, devices: object, context_parallel_size: object, max_steps: int = 2):
+    config = tmp_path / "run.yaml"
+    config.write_text(textwrap.dedent(f"""\
+        model: {{config: tiny}}
+        data:
+          class_path: lightning_longshield.text_data.StdlibTextDataModule
+          init_args: {{seq_len: 16, batch_size: 8, max_bytes: 3000}}
+        trainer:
+          accelerator: cpu
+          devices: {devices}
+          max_steps: {max_steps}
+          strategy:
+            class_path: lightning_longshield.LongShieldStrategy
+            init_args: {{noise_multiplier: 1.0, target_delta: 1.0e-5, micro_batch_size: 4,
+                         context_parallel_size: {context_parallel_size}, shard_over: all}}
+        """))
+    return str(config)
+
+
+def test_the_audit_runs_in_one_process_without_the_layout_options():
+    """Context parallelism, sharding and the exchange do not change the DP mechanism: the one-process audit drops
+    them, and its scale names those that would have changed the layout."""
+    module = make_module(small_config(), optimizer="sgd", learning_rate=0.1)
+    report = audit_training(module, RandomTokens(size=8, seq_len=16), batch_size=8, max_steps=1, canaries=10,
+                            strategy_options=dict(noise_multiplier=1.0, context_parallel_size=2, shard_over="all",
+                                                  exchange="reduce_scatter"),
+                            trainer_options=QUIET, scale="as configured")
+    assert report.steps == 1
+    assert report.scale == ("as configured; in one process, without context_parallel_size=2, shard_over='all'"
+                            " (layout only, not the DP mechanism)")
+
+
+@pytest.mark.parametrize("devices, context_parallel_size, data_parallel",
+                         [(4, 1, 4), (4, 2, 2), (2, "null", 1)])
+def test_a_run_file_is_audited_at_its_expected_logical_batch(tmp_path, devices, context_parallel_size,
+                                                             data_parallel):
+    """The sampling rate is the run's: the logical batch is batch_size x data-parallel size (devices / CP size)."""
+    args = audit_cli.parse_args(["--config", _run_file(tmp_path, devices, context_parallel_size)])
+    run = audit_cli._run_from_file(args)
+    assert run["batch_size"] == 8 * data_parallel and run["max_steps"] == 2
+    assert run["scale"] == (f"as configured ({args.config}; expected logical batch {8 * data_parallel} = batch_size 8"
+                            f" x data-parallel size {data_parallel})")
+
+
+@pytest.mark.parametrize("trainer, processes", [(dict(devices=[0, 1]), 2), (dict(devices="0,1,2", num_nodes=2), 6),
+                                                (dict(devices="4"), 4), (dict(devices=2, num_nodes=3), 6)])
+def test_the_run_files_processes_are_its_devices_times_its_nodes(trainer, processes):
+    assert audit_cli._processes(trainer, "run.yaml") == (processes, "")
+
+
+def test_a_run_file_of_automatic_devices_says_how_they_were_counted(tmp_path):
+    args = audit_cli.parse_args(["--config", _run_file(tmp_path, "auto", 1), "--steps", "1"])
+    run = audit_cli._run_from_file(args)
+    assert run["batch_size"] == 8  # Lightning's "auto" on CPU: one device
+    assert run["scale"].startswith("reduced: 1 of the configured 2 steps")
+    assert run["scale"].endswith("; trainer.devices='auto' counted here as 1)")
+    with pytest.raises(SystemExit, match="positive divisor"):  # a layout the run itself would refuse
+        audit_cli._run_from_file(audit_cli.parse_args(["--config", _run_file(tmp_path, 4, 3)]))
+
+
+def test_the_audit_command_audits_a_context_parallel_run_file(tmp_path, capsys):
+    """``--config`` of a two-process CP run: audited in one process, at its logical batch; ``--json`` prints strict
+    JSON alone on stdout (the progress bar goes to stderr)."""
+    config = _run_file(tmp_path, 4, 2, max_steps=1)
+    assert audit_cli.main(["--config", config, "--canaries", "10", "--json"]) == 0
+    report = _strict_json(capsys.readouterr().out)
+    assert report["steps"] == 1
+    assert report["scale"] == (f"as configured ({config}; expected logical batch 16 = batch_size 8 x data-parallel"
+                               " size 2); in one process, without context_parallel_size=2, shard_over='all' (layout"
+                               " only, not the DP mechanism)")
+
+
+def test_the_json_report_of_a_run_without_noise_is_strict_json(capsys):
+    """Infinite epsilon (no noise) is written as null; stdout holds the JSON document alone."""
+    flags = ["--noise-multiplier", "0", "--steps", "1", "--canaries", "10", "--records", "8", "--seq-len", "16",
+             "--batch-size", "8", "--json"]
+    assert audit_cli.main(flags) == 0
+    captured = capsys.readouterr()
+    report = _strict_json(captured.out)
+    assert report["claimed_epsilon"] is None and report["steps"] == 1 and report["m"] == 10
+    assert "Step" not in captured.out
+    unbounded = AuditReport("gradient", 10, 5, math.inf, 0.5, 0.95, DELTA, 2, 2, 1, "x")  # no reportable ceiling
+    assert _strict_json(unbounded.to_json())["largest_reportable_bound"] is None
+
+
+class _DictLossModule(CausalLMModule):
+    """A training step that returns ``{"loss": ...}``, as Lightning (and the DP step loop) allow."""
+
+    per_sample_mean_loss = True
+
+    def training_step(self, batch, batch_idx):
+        return {"loss": super().training_step(batch, batch_idx)}
+
+
+def test_gradient_canaries_add_to_the_loss_of_a_dict_output():
+    torch.manual_seed(0)
+    module = _DictLossModule(small_config(), optimizer="sgd", learning_rate=0.1)
+    report = audit_training(module, RandomTokens(size=8, seq_len=16), batch_size=16, max_steps=2, canaries=20,
+                            strategy_options=dict(noise_multiplier=0.0, target_delta=DELTA, micro_batch_size=4),
+                            trainer_options=QUIET, seed=0)
+    assert report.steps == 2 and report.correct > 0
