@@ -69,8 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser(argv)
     try:
         _defaults_from_run_file(parser, argv)
-    except (OSError, ValueError, ImportError) as err:
-        parser.error(str(err))
+    except (OSError, ValueError, ImportError) as err:  # the file cannot be read, or the run would refuse it
+        parser.subcommands.get(argv[0], parser).error(str(err))  # type: ignore[attr-defined]
     args = parser.parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)
     try:
@@ -89,15 +89,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """``--config run.yaml``: the ``longshield-train`` file's run becomes the command's defaults (flags given on the
-    command line still win): model, LoRA rank, GPUs, precision, sequence length and the strategy's arguments, as
-    the planner's method (`method_for`), micro-batch size, CP size and clipping."""
+    command line still win): model, LoRA rank, GPUs, precision, sequence length, the loss chunking and the strategy's
+    arguments, as the planner's method (`method_for`), micro-batch size, CP size and clipping, where the command
+    takes them (``recommend`` chooses method, MBS and CP itself, over all the file's GPUs)."""
     path = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"), None)
     path = path or next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")), None)
     command = parser.subcommands.get(argv[0]) if argv else None  # type: ignore[attr-defined]
     if path is None or command is None:
         return
     run = read_run_file(path)
-    method, notes = method_for(run.strategy)
+    known = {action.dest: action for action in command._actions if action.nargs not in ("+", "*")}  # not lists
+    method, method_notes = method_for(run.strategy)
+    notes = method_notes if "method" in known else ()  # where the estimate of the file's own method is approximate
     per_layer = run.strategy.per_layer
     gpus, cp = run.gpus, run.strategy.context_parallel_size
     if gpus is None:
@@ -105,7 +108,7 @@ def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) ->
                   " on --gpus.",)
     if method == "zero-dp":  # estimated as ZeRO-DP+, which runs at CP 1 (`method_for`'s note says so)
         cp = 1  # with LoRA, planning refuses it and names --lora-rank 0, which then overrides the file
-    elif gpus is not None and cp is not None and gpus > cp and gpus % cp == 0 \
+    elif "cp" in known and gpus is not None and cp is not None and gpus > cp and gpus % cp == 0 \
             and run.strategy.shard_over == "context_parallel":
         notes += (f"Note: planned per context-parallel group of {cp} GPUs: with shard_over='context_parallel'"
                   f" each of the {gpus // cp} data-parallel groups holds its own copy of the model states;"
@@ -120,7 +123,6 @@ def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) ->
         as_run=True,  # the strategy's own variant of the method, not the paper's prototype
         run_file_notes=notes,  # where the estimate is approximate, printed with the result
     )
-    known = {action.dest: action for action in command._actions if action.nargs not in ("+", "*")}  # not lists
     defaults = {name: value for name, value in defaults.items() if (value is not None or name == "loss_chunk_tokens")
                 and (name in known or name in ("as_run", "run_file_notes"))}
     command.set_defaults(**defaults)
@@ -157,6 +159,7 @@ def _does_not_fit_advice(p: planner.Plan, args: argparse.Namespace) -> str:
         recommend += f" --gpu {args.gpu}"
     if args.precision != "bf16-mixed":
         recommend += f" --precision {args.precision}"
+    recommend += _run_flags(cfg)
     if not cfg.method.private:
         recommend += " --methods nondp-fsdp nondp-cp nondp-cp-ac"
     advice = f"Does not fit (exit status {EXIT_DOES_NOT_FIT}). For configurations that fit, run `{recommend}`"
@@ -170,6 +173,16 @@ def _does_not_fit_advice(p: planner.Plan, args: argparse.Namespace) -> str:
             verdict = f"is not valid here: {err}"
         advice += f"; with --method {ac} (activation checkpointing) this run {verdict}"
     return advice + "."
+
+
+def _run_flags(cfg: RunConfig) -> str:
+    """The flags of ``cfg``'s LoRA rank, clipping and loss chunking where they are not the defaults."""
+    flags = f" --lora-rank {cfg.lora_rank}" if cfg.lora_rank else ""
+    if cfg.clipping != "flat":
+        flags += f" --clipping {cfg.clipping} --per-layer-kernel {cfg.per_layer_kernel}"
+    if cfg.loss_chunk_tokens != "auto":
+        flags += f" --loss-chunk-tokens {'none' if cfg.loss_chunk_tokens is None else cfg.loss_chunk_tokens}"
+    return flags
 
 
 def _check_cp_splits(method: str, gpus: float, cp: int | None, seq_len: int | None) -> None:
@@ -297,9 +310,11 @@ def _compare(args: argparse.Namespace, console: Console) -> dict[str, object]:
 
 def _recommend(args: argparse.Namespace, console: Console) -> dict[str, object]:
     plans = planner.recommend(args.model, args.gpus, args.seq_len, gpu=args.gpu, precision=args.precision,
-                              methods=tuple(args.methods), mbs_options=tuple(args.mbs))
+                              methods=tuple(args.methods), mbs_options=tuple(args.mbs), lora_rank=args.lora_rank,
+                              clipping=args.clipping, per_layer_kernel=args.per_layer_kernel,
+                              loss_chunk_tokens=args.loss_chunk_tokens)
     args.exit_status = 0 if plans else EXIT_DOES_NOT_FIT
-    recommendations = [{**p.to_dict(), "strategy_arguments": p.config.strategy.as_arguments()} for p in plans]
+    recommendations = [{**p.to_dict(), "strategy_arguments": p.config.strategy.as_init_args()} for p in plans]
     out = {"model": args.model, "gpus": _gpus_json(args.gpus), "gpu": args.gpu, "precision": args.precision,
            "seq_len": args.seq_len, "fits": bool(plans), "recommendations": recommendations}
     if not args.json:
@@ -317,7 +332,7 @@ def _recommend(args: argparse.Namespace, console: Console) -> dict[str, object]:
                           _tps(p.tokens_per_second_per_gpu), _cell(p.dp_gap, "{:.2f}"))
         console.print(table)
         console.print("#1 as the strategy's arguments (`Trainer(strategy=...)`, or trainer.strategy.init_args):\n"
-                      f"  LongShieldStrategy({describe_arguments(recommendations[0]['strategy_arguments'])})")
+                      f"  LongShieldStrategy({describe_arguments(plans[0].config.strategy.as_arguments())})")
     return out
 
 
@@ -361,6 +376,7 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     recommend.add_argument("--mbs", nargs="+", type=positive_int, default=list(planner.MBS_OPTIONS),
                            help="micro-batch sizes to try")
     _add_config_arg(recommend)
+    _add_training_args(recommend)
     plot = add_command(sub, "plot", _plot, "PNG of peak memory vs sequence length per method")
     plot.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), metavar="METHOD",
                       help="methods to plot")
@@ -422,6 +438,14 @@ def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
                         " norms='mixed'; nondp-* the non-private baselines")
     p.add_argument("--mbs", type=positive_int, default=1, help="micro-batch size")
     p.add_argument("--cp", type=positive_int, default=None, help="CP size (default: all GPUs for CP methods)")
+    _add_training_args(p)
+    if seq_len:
+        p.add_argument("--seq-len", type=power_of_two, required=True,
+                       help="sequence length, a power of two (16k and 1M ok)")
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    """What is trained and how it is clipped: LoRA rank, clipping, per-layer kernel, loss chunking."""
     p.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA rank on every block projection (only the adapters train); 0: full fine-tuning")
     p.add_argument("--clipping", choices=list(CLIPPINGS), default="flat",
@@ -433,9 +457,6 @@ def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
     p.add_argument("--loss-chunk-tokens", type=loss_chunking, default="auto",
                    help="CausalLMModule's chunked loss: auto (its default: chunks once the whole logits would take"
                         " over 1 GiB), none (the whole logits at once) or positions per chunk")
-    if seq_len:
-        p.add_argument("--seq-len", type=power_of_two, required=True,
-                       help="sequence length, a power of two (16k and 1M ok)")
 
 
 def loss_chunking(text: str) -> LossChunking:

@@ -365,6 +365,18 @@ def plan_strategy(
                              loss_chunk_tokens=loss_chunk_tokens, shard_over=strategy.shard_over), notes
 
 
+def planned_as_run(cfg: RunConfig) -> RunConfig:
+    """``cfg`` as `LongShieldStrategy` runs the arguments that run it (``cfg.strategy``), planned as the pre-flight
+    check plans them (`plan_strategy`: V1 at micro-batch 1 is V2's run, ZeRO-DP+ is one backward with
+    book-keeping); a non-private baseline, which the strategy does not run, as it is."""
+    if not cfg.method.private:
+        return cfg
+    gpus = cfg.num_gpus if math.isinf(cfg.num_gpus) else int(cfg.num_gpus)  # inf: ZeRO-DP+'s FSDP ceiling
+    planned, _ = plan_strategy(cfg.model, cfg.strategy, gpus, cfg.seq_len, cfg.precision.name,  # type: ignore[arg-type]
+                               cfg.gpu, cfg.per_layer_kernel, cfg.loss_chunk_tokens, cfg.lora_rank)
+    return planned
+
+
 RANDOMIZED_CLIPPING_NOTE = (
     "Note: randomized clipping (ProjectedNorms) keeps every linear and embedding layer's inputs and output gradients"
     " until the norms are known (about MBS x T x (in + out) elements per layer, with k-column sketches), which the"

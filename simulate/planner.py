@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from simulate.config import METHODS, MethodSpec, RunConfig, make_config, parse_gpus
+from simulate.config import METHODS, MethodSpec, RunConfig, make_config, parse_gpus, planned_as_run
+from simulate.loss_chunks import LossChunking
 from simulate.memory import GIB, MemoryBreakdown, estimate_memory
 from simulate.throughput import StepTime, estimate_step_time
 
@@ -115,20 +116,42 @@ def probe_config(**inputs: object) -> RunConfig:
 
 def recommend(model: str, gpus: int | float | str, seq_len: int, gpu: str = "h100",
               precision: str = "bf16-mixed", methods: tuple[str, ...] = DP_METHODS,
-              mbs_options: tuple[int, ...] = MBS_OPTIONS) -> list[Plan]:
-    """Every (method, MBS, CP size) that fits ``seq_len``, fastest first (least memory first with infinite GPUs).
+              mbs_options: tuple[int, ...] = MBS_OPTIONS, lora_rank: int = 0, clipping: str = "flat",
+              per_layer_kernel: str = "torch", loss_chunk_tokens: LossChunking = "auto") -> list[Plan]:
+    """Every (method, MBS, CP size) that fits ``seq_len`` as `LongShieldStrategy` runs it, fastest first (least
+    memory first with infinite GPUs).
 
-    CP methods try every power-of-two CP size that divides the GPU count and splits ``seq_len`` evenly.
+    Each LongShield method is planned as the strategy runs its arguments (`planned_as_run`, as the pre-flight
+    check plans them), so a recommendation's peak is the one ``fit --config`` and the pre-flight check give;
+    candidates that are the same run (V1 and V2 at MBS 1) are listed once. CP methods try every power-of-two CP size
+    that divides the GPU count and splits ``seq_len`` evenly. ``lora_rank``, ``clipping``, ``per_layer_kernel`` and
+    ``loss_chunk_tokens`` are :func:`make_config`'s; a method they do not go with is skipped (an error when no
+    method does).
     """
-    probe = make_config(model=model, gpus=gpus, method="nondp-fsdp", seq_len=seq_len, gpu=gpu, precision=precision)
-    plans = []
+    probe = make_config(model=model, gpus=gpus, method="nondp-fsdp", seq_len=seq_len, gpu=gpu, precision=precision,
+                        lora_rank=lora_rank, per_layer_kernel=per_layer_kernel, loss_chunk_tokens=loss_chunk_tokens)
+    plans: dict[RunConfig, Plan] = {}
+    for cfg in _candidates(probe, methods, mbs_options, clipping):
+        if cfg not in plans and estimate_memory(cfg).fits:
+            plans[cfg] = evaluate(cfg)
+    return sorted(plans.values(), key=_rank_key)
+
+
+def _candidates(probe: RunConfig, methods: tuple[str, ...], mbs_options: tuple[int, ...],
+                clipping: str) -> list[RunConfig]:
+    """``probe`` with every method, CP size and MBS, each as the strategy runs it (`planned_as_run`); those not
+    valid with ``probe``'s inputs are left out, and the first one's error is raised when none is valid."""
+    candidates, errors = [], []
     for name in methods:
-        for cp in _cp_sizes(probe, METHODS[name].context_parallel, seq_len):
+        for cp in _cp_sizes(probe, METHODS[name].context_parallel, probe.seq_len):
             for mbs in mbs_options:
-                cfg = probe.replace(method=name, mbs=mbs, cp=cp)
-                if estimate_memory(cfg).fits:
-                    plans.append(evaluate(cfg))
-    return sorted(plans, key=_rank_key)
+                try:
+                    candidates.append(planned_as_run(probe.replace(method=name, mbs=mbs, cp=cp, clipping=clipping)))
+                except ValueError as err:
+                    errors.append(err)
+    if errors and not candidates:
+        raise errors[0]
+    return candidates
 
 
 def compare(model: str, gpus: int | float | str, gpu: str = "h100", precision: str = "bf16-mixed",

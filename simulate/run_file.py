@@ -3,8 +3,9 @@
 The file is LightningCLI's (``model``, ``data``, ``trainer`` with ``trainer.strategy.init_args`` the strategy's own
 arguments). What the planner needs: the model (``model.config``: a preset or a Hugging Face directory), its LoRA
 rank, the sequence length (``data.init_args.seq_len``, else the default of the library's data module that the file
-names), the GPU count (``trainer.devices`` x ``trainer.num_nodes``),
-the precision (Lightning's default, 32-true, when unset) and the strategy's layout (`StrategyConfig.from_arguments`).
+names), the GPU count (``trainer.devices`` x ``trainer.num_nodes``), the precision (Lightning's default, 32-true,
+when unset or null) and the strategy's layout (`StrategyConfig.from_arguments`). A value the run would refuse is
+refused here (a ValueError naming the file and the key).
 """
 
 from __future__ import annotations
@@ -35,19 +36,22 @@ class PlannedRun:
     lora_rank: int
     seq_len: int | None
     gpus: int | None
-    precision: str | None
+    precision: str
     strategy: StrategyConfig
     loss_chunk_tokens: LossChunking = "auto"
 
 
 def read_run_file(path: str | os.PathLike) -> PlannedRun:
-    """Read ``path`` (YAML); errors name the file and the key."""
+    """Read ``path`` (YAML); errors (ValueError) name the file and the key."""
     try:
         import yaml
     except ImportError as err:  # PyYAML comes with Lightning; the torch-free planner may lack it
         raise ImportError("--config needs PyYAML: pip install pyyaml") from err
     with open(path, encoding="utf-8") as file:
-        document = yaml.safe_load(file) or {}
+        try:
+            document = yaml.safe_load(file) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(document, Mapping):
         raise ValueError(f"{path}: expected a longshield-train YAML file (model, data, trainer), not a"
                          f" {type(document).__name__}.")
@@ -56,36 +60,66 @@ def read_run_file(path: str | os.PathLike) -> PlannedRun:
 
 def planned_run(document: Mapping[str, Any], source: str = "the run file") -> PlannedRun:
     """The planner's view of a parsed ``longshield-train`` document."""
-    model = _init_args(document.get("model"))
-    data = _init_args(document.get("data"))
-    trainer = document.get("trainer") or {}
+    model = _init_args(document.get("model"), "model", source)
+    trainer = _init_args(document.get("trainer"), "trainer", source)
     strategy = trainer.get("strategy")
     if isinstance(strategy, str):
         if strategy not in ("longshield", "longshield_spawn"):
             raise ValueError(f"{source}: trainer.strategy={strategy!r} is not LongShieldStrategy; the planner plans"
                              " DP runs of LongShieldStrategy.")
-        strategy_args: Mapping[str, Any] = {}
-    else:
-        strategy_args = _init_args(strategy)
-    lora = _init_args(model.get("lora")) if model.get("lora") is not None else None
-    precision = trainer.get("precision", LIGHTNING_DEFAULT_PRECISION)
+        strategy = None
+    return PlannedRun(
+        model=_model(document.get("model"), model, source),
+        lora_rank=_lora_rank(model.get("lora"), source),
+        seq_len=_seq_len(document.get("data"), _init_args(document.get("data"), "data", source), source),
+        gpus=_gpus(trainer, source),
+        precision=_precision(trainer.get("precision"), source),
+        strategy=_strategy(_init_args(strategy, "trainer.strategy", source), source),
+        loss_chunk_tokens=_loss_chunking(model.get("loss_chunk_tokens", "auto"), source),
+    )
+
+
+def _model(section: object, model: Mapping[str, Any], source: str) -> str | None:
+    """``model.init_args.config`` (a preset or a Hugging Face directory), `CausalLMModule`'s own model where the
+    file leaves it unset; ``None`` for another module's model (``--model``'s to say)."""
+    config = model.get("config")
+    class_path = str(section.get("class_path", "")) if isinstance(section, Mapping) else ""
+    if config is None:
+        return MODULE_DEFAULT_MODEL if class_path.split(".")[-1] in ("", "CausalLMModule") else None
+    if not isinstance(config, str):
+        raise ValueError(f"{source}: model.init_args.config={config!r}: the planner reads a model preset name or a"
+                         " Hugging Face Llama directory here.")
+    return config
+
+
+def _lora_rank(lora: object, source: str) -> int:
+    """``model.init_args.lora.rank`` (`LoraOptions`' default where unset); 0 without LoRA (full fine-tuning)."""
+    if lora is None:
+        return 0
+    rank = _init_args(lora, "model.init_args.lora", source).get("rank", DEFAULT_LORA_RANK)
+    return _positive_int(rank, "model.init_args.lora.rank", source, optional=False)  # type: ignore[return-value]
+
+
+def _precision(precision: object, source: str) -> str:
+    """The planner's precision for ``trainer.precision`` (unset or null: Lightning's default, 32-true); fp16, which
+    the strategy refuses, and precisions the planner does not model are refused by name."""
+    precision = LIGHTNING_DEFAULT_PRECISION if precision is None else precision
     if str(precision).startswith("16"):
         raise ValueError(f"{source}: trainer.precision={precision!r}: LongShieldStrategy refuses fp16 (per-sample"
                          " gradients overflow it); use bf16-mixed, bf16-true or 32-true.")
-    config = model.get("config")
-    section = document.get("model")
-    class_path = str(section.get("class_path", "")) if isinstance(section, Mapping) else ""
-    if config is None and class_path.split(".")[-1] in ("", "CausalLMModule"):
-        config = MODULE_DEFAULT_MODEL  # what CausalLMModule builds; another module's model is --model's to say
-    return PlannedRun(
-        model=None if config is None else os.fspath(config),
-        lora_rank=0 if lora is None else int(lora.get("rank", DEFAULT_LORA_RANK)),
-        seq_len=_seq_len(document.get("data"), data, source),
-        gpus=_gpus(trainer, source),
-        precision=precision_of(precision),
-        strategy=StrategyConfig.from_arguments(strategy_args),
-        loss_chunk_tokens=_loss_chunking(model.get("loss_chunk_tokens", "auto"), source),
-    )
+    planned = precision_of(precision)
+    if planned is None:
+        raise ValueError(f"{source}: trainer.precision={precision!r} is not one the planner models; it plans"
+                         " bf16-mixed, bf16-true and 32-true (or leave it unset: 32-true).")
+    return planned
+
+
+def _strategy(arguments: Mapping[str, Any], source: str) -> StrategyConfig:
+    """The strategy's layout from its ``init_args``; an argument the strategy would refuse is named."""
+    try:
+        return StrategyConfig.from_arguments(arguments)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{source}: trainer.strategy.init_args: {err}") from None
 
 
 def _loss_chunking(value: object, source: str) -> LossChunking:
@@ -96,11 +130,16 @@ def _loss_chunking(value: object, source: str) -> LossChunking:
     return value  # type: ignore[return-value]
 
 
-def _init_args(section: object) -> Mapping[str, Any]:
-    """A section's arguments: ``init_args`` of a ``class_path`` section, else the section itself."""
-    if not isinstance(section, Mapping):
+def _init_args(section: object, key: str, source: str) -> Mapping[str, Any]:
+    """A section's arguments: ``init_args`` of a ``class_path`` section, else the section itself (``{}`` where
+    absent); anything but a mapping is refused, naming ``key``."""
+    if isinstance(section, Mapping) and ("class_path" in section or "init_args" in section):
+        section, key = section.get("init_args"), f"{key}.init_args"
+    if section is None:
         return {}
-    return section.get("init_args") or {} if "class_path" in section or "init_args" in section else section
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{source}: {key} must be a mapping of arguments (name: value), got {section!r}.")
+    return section
 
 
 def _seq_len(section: object, data: Mapping[str, Any], source: str) -> int | None:
@@ -112,8 +151,9 @@ def _seq_len(section: object, data: Mapping[str, Any], source: str) -> int | Non
     return DATA_MODULES_DEFAULT_SEQ_LEN.get(class_path.split(".")[-1])
 
 
-def _positive_int(value: object, key: str, source: str) -> int | None:
-    if value is None:
+def _positive_int(value: object, key: str, source: str, optional: bool = True) -> int | None:
+    """``value`` checked to be a positive integer (``None`` passes where ``optional``), naming ``key`` if not."""
+    if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}.")

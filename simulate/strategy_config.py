@@ -141,8 +141,7 @@ class StrategyConfig:
             raise ValueError(f"micro_batch_size must be an integer >= 1, got {mbs!r}.")
         _check_choice("exchange", self.exchange, EXCHANGES)
         _check_choice("shard_over", self.shard_over, SHARD_OVER)
-        if not self.communication_bucket_mb >= 0:
-            raise ValueError(f"communication_bucket_mb must be >= 0, got {self.communication_bucket_mb}.")
+        _check_bucket_mb(self.communication_bucket_mb)
         _check_checkpoint_policy(self.activation_checkpointing)
         norms = _resolve_norms(self.norms)
         clipping = _resolve_clipping(self.clipping)
@@ -202,17 +201,21 @@ class StrategyConfig:
         """The non-default choices as keyword arguments of `LongShieldStrategy` (for messages and YAML)."""
         return StrategyConfig().changed_arguments(self)
 
+    def as_init_args(self) -> dict[str, Any]:
+        """`as_arguments` as plain data, a run file's ``trainer.strategy.init_args`` (JSON-ready; `from_arguments`
+        reads it back): a typed choice as ``{class_path, init_args}`` with its non-default parameters."""
+        return {name: _plain_choice(value) for name, value in self.as_arguments().items()}
+
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> StrategyConfig:
         """The configuration among a strategy's keyword arguments (e.g. a YAML ``init_args``): other keys (privacy
         settings, Lightning plumbing) are ignored; typed choices may be given as ``{class_path, init_args}``."""
         names = {f.name for f in fields(cls) if f.init}
         chosen = {name: value for name, value in arguments.items() if name in names}
-        for name, kind in (("norms", ProjectedNorms), ("clipping", PerLayerClipping)):
+        for name, kind in TYPED_CHOICES.items():
             value = chosen.get(name)
             if isinstance(value, Mapping):
-                init = value.get("init_args", {}) if "class_path" in value else value
-                chosen[name] = kind(**init)
+                chosen[name] = _typed_choice(name, kind, value)
         return cls(**chosen)
 
 
@@ -228,6 +231,44 @@ METHOD_PRESETS: dict[str, dict[str, Any]] = {
     "v3": {"activation_checkpointing": True},
     "zero-dp": {"context_parallel_size": 1, "shard_over": "all", "norms": "mixed"},
 }
+
+
+#: The choices that take a small typed object, by argument name.
+TYPED_CHOICES: dict[str, type] = {"norms": ProjectedNorms, "clipping": PerLayerClipping}
+#: Where a run file finds the typed choices' classes (``class_path``).
+TYPED_CHOICES_MODULE = "lightning_longshield"
+
+
+def _typed_choice(name: str, kind: type, value: Mapping[str, Any]) -> Any:
+    """A typed choice from its YAML form, ``{class_path, init_args}`` or its parameters; unknown ones are named."""
+    init = (value.get("init_args") or {}) if "class_path" in value or "init_args" in value else value
+    if not isinstance(init, Mapping):
+        raise TypeError(f"{name}: the init_args of {kind.__name__} must be a mapping of its parameters, got"
+                        f" {type(init).__name__}.")
+    known = [f.name for f in fields(kind)]
+    unknown = [str(key) for key in init if key not in known]
+    if unknown:
+        raise ValueError(f"{name}: {kind.__name__} has no parameter {', '.join(map(repr, unknown))}; its parameters"
+                         f" are {', '.join(known)}.")
+    return kind(**init)
+
+
+def _plain_choice(value: object) -> object:
+    """A typed choice as ``{class_path, init_args}`` (its non-default parameters); any other value as it is."""
+    if type(value) not in TYPED_CHOICES.values():
+        return value
+    default = type(value)()
+    init_args = {f.name: getattr(value, f.name) for f in fields(value)  # type: ignore[arg-type]
+                 if getattr(value, f.name) != getattr(default, f.name)}
+    return {"class_path": f"{TYPED_CHOICES_MODULE}.{type(value).__name__}", "init_args": init_args}
+
+
+def _check_bucket_mb(size: object) -> None:
+    if isinstance(size, bool) or not isinstance(size, (int, float)):
+        raise TypeError(f"communication_bucket_mb must be a number of megabytes (e.g. 25; 0: one collective per"
+                        f" parameter), got {size!r} ({type(size).__name__}); give it as a number.")
+    if not size >= 0:
+        raise ValueError(f"communication_bucket_mb must be >= 0, got {size}.")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

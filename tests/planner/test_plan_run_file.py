@@ -71,7 +71,7 @@ def test_recommendations_are_strategy_arguments_that_plan_as_recommended(tmp_pat
     out = _json(capsys, "recommend", "--config", str(path))
     assert out["seq_len"] == 65536 and out["fits"]
     for recommendation in out["recommendations"]:
-        config = StrategyConfig(**recommendation["strategy_arguments"])
+        config = StrategyConfig.from_arguments(recommendation["strategy_arguments"])  # as init_args (plain data)
         assert method_for(config)[0] == recommendation["method"]
         assert (config.context_parallel_size, config.micro_batch_size) == (recommendation["cp"],
                                                                            recommendation["mbs"])
@@ -213,3 +213,44 @@ def test_the_planned_data_module_defaults_are_the_modules_own() -> None:
     assert set(modules) == set(DATA_MODULES_DEFAULT_SEQ_LEN)
     for name, default in DATA_MODULES_DEFAULT_SEQ_LEN.items():
         assert inspect.signature(modules[name]).parameters["seq_len"].default == default
+
+
+STRATEGY = "trainer:\n  devices: 1\n  strategy:\n    init_args: {%s}\n"
+
+
+@pytest.mark.parametrize("body, message", [
+    ("trainer: [1\n", "not valid YAML: while parsing a flow sequence"),
+    ("trainer: [1, 2]\n", "trainer must be a mapping of arguments"),
+    (STRATEGY % "activation_checkpointing: 'yes'", "activation_checkpointing must be a bool, an int or a callable"),
+    (STRATEGY % "clipping: {thresholds: 5}", "PerLayerClipping(thresholds=...) must be one of"),
+    (STRATEGY % "norms: {estimator: hutchpp, dim: 3}", "ProjectedNorms has no parameter 'dim'"),
+    (STRATEGY % "communication_bucket_mb: '25'", "communication_bucket_mb must be a number of megabytes"),
+    ("trainer: {devices: 1, strategy: {class_path: x.LongShieldStrategy, init_args: [1, 2]}}\n",
+     "trainer.strategy.init_args must be a mapping of arguments"),
+    ("model: {config: 5}\n", "model.init_args.config=5: the planner reads a model preset name"),
+    ("model: {lora: {rank: eight}}\n", "model.init_args.lora.rank must be a positive integer, got 'eight'"),
+    ("trainer: {devices: 1, precision: 64-true}\n", "trainer.precision='64-true' is not one the planner models"),
+])
+@pytest.mark.parametrize("command", ["fit", "max-seq", "recommend"])
+def test_a_broken_run_file_exits_2_naming_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      command: str, body: str, message: str) -> None:
+    """Whatever is wrong in the file, the answer is exit status 2 (invalid input, not "does not fit") and one line
+    naming the file and the problem, never a traceback."""
+    path = tmp_path / "run.yaml"
+    path.write_text("data: {init_args: {seq_len: 256}}\n" + body)
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--config", str(path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"longshield-plan {command}: error: {path}: ")
+    assert message in err.strip().splitlines()[-1]
+
+
+def test_a_null_precision_is_lightnings_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``trainer.precision: null`` trains at Lightning's default, 32-true, and is planned so (fp32), like an unset
+    precision."""
+    path = tmp_path / "run.yaml"
+    path.write_text("data: {init_args: {seq_len: 256}}\ntrainer: {devices: 1, precision: null}\n")
+    assert read_run_file(path).precision == "fp32"
+    assert _json(capsys, "fit", "--config", str(path))["precision"] == "fp32"
+    assert _json(capsys, "recommend", "--config", str(path))["precision"] == "fp32"

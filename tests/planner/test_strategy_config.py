@@ -4,6 +4,7 @@ combination of its choices is valid or refused at construction with a message th
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -95,3 +96,29 @@ def test_changed_arguments_are_what_to_paste() -> None:
     old, new = StrategyConfig(exchange="all_reduce"), StrategyConfig(activation_checkpointing=True)
     assert old.changed_arguments(new) == {"exchange": "reduce_scatter", "activation_checkpointing": True}
     assert new.as_arguments() == {"activation_checkpointing": True}
+
+
+def test_a_bucket_size_must_be_a_number() -> None:
+    """A quoted number from a YAML file is refused by name, by the strategy and the planner alike."""
+    for size in ("25", True, None):
+        with pytest.raises(TypeError, match=f"communication_bucket_mb must be a number of megabytes .*got {size!r}"):
+            StrategyConfig(communication_bucket_mb=size)
+    assert StrategyConfig(communication_bucket_mb=0).communication_bucket_mb == 0
+
+
+def test_typed_choices_as_plain_init_args_read_back() -> None:
+    """`as_init_args` writes typed choices as a run file's ``{class_path, init_args}`` (JSON-ready), which
+    `from_arguments` reads back; a parameter the choice does not have is named with those it has."""
+    for config in (StrategyConfig(micro_batch_size=2, clipping=PerLayerClipping("proportional", "auto")),
+                   StrategyConfig(norms=ProjectedNorms("hutchinson", 8), activation_checkpointing=True)):
+        init_args = config.as_init_args()
+        assert json.loads(json.dumps(init_args)) == init_args
+        assert StrategyConfig.from_arguments(init_args) == config
+    assert StrategyConfig(clipping=PerLayerClipping(kernel="auto")).as_init_args() == {
+        "clipping": {"class_path": "lightning_longshield.PerLayerClipping", "init_args": {"kernel": "auto"}}}
+    with pytest.raises(ValueError, match="norms: ProjectedNorms has no parameter 'dim'; its parameters are estimator,"
+                                         " projection_dim"):
+        StrategyConfig.from_arguments({"norms": {"estimator": "hutchpp", "dim": 3}})
+    with pytest.raises(TypeError, match="clipping: the init_args of PerLayerClipping must be a mapping"):
+        StrategyConfig.from_arguments({"clipping": {"class_path": "lightning_longshield.PerLayerClipping",
+                                                    "init_args": ["torch"]}})
