@@ -80,6 +80,14 @@ def microbatch_flops(cfg: RunConfig) -> Flops:
     return Flops(matmul=matmul, attention=attention, ghost_norm=ghost, fused_clip=fused)
 
 
+def book_keeping_materialized_numel(cfg: RunConfig) -> int:
+    """Elements of one sample's gradient that LongShield's ZeRO-DP+ materialises (its rule ``T (p + d) >= p d``:
+    the layers whose per-sample gradient is cheaper than their Gram matrices); 0 for other methods."""
+    if cfg.method.per_sample_grads != "ghost" or cfg.method.retained_norm_pass:
+        return 0
+    return sum(numel for numel, fan_sum in _ghost_layers(cfg) if not cfg.seq_len * fan_sum < numel)
+
+
 def _ghost_layers(cfg: RunConfig) -> list[tuple[int, int]]:
     """(p d, p + d) of every linear layer ZeRO-DP+ takes a per-sample norm of."""
     m = cfg.model

@@ -5,7 +5,8 @@
 * compute (:mod:`simulate.flops`): matmul and ghost-norm Gram FLOPs at ``MFU_MATMUL``, attention FLOPs at
   ``MFU_ATTENTION``, and the ghost norm's final reduction as ``GHOST_REDUCTION_TIME_RATIO`` times its Gram time;
 * DP memory-bound passes (LongShield): per-sample norms, clipping and the fp32 accumulate read the kept
-  per-sample gradients and the accumulator once more at HBM bandwidth (per-layer clipping above micro-batch 1 also
+  per-sample gradients (under ZeRO-DP+, those of the layers it materialises) and the accumulator once more at HBM
+  bandwidth (per-layer clipping above micro-batch 1 also
   zeroes inf and NaN in them, a read and a write, instead of a host sync per layer); linear weights that go through
   the fused per-layer kernels keep no per-sample gradient, and their two passes are compute (``Flops.fused_clip``) at
   ``FUSED_CLIP_MFU`` of the bf16 peak, or of the CUDA cores' fp32 peak for fp32 inputs;
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 from simulate import calibration, comm
 from simulate.config import RunConfig
-from simulate.flops import Flops, linear_params, microbatch_flops
+from simulate.flops import Flops, book_keeping_materialized_numel, linear_params, microbatch_flops
 
 FP32 = 4
 
@@ -90,9 +91,13 @@ def peak_flops(cfg: RunConfig) -> float:
 def _dp_memory_bound(cfg: RunConfig) -> float:
     """LongShield's norm and clip-accumulate passes over the kept per-sample gradients (HBM-bound)."""
     kind = cfg.method.per_sample_grads
+    a = cfg.precision.activation_bytes
+    materialized = book_keeping_materialized_numel(cfg)
+    if materialized:  # ZeRO-DP+'s materialised layers: the same passes over their per-sample gradients
+        return (2 * cfg.micro_batch_size * materialized * a + 3 * materialized * FP32) / cfg.gpu.hbm_bytes_per_s
     if kind not in ("full", "sharded"):
         return 0.0
-    params, a = cfg.model.num_parameters, cfg.precision.activation_bytes
+    params = cfg.model.num_parameters
     kept = params / cfg.cp_size if kind == "sharded" else params
     accumulator = kept  # each data-parallel group accumulates what its ranks keep
     per_sample = kept - (cfg.trainable.linear_weights if cfg.fused_linear_weights else 0)
