@@ -98,16 +98,27 @@ def poisson_dataloader(
     )
 
 
+def _takes_every_record(dataloader: DataLoader) -> bool:
+    """Whether ``dataloader`` batches every record of its dataset once an epoch with a default sampler (sequential, or
+    shuffled without replacement) and the default batch sampler: what the strategy may replace by its own split."""
+    own = dataloader.sampler
+    every_record = isinstance(own, SequentialSampler) or (
+        isinstance(own, RandomSampler) and not own.replacement
+        and own.num_samples == len(dataloader.dataset)  # type: ignore[arg-type]
+    )
+    return every_record and (dataloader.batch_sampler is None or type(dataloader.batch_sampler) is BatchSampler)
+
+
+def _sampling_name(dataloader: DataLoader) -> str:
+    custom_batches = dataloader.batch_sampler is not None and type(dataloader.batch_sampler) is not BatchSampler
+    return type(dataloader.batch_sampler if custom_batches else dataloader.sampler).__name__
+
+
 def _refuse_a_selecting_sampler(dataloader: DataLoader, size: int) -> None:
     """Poisson sampling draws from the whole dataset: a sampler that selects or weights records would be dropped and
     the records it leaves out trained on, so only the default samplers over every record are taken."""
-    own = dataloader.sampler
-    every_record = isinstance(own, SequentialSampler) or (
-        isinstance(own, RandomSampler) and not own.replacement and own.num_samples == size
-    )
-    custom_batches = dataloader.batch_sampler is not None and type(dataloader.batch_sampler) is not BatchSampler
-    if not every_record or custom_batches:
-        used = type(dataloader.batch_sampler if custom_batches else own).__name__
+    if not _takes_every_record(dataloader):
+        used = _sampling_name(dataloader)
         raise ValueError(
             f"The training DataLoader's {used} would be replaced by Poisson sampling over all {size} records of its"
             " dataset, so records it leaves out (or weights) would be trained on as any other. Select the records in"
@@ -122,10 +133,21 @@ def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, da
 
     The DataLoader's own shuffling is kept (a `RandomSampler` becomes a shuffling `DistributedSampler`). For
     ``training`` the last ``N mod D`` samples of an epoch are left out: the sampler would otherwise pad its last round
-    with repeated samples, one of them then in two groups' parts of one logical batch.
+    with repeated samples, one of them then in two groups' parts of one logical batch. A sampler that selects or
+    weights records, or a custom batch sampler, is refused (a split of every record would replace it); an
+    `IterableDataset` (evaluation) is read whole by every group.
     """
-    if data_parallel_size == 1:
+    if data_parallel_size == 1 or isinstance(dataloader.dataset, IterableDataset):  # a stream: each group reads it
         return dataloader
+    if not _takes_every_record(dataloader):
+        used = _sampling_name(dataloader)
+        raise ValueError(
+            f"This DataLoader's {used} would be replaced by a split of all {len(dataloader.dataset)} records of its"  # type: ignore[arg-type]
+            f" dataset over the {data_parallel_size} data-parallel groups, so the records it leaves out would be"
+            f" {'trained' if training else 'evaluated'} too (evaluated training records would release their loss"
+            " without noise). Select the records in the dataset itself (torch.utils.data.Subset(dataset, indices))"
+            " and pass batch_size with shuffle=True or False."
+        )
     shuffle = isinstance(dataloader.sampler, RandomSampler)
     sampler = DistributedSampler(dataloader.dataset, num_replicas=data_parallel_size, rank=data_parallel_rank,
                                  shuffle=shuffle, drop_last=training)

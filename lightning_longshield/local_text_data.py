@@ -69,6 +69,12 @@ def resolve_data_files(data_files: Union[PathLike, Sequence[PathLike]]) -> list[
     return list(dict.fromkeys(p.resolve() for p in files))
 
 
+def _file_identity(path: Path) -> tuple[int, int]:
+    """The file behind ``path`` (device, inode): the same for every name of it, hard links included."""
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino
+
+
 def refuse_blank_files(files: Sequence[Path], argument: str = "data_files") -> None:
     """Raise a ValueError naming the first file of ``files`` that is empty or holds only whitespace (``datasets``
     would fail on it with a bare StopIteration or "corresponds to no data"). Reads only up to the first
@@ -261,7 +267,8 @@ class LocalTextDataModule(L.LightningDataModule):
         self.val_files = None if val_files is None else resolve_data_files(val_files)
         if self.val_files is not None:
             refuse_blank_files(self.val_files, "val_files")
-            shared = sorted({path.resolve() for path in self.files} & {path.resolve() for path in self.val_files})
+            trained = {_file_identity(path) for path in self.files}  # a hard link is the same file
+            shared = sorted(path for path in self.val_files if _file_identity(path) in trained)
             if shared:
                 more = ", ..." if len(shared) > 1 else ""
                 raise ValueError(
@@ -386,7 +393,9 @@ class LocalTextDataModule(L.LightningDataModule):
                     num_proc=self.num_proc,
                     **({"sample_by": "document"} if builder == "text" else {}),
                 )
-            except StopIteration as error:  # what `datasets` raises for a file without records
+            except (StopIteration, ValueError) as error:  # what `datasets` raises for files without records
+                if isinstance(error, ValueError) and "corresponds to no data" not in str(error):
+                    raise
                 raise ValueError(
                     f"{paths[0]}{' (or another of these files)' if len(paths) > 1 else ''} holds no record that"
                     f" datasets can read: check that each is a valid {builder} file with documents in it, and remove"

@@ -45,6 +45,14 @@ def check_batch(batch: Any, vocab_size: Optional[int]) -> None:
         )
     if input_ids.dtype.is_floating_point or labels.dtype.is_floating_point:
         raise ValueError(f"input_ids and labels must be integer tensors; got {input_ids.dtype} and {labels.dtype}.")
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1 and (mask[:, 1:] > mask[:, :-1]).any():
+        raise ValueError(
+            "attention_mask marks padding before a sample's tokens (left padding) or inside them: the model takes no"
+            " attention mask, so such padding would be attended to and shift positions (and a sample's loss would"
+            " depend on the others in its batch). Pad after each sample's tokens (padding_side='right'), with labels"
+            " -100 there."
+        )
     if input_ids.numel() == 0 or vocab_size is None:
         return
     if input_ids.min() < 0 or input_ids.max() >= vocab_size:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -292,8 +293,6 @@ def test_a_custom_tokenizer_whose_code_changed_tokenizes_again(texts, tmp_path, 
 def test_a_file_rewritten_with_its_time_kept_is_read_again(texts, tmp_path):
     """``cp -p``, ``rsync -a`` or an archive keep a file's modification time, which alone keys `datasets`' cache: the
     rewritten file (a document deleted from it) must not train on its old tokens."""
-    import os
-
     data = write(tmp_path / "data", texts[:3], "jsonl")
     assert len(module(data, tmp_path, privacy_unit="document").train_dataset) == 3
     kept = data.stat()
@@ -304,7 +303,10 @@ def test_a_file_rewritten_with_its_time_kept_is_read_again(texts, tmp_path):
 
 def test_validation_files_among_the_training_files_are_refused(texts, tmp_path):
     data = write(tmp_path / "data", texts, "txt")
-    for val_files in (data / "doc00.txt", data):
+    linked = tmp_path / "public" / "linked.txt"  # a hard link: another name, the same training file
+    linked.parent.mkdir()
+    os.link(data / "doc00.txt", linked)
+    for val_files in (data / "doc00.txt", data, linked):
         with pytest.raises(ValueError, match="val_files and data_files share .* trained on and their validation"):
             LocalTextDataModule(data, val_files=val_files)
 
@@ -375,6 +377,9 @@ def test_unreadable_files_are_refused_by_name(texts, tmp_path):
     pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), tmp_path / "rows.parquet")
     with pytest.raises(ValueError, match=r"data_files file '.*rows.parquet' is empty \(no rows\)"):
         module(tmp_path / "rows.parquet", tmp_path)
+    (tmp_path / "array.json").write_text("[]")  # not blank, but no record: datasets said "corresponds to no data"
+    with pytest.raises(ValueError, match=r"array.json holds no record that datasets can read"):
+        module(tmp_path / "array.json", tmp_path)
 
 
 def test_documents_without_an_eos_token_are_not_run_together(texts, tokenizer_dir, tmp_path):

@@ -173,3 +173,22 @@ def test_without_poisson_sampling_no_sample_is_in_two_groups_parts_of_a_batch():
     assert parts == [[0], [1]]
     evaluation = [list(data_parallel_dataloader(loader, rank, 2).sampler) for rank in (0, 1)]
     assert set(evaluation[0] + evaluation[1]) == {0, 1, 2}  # evaluation sees every sample
+
+
+@pytest.mark.parametrize("selecting", ["subset", "batch_sampler"])
+def test_a_split_over_data_parallel_groups_refuses_a_selecting_sampler(selecting):
+    """With several data-parallel groups every loader is split over all records of its dataset: a sampler that
+    selects records (validation indices of a dataset that also holds the training records) would be replaced, and
+    the training records evaluated, their loss released without noise. Refused, naming the fix (before: replaced)."""
+    from lightning_longshield.dp_dataloaders import data_parallel_dataloader
+
+    dataset = RandomTokens(size=20)
+    if selecting == "subset":
+        loader = torch.utils.data.DataLoader(dataset, batch_size=2,
+                                             sampler=torch.utils.data.SubsetRandomSampler(range(16, 20)))
+    else:
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=[[16, 17], [18, 19]])
+    for training in (False, True):
+        with pytest.raises(ValueError, match=r"would be replaced by a split of all 20 records.*Subset\(dataset"):
+            data_parallel_dataloader(loader, 0, 2, training=training)
+    assert data_parallel_dataloader(loader, 0, 1) is loader  # one group: the loader as it is

@@ -490,6 +490,20 @@ def test_batch_errors_quote_no_value_of_the_batch():
     assert "13" not in str(error.value) and "11" not in str(error.value)
 
 
+def test_left_padding_in_an_attention_mask_is_refused():
+    """The model takes no attention mask: left padding (a Hugging Face collator's ``padding_side="left"``) would be
+    attended to and shift positions, so a sample's loss would depend on the others drawn with it. Right padding
+    (labels -100 there) is what the causal model ignores exactly, and is accepted."""
+    from lightning_longshield.module import check_batch
+
+    ids = torch.randint(0, 64, (2, 8))
+    right = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    check_batch({"input_ids": ids, "labels": ids, "attention_mask": right}, 64)
+    for mask in (right.flip(1), torch.tensor([[1] * 8, [1, 1, 0, 1, 1, 1, 1, 1]])):
+        with pytest.raises(ValueError, match="left padding.*padding_side='right'"):
+            check_batch({"input_ids": ids, "labels": ids, "attention_mask": mask}, 64)
+
+
 def test_a_training_step_that_returns_none_is_refused_by_name():
     """Lightning skips a batch whose ``training_step`` returns None; under DP that would be a decision on private data
     outside the accounting, so the step is refused with the way to leave samples out."""
