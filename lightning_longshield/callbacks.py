@@ -7,6 +7,8 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lightning_longshield.batching import batch_size_of
+
 
 class PrivacyMonitor(Callback):
     """Logs ``epsilon`` (privacy spent at the run's delta) every ``log_every_n_steps`` and on the run's last step,
@@ -20,6 +22,11 @@ class PrivacyMonitor(Callback):
     ``log_every_n_steps`` or when ``trainer.should_stop`` is set, so a run ending on ``max_steps``, ``max_epochs`` or a
     later stop would leave its last epsilon out of the logs: `on_train_end` writes it, unless Lightning already did.
     Epsilon is a function of public hyper-parameters (noise multiplier, sampling rate, step count) only.
+
+    First among the callbacks (the strategy puts it there), it also gives Lightning each logical batch's size before
+    any ``on_train_batch_start`` hook logs: for a ``self.log`` without ``batch_size`` Lightning would infer it from
+    the batch and, where its fields disagree (a list of document ids), warn quoting the size it found, a value of the
+    private data under Poisson sampling.
     """
 
     def __init__(self) -> None:
@@ -28,6 +35,14 @@ class PrivacyMonitor(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start_step, self._written_step = trainer.global_step, None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        try:
+            size = batch_size_of(batch)
+        except ValueError:  # a batch without one leading dimension: training_step refuses it, quoting nothing
+            return
+        trainer.fit_loop.epoch_loop._results.batch_size = size
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -243,9 +243,11 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
             self.privacy.open_fit(self.root_device, stream, self.broadcast)
             self._engine = self._build_engine()
             self._release_pending = False  # a fresh clipped sum: nothing of an interrupted fit is carried over
-            for callback in (PrivacyMonitor, *((PreemptionCheckpoint,) if trainer.checkpoint_callbacks else ())):
-                if not any(isinstance(cb, callback) for cb in trainer.callbacks):
-                    trainer.callbacks.append(callback())
+            callbacks = trainer.callbacks
+            if not any(isinstance(cb, PrivacyMonitor) for cb in callbacks):
+                callbacks.insert(0, PrivacyMonitor())  # first: it declares the batch size to later hooks
+            if trainer.checkpoint_callbacks and not any(isinstance(cb, PreemptionCheckpoint) for cb in callbacks):
+                callbacks.append(PreemptionCheckpoint())
             self.setup_optimizers(trainer)
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()

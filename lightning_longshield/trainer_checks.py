@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import LearningRateFinder, ThroughputMonitor
+from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateFinder, ThroughputMonitor
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.profilers import PassThroughProfiler
 
 from lightning_longshield.dist_compat import all_gathered
 from lightning_longshield.privacy.rank_zero import rank_zero_warn
@@ -28,6 +29,21 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
             " noise: under Poisson sampling a batch's size is a value of the private data, so these metrics are"
             " released outside the privacy guarantee, and an empty batch stops its count with an error. Remove the"
             " callback, or keep its logs private."
+        )
+    if any(isinstance(callback, DeviceStatsMonitor) for callback in trainer.callbacks):
+        rank_zero_warn(
+            "DeviceStatsMonitor logs the device's memory statistics at every training batch (on CUDA, cumulative"
+            " allocation counts), which grow with the micro-batches run: under Poisson sampling, with the batch's"
+            " size, a value of the private data, released outside the privacy guarantee. Remove the callback, or"
+            " keep its logs private."
+        )
+    if not isinstance(trainer.profiler, PassThroughProfiler):
+        rank_zero_warn(
+            f"The Trainer's profiler ({type(trainer.profiler).__name__}) records every training hook and op: the"
+            " per-micro-batch hooks (on_before_backward, on_after_backward) run once per micro-batch, so its report"
+            " counts the sampled records (at micro_batch_size=1, exactly), and a trace gives each step's batch size,"
+            " values of the private data outside the privacy guarantee. Keep its output private, or profile on"
+            " public data."
         )
     if trainer.gradient_clip_val is not None:
         raise ValueError(

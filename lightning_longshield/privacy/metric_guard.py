@@ -3,12 +3,14 @@ not cover."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torchmetrics import Metric
 
 from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
@@ -46,10 +48,11 @@ def scalar_logging_only(module: nn.Module) -> Generator[None, None, None]:
     original = module.log
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
+        if not _one_value(value):
             raise ValueError(
-                f"self.log({name!r}, ...) in training_step got a tensor of more than one value: log a scalar (for"
-                " per-sample losses, their mean). Its values are not quoted: they are the sampled records'."
+                f"self.log({name!r}, ...) in training_step got {type(value).__name__} of more than one value: log a"
+                " scalar (for per-sample losses, their mean). Its values are not quoted: they are the sampled"
+                " records'."
             )
         original(name, value, *args, **kwargs)
 
@@ -60,3 +63,11 @@ def scalar_logging_only(module: nn.Module) -> Generator[None, None, None]:
         del module.__dict__["log"]
         if saved is not None:
             module.__dict__["log"] = saved
+
+
+def _one_value(value: Any) -> bool:
+    """Whether ``value`` is one number (a Python or NumPy number, a one-element tensor or array) or a torchmetrics
+    `Metric` (which Lightning computes itself), not a collection that Lightning's own error would print."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (numbers.Number, Metric)) or getattr(value, "size", None) == 1

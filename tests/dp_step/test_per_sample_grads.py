@@ -81,6 +81,21 @@ def test_embedding_options_outside_dp_sgd_are_refused_on_every_path(per_sample, 
         PerSampleGradCapture(model, per_sample=per_sample)
 
 
+@pytest.mark.parametrize("norm", [torch.nn.BatchNorm1d(4, affine=False), torch.nn.BatchNorm1d(4).requires_grad_(False),
+                                  torch.nn.BatchNorm1d(4, track_running_stats=False),
+                                  torch.nn.InstanceNorm1d(4, track_running_stats=True)],
+                         ids=["no-affine", "frozen", "batch-statistics", "instance-tracking"])
+def test_layers_that_mix_samples_or_keep_batch_statistics_are_refused(norm):
+    """BatchNorm, even frozen or without weights, normalises with the batch's statistics (a sample's gradient depends
+    on the others drawn with it) and updates running statistics from the sampled batch without noise
+    (``num_batches_tracked`` counts the micro-batches), which the model releases; an InstanceNorm tracking running
+    statistics does the latter. Refused by name, as Opacus does; before, only trainable layers were checked."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), norm)
+    with pytest.raises(ValueError, match=r"1 \(\w+Norm1d\).*Replace them with LayerNorm or RMSNorm"):
+        PerSampleGradCapture(model)
+    PerSampleGradCapture(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.InstanceNorm1d(4)))  # per sample
+
+
 def test_capture_replaces_forwards_without_hooks_and_is_removable():
     """The capture registers no module hooks (they would send every layer call through `nn.Module`'s slower path):
     it replaces each trainable layer's forward on the instance, calls a forward installed there before it (and not

@@ -198,17 +198,19 @@ def test_gradient_hooks_on_trainable_parameters_are_refused(register):
         capture.check_trainable_unchanged()
 
 
-def test_logging_a_per_sample_vector_is_refused_without_its_values():
-    """Lightning's own error for a non-scalar ``self.log`` prints the tensor: in ``training_step`` the sampled
-    records' losses. The strategy's refusal quotes none of them."""
+@pytest.mark.parametrize("form", ["tensor", "dict", "array"])
+def test_logging_a_per_sample_vector_is_refused_without_its_values(form):
+    """Lightning's own error for a non-scalar ``self.log`` prints the value: in ``training_step`` the sampled
+    records' losses (as a tensor, a dict of them or a NumPy array). The strategy's refusal quotes none of them."""
 
     class LogsVector(PerSampleLosses):
         def training_step(self, batch, batch_idx):
             losses = super().training_step(batch, batch_idx)
-            self.log("per_sample", losses.detach())
+            vector = losses.detach()
+            self.log("per_sample", {"tensor": vector, "dict": {"losses": vector}, "array": vector.numpy()}[form])
             return losses
 
-    with pytest.raises(ValueError, match="got a tensor of more than one value") as error:
+    with pytest.raises(ValueError, match=r"got \w+ of more than one value") as error:
         make_trainer(_strategy(), max_steps=1).fit(LogsVector(small_config(n_layers=1)), loader(DATA, 4))
     assert not any(character.isdigit() for character in str(error.value))
     module = make_module(small_config(n_layers=1))

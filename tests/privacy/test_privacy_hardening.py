@@ -149,8 +149,13 @@ class WithDocumentIds(RandomTokens):
 
 def test_logging_in_training_step_prints_no_batch_size():
     """Without ``batch_size``, Lightning infers one from the batch and, where its fields disagree (here a list of
-    document ids, which has none), warns quoting the size it found: under Poisson sampling a value of the data."""
+    document ids, which has none), warns quoting the size it found: under Poisson sampling a value of the data. Also
+    for a value logged in ``on_train_batch_start``, before the strategy's ``training_step`` runs (before, Lightning
+    quoted each batch's size there)."""
     class LogsItsLoss(CausalLMModule):
+        def on_train_batch_start(self, batch, batch_idx):
+            self.log("batches", 1.0, on_epoch=True)
+
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
             self.log("my_loss", loss.detach(), on_epoch=True)

@@ -284,6 +284,22 @@ def test_the_throughput_monitor_is_warned_about():
         fit(LongShieldStrategy(noise_multiplier=1.0), callbacks=[monitor])
 
 
+@pytest.mark.parametrize("monitor", ["profiler", "device_stats"])
+def test_monitors_that_count_the_micro_batches_are_warned_about(monitor, tmp_path):
+    """A profiler's report counts the per-micro-batch hooks (the sampled records, at micro-batch size 1) and
+    DeviceStatsMonitor's allocation counts grow with them: the Poisson batch sizes, outside the guarantee."""
+    from lightning.pytorch.callbacks import DeviceStatsMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    if monitor == "profiler":
+        with pytest.warns(UserWarning, match=r"profiler \(SimpleProfiler\) .* counts the sampled records"):
+            fit(LongShieldStrategy(noise_multiplier=1.0), profiler="simple")
+    else:
+        with pytest.warns(UserWarning, match="DeviceStatsMonitor logs the device's memory statistics"):
+            fit(LongShieldStrategy(noise_multiplier=1.0), callbacks=[DeviceStatsMonitor(cpu_stats=False)],
+                logger=CSVLogger(tmp_path))
+
+
 def test_a_micro_batch_size_above_the_batch_size_is_warned_about():
     with pytest.warns(UserWarning, match=r"micro_batch_size=64 is above the DataLoader.s batch_size=2.*at or below"):
         fit(LongShieldStrategy(noise_multiplier=1.0, micro_batch_size=64))

@@ -129,8 +129,10 @@ def trainable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def check_supported_layers(model: nn.Module) -> None:
     """Raise a `TypeError` listing every trainable layer whose per-sample gradient cannot be computed, and a
-    `ValueError` for embeddings whose options break the guarantee (`check_embedding_options`)."""
+    `ValueError` for embeddings whose options break the guarantee (`check_embedding_options`) and for layers that
+    mix the batch's samples or keep its statistics (`check_no_running_statistics`)."""
     check_embedding_options(model)
+    check_no_running_statistics(model)
     unsupported = [
         f"{name or '<root>'} ({type(module).__name__})"
         for name, module in trainable_layers(model)
@@ -143,6 +145,23 @@ def check_supported_layers(model: nn.Module) -> None:
             + "; ".join(unsupported)
             + f". Supported layer types: {supported}. Freeze these layers (requires_grad=False) or rebuild them from"
             " the supported types."
+        )
+
+
+def check_no_running_statistics(model: nn.Module) -> None:
+    """Raise a `ValueError` naming every layer whose training forward depends on the other samples of the batch or
+    updates state from it, trainable or frozen: BatchNorm (batch statistics mix the samples, so no per-sample gradient
+    exists, and its running statistics, ``num_batches_tracked`` counting the micro-batches, are updated from the
+    sampled batch without noise and released with the model) and an InstanceNorm that tracks running statistics.
+    Opacus refuses them alike."""
+    found = [f"{name or '<root>'} ({type(module).__name__})" for name, module in model.named_modules()
+             if isinstance(module, nn.modules.batchnorm._BatchNorm)
+             or (isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats)]
+    if found:
+        raise ValueError(
+            "These layers mix the samples of a batch or keep statistics of the sampled batches, which DP-SGD cannot"
+            " release: " + "; ".join(found) + ". Replace them with LayerNorm or RMSNorm, which normalise each sample"
+            " alone."
         )
 
 
