@@ -52,6 +52,7 @@ from lightning_longshield.trainer_checks import (
     check_same_training_data,
     check_trainer_for_dp_sgd,
     warn_micro_batch_above_batch,
+    warn_validation_on_training_data,
 )
 from simulate.strategy_config import (
     DEFAULT_BUCKET_MB,
@@ -291,8 +292,13 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         if not isinstance(dataloader, DataLoader):
             return dataloader
         rank, size = self.data_parallel_rank, self.data_parallel_size
-        if not self.lightning_module.trainer.training:
+        trainer = self.lightning_module.trainer
+        if not trainer.training:
+            if trainer.state.fn == TrainerFn.FITTING:  # validation during fit, before or after the training data
+                warn_validation_on_training_data(getattr(self, "_training_dataset", None), dataloader)
             return data_parallel_dataloader(dataloader, rank, size)
+        self._training_dataset = dataloader.dataset
+        warn_validation_on_training_data(dataloader.dataset, trainer.val_dataloaders)
         dataset_size = training_set_size(dataloader)
         check_same_training_data(dataset_size, dataloader.batch_size)
         self.privacy.record_training_data(dataset_size, dataloader.batch_size)

@@ -88,6 +88,19 @@ def check_minimums_within_budget(trainer: pl.Trainer, steps_left_in_budget: int)
         )
 
 
+def warn_validation_on_training_data(training_dataset: object, validation: object) -> None:
+    """Say when a validation DataLoader of this fit (``validation``: one, or a list or dict of them) reads the
+    training dataset itself: its loss is released without noise, outside the guarantee."""
+    loaders = list(validation.values()) if isinstance(validation, dict) else (
+        list(validation) if isinstance(validation, (list, tuple)) else [validation])
+    if training_dataset is not None and any(getattr(loader, "dataset", None) is training_dataset
+                                            for loader in loaders):
+        rank_zero_warn(
+            "A validation DataLoader reads the training dataset itself: its loss on the private training records is"
+            " logged without noise, outside the privacy guarantee. Validate on held-out or public data."
+        )
+
+
 def warn_micro_batch_above_batch(micro_batch_size: int, batch_size: Optional[int]) -> None:
     """Say when ``micro_batch_size`` exceeds the DataLoader's ``batch_size`` (the expected Poisson batch of a
     data-parallel group): micro-batches are cut from the sampled batch, so the pre-flight then plans, and may refuse,

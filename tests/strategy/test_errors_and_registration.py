@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 import lightning as L
 import pytest
@@ -298,6 +299,21 @@ def test_monitors_that_count_the_micro_batches_are_warned_about(monitor, tmp_pat
         with pytest.warns(UserWarning, match="DeviceStatsMonitor logs the device's memory statistics"):
             fit(LongShieldStrategy(noise_multiplier=1.0), callbacks=[DeviceStatsMonitor(cpu_stats=False)],
                 logger=CSVLogger(tmp_path))
+
+
+@pytest.mark.parametrize("sanity_steps", [0, 1], ids=["validation-after-training-data", "sanity-check-first"])
+def test_validation_on_the_training_dataset_is_warned_about(sanity_steps):
+    """Its loss on the private training records is logged without noise; a held-out dataset is not flagged."""
+    training = RandomTokens(size=8, seq_len=8)
+    module = make_module(small_config(n_layers=1))
+    with pytest.warns(UserWarning, match="A validation DataLoader reads the training dataset itself"):
+        make_trainer(LongShieldStrategy(noise_multiplier=1.0), max_steps=1, num_sanity_val_steps=sanity_steps,
+                     limit_val_batches=1).fit(module, loader(training, 2), loader(training, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(LongShieldStrategy(noise_multiplier=1.0), max_steps=1, num_sanity_val_steps=sanity_steps,
+                     limit_val_batches=1).fit(module, loader(training, 2), loader(RandomTokens(size=4, seq_len=8), 2))
+    assert not any("reads the training dataset" in str(w.message) for w in caught)
 
 
 def test_a_micro_batch_size_above_the_batch_size_is_warned_about():
