@@ -27,18 +27,19 @@ def traced(model: str, method: str, cp: int, mbs: int, seq_len: int, precision: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["v2", "v3"])
-def test_traced_step_growth_equals_the_measured_cpu_peak(method):
-    """Two real fp32 DP steps in a fresh process: the second step's peak resident growth is the traced growth."""
+@pytest.mark.parametrize(("method", "seq_len"), [("v2", 2048), ("v3", 4096)])
+def test_traced_step_growth_equals_the_measured_cpu_peak(method, seq_len):
+    """Two real fp32 DP steps in a fresh process: the second step's peak resident growth is the traced growth. V3 at
+    a longer sequence: it holds less, so the allocator's own few MiB weigh more (traced 1.10x measured at 2048)."""
     root = Path(__file__).resolve().parents[2]
     # A clean environment (nothing earlier tests or Lightning set in this process), and large tensors returned to the
     # OS when freed.
     env = {key: os.environ[key] for key in ("PATH", "HOME", "TMPDIR", "VIRTUAL_ENV") if key in os.environ}
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    result = subprocess.run([sys.executable, "-m", "tests.support.trace_honesty_probe", "tiny", method, "2", "4096"],
-                            env=env, capture_output=True, text=True, check=True, cwd=root)
+    command = [sys.executable, "-m", "tests.support.trace_honesty_probe", "tiny", method, "2", str(seq_len)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd=root)
     measured = json.loads(result.stdout.strip().splitlines()[-1])["step_growth"]
-    trace = traced("tiny", method, 1, 2, 4096, precision="fp32")
+    trace = traced("tiny", method, 1, 2, seq_len, precision="fp32")
     assert trace.total - trace.at_start == pytest.approx(measured, rel=0.10)
 
 
