@@ -10,6 +10,7 @@ before.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -21,13 +22,20 @@ CheckpointPolicy = Union[bool, int, Callable[[int, nn.Module], bool]]
 
 
 class CheckpointedForward:
-    """A module's forward run under non-reentrant `torch.utils.checkpoint` (installed as the instance's forward)."""
+    """A module's forward run under non-reentrant `torch.utils.checkpoint` (installed as the instance's forward).
+
+    The call's keyword arguments go to the module's forward, bound before `checkpoint` is called: given to
+    `checkpoint` they would be read as its own options (``debug``, ``context_fn``, ``determinism_check``,
+    ``preserve_rng_state``, ``use_reentrant``). Non-reentrant checkpointing recomputes the bound call as it is, and
+    gradients reach tensors among them as among the positional ones.
+    """
 
     def __init__(self, forward: Callable[..., Any]) -> None:
         self.forward = forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        forward = functools.partial(self.forward, **kwargs) if kwargs else self.forward
+        return checkpoint(forward, *args, use_reentrant=False)
 
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:

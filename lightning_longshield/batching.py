@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -9,7 +10,8 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 
 
 def batch_size_of(batch: Any) -> int:
-    """Leading dimension of the batch's tensors (they must agree)."""
+    """Leading dimension of the batch's tensors (they must agree; shared ``position_ids`` count as expanded)."""
+    batch = with_shared_positions_expanded(batch)
     sizes: set[int] = set()
     apply_to_collection(batch, torch.Tensor, lambda t: sizes.add(t.shape[0]) if t.dim() else None)
     if len(sizes) != 1:
@@ -28,7 +30,9 @@ def split_into_microbatches(batch: Any, micro_batch_size: int) -> list[Any]:
 def samples_of(batch: Any, start: int, stop: int) -> Any:
     """Samples ``start`` to ``stop`` of a collated batch: the rows of every tensor (0-d ones kept) and of every list
     of strings (what ``default_collate`` makes of a per-sample string, e.g. a document id), through nested
-    collections; other values are kept."""
+    collections; other values are kept. Shared ``position_ids`` are expanded to (B, T) first."""
+    batch = with_shared_positions_expanded(batch)
+
     def take(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value[start:stop] if value.dim() else value
@@ -37,3 +41,20 @@ def samples_of(batch: Any, start: int, stop: int) -> Any:
         return type(value)(apply_to_collection(item, (torch.Tensor, list), take) for item in value)
 
     return apply_to_collection(batch, (torch.Tensor, list), take)
+
+
+def with_shared_positions_expanded(batch: Any) -> Any:
+    """``batch`` with its ``position_ids`` of shape (T,) or (1, T), shared by the samples, expanded (a view) to the
+    (B, T) of its ``input_ids`` (or ``labels``), so that they are split into samples as those are; a batch without
+    shared ``position_ids`` is returned as it is. A (T,) one is shared even where B equals T."""
+    if not isinstance(batch, Mapping):
+        return batch
+    positions = batch.get("position_ids")
+    reference = batch.get("input_ids", batch.get("labels"))
+    if not (isinstance(positions, torch.Tensor) and isinstance(reference, torch.Tensor) and reference.dim() >= 2):
+        return batch
+    shared = positions.dim() == 1 or (positions.dim() == 2 and positions.shape[0] == 1)
+    if not shared or positions.shape[-1] != reference.shape[1]:
+        return batch
+    expanded = positions.reshape(1, -1).expand(reference.shape[0], -1)
+    return apply_to_collection(batch, torch.Tensor, lambda t: expanded if t is positions else t)

@@ -35,6 +35,21 @@ CHECKPOINT_KEY = "longshield"
 AUTO_FULL_FILE_PARAMETERS = 2**27
 # Set on a module by a checkpoint loaded outside fit: (path, privacy state), checked when a fit starts.
 _LOADED_DP_HISTORY = "_longshield_loaded_dp_history"
+# Set on a module by the fits that trained it: (the session's identity, its DP steps), checked when a fit starts.
+_TRAINED_BY = "_longshield_trained_by"
+
+
+def forget_trained(module: Any) -> None:
+    """Drop `mark_trained`'s note: for a run whose claim is its own steps alone whatever trained the weights before
+    (a privacy audit: its canaries are new to them)."""
+    module.__dict__.pop(_TRAINED_BY, None)
+
+
+def mark_trained(module: Any, session: Any) -> None:
+    """Note on ``module`` that ``session``'s DP steps trained its weights, if it took any: a fit under another
+    strategy, whose accountant would leave them out, is then refused (`StrategyCheckpoints.check_weights_accounted`)."""
+    if module is not None and session.accountant.steps:
+        module.__dict__[_TRAINED_BY] = (session.identity, session.accountant.steps)
 
 
 class StrategyCheckpoints:
@@ -163,6 +178,7 @@ class StrategyCheckpoints:
                 module.__dict__[_LOADED_DP_HISTORY] = (os.fspath(path), state)
             return checkpoint
         module.__dict__.pop(_LOADED_DP_HISTORY, None)  # a resume: the checkpoint's history is the session's now
+        forget_trained(module)
         if not self.privacy.poisson_sampling:  # type: ignore[attr-defined]
             _drop_empty_loader_states(checkpoint)
         if state is not None:
@@ -186,15 +202,26 @@ class StrategyCheckpoints:
             self.open_privacy_ledger()
 
     def check_weights_accounted(self) -> None:
-        """Raise if the module holds weights loaded outside ``fit`` from a DP checkpoint whose steps this session's
-        accountant does not hold (another run's, or later steps of this one): ``fit`` without ``ckpt_path`` would
-        report only its own steps for weights that result from those too."""
-        loaded = self.lightning_module.__dict__.get(_LOADED_DP_HISTORY)  # type: ignore[attr-defined]
+        """Raise if the module holds weights that DP steps this session's accountant does not hold trained: loaded
+        outside ``fit`` from a DP checkpoint (another run's, or later steps of this one), or trained in memory by a
+        fit under another strategy. ``fit`` without ``ckpt_path`` would report only its own steps for weights that
+        result from those too."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        session = self.privacy  # type: ignore[attr-defined]
+        trained = module.__dict__.get(_TRAINED_BY)
+        if trained is not None and trained[0] != session.identity:
+            raise ValueError(
+                f"The module was trained by {trained[1]} DP steps of a fit under another LongShieldStrategy, which"
+                " this fit would not account (its epsilon would count only its own steps). Continue that run from"
+                " its checkpoint with fit(ckpt_path=...), or fit again with the strategy that trained it. To start a"
+                " new run from these weights on data none of whose records that run trained on (a separate"
+                " guarantee), build a new module and load the weights yourself (module.load_state_dict)."
+            )
+        loaded = module.__dict__.get(_LOADED_DP_HISTORY)
         if loaded is None:
             return
         path, state = loaded
         steps = sum(int(run[2]) for run in state["accountant"]["history"])
-        session = self.privacy  # type: ignore[attr-defined]
         run = state.get("run_id")
         if run is not None and run == session.run_id and session.accountant.steps >= steps:
             return  # an earlier checkpoint of the run this session accounts (validate(ckpt_path="best"), fit again)
@@ -250,6 +277,10 @@ class StrategyCheckpoints:
             if not state.get("state"):  # e.g. SGD without momentum: no tensors to place, only hyper-parameters
                 load_hyperparameters(optimizer, state["param_groups"])
                 continue
+            if not optimizer.state:  # torch fills a fresh optimizer's state first, but not while a `.grad` is set
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        param.grad = None  # an earlier fit's last gradient: a resumed step forms its own
             set_optimizer_state_dict(self.lightning_module, optimizer, state, options=options)  # type: ignore[attr-defined]
 
 

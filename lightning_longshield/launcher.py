@@ -12,6 +12,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
+from lightning_longshield.checkpoints import mark_trained
 from lightning_longshield.privacy.session import PrivacySession
 
 #: Where rank 0's privacy state travels in the launcher's extra results.
@@ -49,12 +50,14 @@ class GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
-        """Restore Lightning's results, and load rank 0's privacy state into this process's session."""
+        """Restore Lightning's results, load rank 0's privacy state into this process's session, and mark the module
+        as trained by it (`mark_trained`)."""
         super().update_main_process_results(trainer, extra)
         result = extra.get(PRIVACY_RESULT_KEY)
         session = self._privacy_session()
         if result is not None and session is not None:
             session.load_finished_fit(result["state"], result["noise_device"])
+            mark_trained(trainer.lightning_module, session)
 
     def _privacy_session(self) -> Optional[PrivacySession]:
         session = getattr(self._strategy, "privacy", None)

@@ -9,10 +9,9 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_longshield.batching import batch_size_of
+from lightning_longshield.batching import batch_size_of, samples_of
 
 
 class ZeroWeightPadding:
@@ -53,7 +52,7 @@ class ZeroWeightPadding:
             self._batch = to_device(collate([dataset[0]]))
             return self._batch
         if batch_size_of(batch) > 0:
-            return apply_to_collection(batch, torch.Tensor, lambda t: t[:1] if t.dim() else t)
+            return samples_of(batch, 0, 1)
         raise RuntimeError(
             "A padding micro-batch is needed (shard_over='all': every rank runs as many micro-batches as the"
             " data-parallel group with the most samples) but this group's batch is empty and the training data"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -53,7 +55,8 @@ def parallelize(
     if fsdp_mesh.size() > 1:
         fsdp_shards = shard_with_fsdp(module, fsdp_mesh, config.output_stationary,
                                       mp_policy=gather_policy(precision))
-    materialize_meta_parameters(module, device, fsdp_mesh.get_local_rank(), initialize)
+    materialize_meta_parameters(module, device, fsdp_mesh.get_local_rank(), initialize,
+                                group=fsdp_mesh.get_group() if fsdp_mesh.size() > 1 else None)
     cp_rank, cp_size = context_parallel_mesh.get_local_rank(), context_parallel_mesh.size()
     shards = {name: ParamShard(shard.dim, cp_rank, cp_size, shard.size, replicas)
               for name, shard in fsdp_shards.items()}
@@ -90,7 +93,8 @@ def shard_with_fsdp(
 
     for list_module in [m for m in module.modules() if isinstance(m, nn.ModuleList)]:
         for block in list_module:
-            fully_shard(block, mesh=mesh, shard_placement_fn=placement, mp_policy=mp_policy)
+            if not isinstance(block, FSDPModule):  # an earlier fit of this module sharded it already
+                fully_shard(block, mesh=mesh, shard_placement_fn=placement, mp_policy=mp_policy)
     if any(p.requires_grad for p in module.parameters(recurse=False)):
         raise TypeError(f"{type(module).__name__} owns parameters directly; put them in a submodule to shard it.")
     for child in module.children():
@@ -98,6 +102,7 @@ def shard_with_fsdp(
             fully_shard(child, mesh=mesh, shard_placement_fn=placement, mp_policy=mp_policy)
     for submodule in module.modules():
         if isinstance(submodule, FSDPModule):
+            submodule.reshard()  # an evaluation since an earlier fit left the root's parameters gathered
             submodule.set_gradient_divide_factor(1.0)
             submodule.set_force_sum_reduction_for_comms(True)
     rank, world = mesh.get_local_rank(), mesh.size()
@@ -132,11 +137,17 @@ def _tied_parameter_owners(module: nn.Module) -> list[list[tuple[nn.Module, str]
 
 
 def materialize_meta_parameters(
-    module: nn.Module, device: torch.device, rank: int, initialize: Optional[Callable[[], None]] = None
+    module: nn.Module, device: torch.device, rank: int, initialize: Optional[Callable[[], None]] = None,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> bool:
     """Allocate a meta-device module's (FSDP2-sharded) parameters on ``device`` and initialise them, each rank only
     its own shards, with the model's ``init_weights`` and then ``initialize`` (e.g. the LightningModule's LoRA
     adapters, as PEFT initialises them). Returns whether there was anything to materialise.
+
+    Every floating-point parameter and buffer materialised here must be set by those: a buffer computed in the
+    model's ``__init__`` (a rotary ``inv_freq``) was computed on the meta device, into nothing. Such a tensor is
+    refused by name (`_refuse_unset`, agreed over ``group``, the ranks sharing the shards) instead of training on
+    whatever its memory held.
 
     The initial distribution is the model's own; the draws come from a generator seeded by a hash of one draw of
     the global RNG and ``rank``, so a run seeded the same way on the same layout is reproducible and the ranks'
@@ -152,6 +163,7 @@ def materialize_meta_parameters(
             " before fit (e.g. call configure_model() yourself)."
         )
     tied = _tied_parameter_owners(module)
+    unset = [name for name, tensor in _named_tensors(module) if tensor.is_meta and tensor.is_floating_point()]
     # Only the meta tensors: `to_empty` would also empty every real tensor, e.g. a LightningModule's metric states.
     module._apply(lambda tensor: torch.empty_like(tensor, device=device) if tensor.is_meta else tensor)
     for owners in tied:  # each owner of a plain meta tensor gets its own copy: tie them again
@@ -159,6 +171,9 @@ def materialize_meta_parameters(
         for owner, name in owners[1:]:
             if getattr(owner, name) is not kept:  # a sharded tie (FSDP2's DTensors) survives this
                 setattr(owner, name, kept)
+    tensors = dict(_named_tensors(module))
+    for name in unset:
+        _local(tensors[name]).fill_(math.nan)  # what init_weights leaves unset stays NaN
     base = int(torch.randint(2**62, (1,)).item())
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type), warnings.catch_warnings():
@@ -169,7 +184,35 @@ def materialize_meta_parameters(
             initializer.init_weights()
         if initialize is not None:
             initialize()
+    _refuse_unset(module, unset, group)
     return True
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (a DTensor's local shard), without autograd."""
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach()
+
+
+def _refuse_unset(module: nn.Module, names: list[str], group: Optional[dist.ProcessGroup]) -> None:
+    """Raise, on every rank alike, if a tensor of ``names`` still holds the NaN it was materialised with."""
+    if not names:
+        return
+    tensors = dict(_named_tensors(module))
+    unset = torch.tensor([bool(_local(tensors[name]).isnan().any()) for name in names], dtype=torch.int32)
+    if group is not None:
+        dist.all_reduce(unset, op=dist.ReduceOp.MAX, group=group)
+    missing = [name for name, flag in zip(names, unset.tolist()) if flag]
+    if missing:
+        raise RuntimeError(
+            f"{type(module).__name__} was built on the meta device (context parallelism allocates only each rank's"
+            f" shards), and init_weights() left {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} unset:"
+            " a tensor computed in __init__ was computed on the meta device, into nothing. Set every parameter and"
+            " buffer in init_weights() (e.g. recompute a rotary inv_freq there), or build the model before fit."
+        )
 
 
 def input_sharded_weights(module: nn.Module, world_size: int) -> list[nn.Parameter]:

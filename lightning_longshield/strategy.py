@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_longshield import preflight as _preflight
 from lightning_longshield.callbacks import PrivacyMonitor
-from lightning_longshield.checkpoints import StrategyCheckpoints
+from lightning_longshield.checkpoints import StrategyCheckpoints, mark_trained
 from lightning_longshield.context_parallel import (
     CONTEXT_PARALLEL,
     DATA_PARALLEL,
@@ -382,6 +382,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
 
     @override
     def teardown(self) -> None:
+        if self.lightning_module is not None and self._fitting():  # also after an error: its steps trained them
+            mark_trained(self.lightning_module, self.privacy)
         if self._engine is not None:
             self._engine.remove()
         self.privacy.close_ledger()

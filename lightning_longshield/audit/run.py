@@ -151,6 +151,7 @@ def audit_training(
     a bound above the claim (`AuditReport.largest_reportable_bound`).
     """
     from lightning_longshield import LongShieldStrategy
+    from lightning_longshield.checkpoints import forget_trained
     from lightning_longshield.progress import StepProgressBar
 
     check_audit_inputs(magnitude, confidence)
@@ -194,6 +195,7 @@ def audit_training(
         callbacks.append(StepProgressBar())
     settings["callbacks"] = [*callbacks, *settings.get("callbacks", [])]
     trainer = pl.Trainer(strategy=strategy, max_steps=max_steps, **settings)
+    forget_trained(module)  # an earlier fit or audit never saw these canaries: the claim is this run's steps
     with _training_step_restored(module, wrapped_from=own_step):
         wrap_step()
         trainer.fit(module, DataLoader(data, batch_size=batch_size))

@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_longshield.batching import with_shared_positions_expanded
 from lightning_longshield.loss import IGNORE_INDEX
 
 
@@ -77,6 +78,13 @@ def shard_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int) -> dict[st
     ``per_sample_token_loss(local_logits, local_labels, token_counts)`` summed over CP ranks is the sample's loss.
     Other values pass through unchanged.
     """
+    if not isinstance(batch, Mapping):
+        # Its values not quoted: they are the private data.
+        raise TypeError(
+            "Context parallelism shards a batch that is a dict (a Mapping) with 'input_ids' and/or 'labels' (B, T)"
+            f" and optionally 'position_ids', got a {type(batch).__name__}. Return a dict from the Dataset (or the"
+            " collate_fn), e.g. {'input_ids': ..., 'labels': ...}, and read it by key in training_step."
+        )
     key = "input_ids" if "input_ids" in batch else "labels"
     if key not in batch:
         raise ValueError(f"shard_batch needs 'input_ids' or 'labels' in the batch, got keys {sorted(batch)}.")
@@ -86,9 +94,11 @@ def shard_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int) -> dict[st
     bsz, seq_len = reference.shape[:2]
     check_shardable(seq_len, cp_size)
     out: dict[str, Any] = {}
+    batch = with_shared_positions_expanded(batch)
     positions = batch.get("position_ids")
-    if isinstance(positions, torch.Tensor) and positions.shape[-1] == seq_len and positions.dim() <= 2:
-        batch = {**batch, "position_ids": positions.reshape(-1, seq_len).expand(bsz, seq_len)}  # (T,), (1, T): shared
+    if positions is not None and not (isinstance(positions, torch.Tensor) and positions.shape[:2] == (bsz, seq_len)):
+        raise ValueError(f"batch['position_ids'] must be (B, T) as batch[{key!r}] is, or (T,) or (1, T) shared by the"
+                         " samples.")
     for name, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (bsz, seq_len):
             out[name] = shard_sequence(value, cp_rank, cp_size, dim=1)

@@ -93,8 +93,11 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     """Llama-3 decoder returning logits (B, T, vocab_size).
 
-    ``position_ids`` (B, T) are the tokens' global positions; they drive RoPE and the causal mask, so a shard of a
-    sequence can be processed with its true positions. ``None`` means ``0 .. T-1``.
+    ``position_ids`` (B, T), or (T,) / (1, T) shared by the samples, are the tokens' global positions; they place the
+    rotary embeddings (RoPE) only, so a shard of a sequence is processed with its true positions. ``None`` means
+    ``0 .. T-1``. Attention is causal by token order whatever the positions (packed documents whose positions restart
+    still see only earlier tokens); ``attention_fn`` receives them too, which context-parallel attention requires as
+    the mark of a call on a shard.
 
     With ``load_weights`` set, `init_weights` calls ``load_weights(model)`` instead of drawing random weights, so a
     checkpoint reader can fill a meta-device model as it is materialised, each shard with only its part.
@@ -151,6 +154,8 @@ class Llama(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The normalised last hidden states (B, T, dim): what the output layer turns into logits."""
         batch, seq = input_ids.shape
+        if position_ids is not None:
+            position_ids = position_ids.expand(batch, seq)  # (T,) or (1, T): shared by the samples
         positions = position_ids
         if positions is None:
             positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)

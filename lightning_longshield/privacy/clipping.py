@@ -35,6 +35,23 @@ NOT_BATCH_FIRST = (
 )
 
 
+# Per-sample gradients have their parameter's dtype; their norms are fp32 reductions, which read these exactly.
+CLIPPABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_clippable_dtypes(parameters: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Raise a `ValueError` naming the trainable parameters whose dtype the clipping cannot reduce (fp64: an fp32
+    norm of fp64 values would narrow them, which torch refuses in the first micro-batch), with the fix."""
+    found = [f"{name} ({p.dtype})" for name, p in parameters if p.requires_grad and p.dtype not in CLIPPABLE_DTYPES]
+    if found:
+        shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+        raise ValueError(
+            "DP-SGD clips trainable parameters in fp32, bf16 or fp16, but these have another dtype: " + shown + "."
+            " Keep the parameters in fp32 (model.float()) and choose lower precision with the Trainer's precision"
+            " setting (precision='bf16-mixed' or 'bf16-true')."
+        )
+
+
 def per_sample_squared_norms(grad_samples: Iterable[torch.Tensor], batch_size: int) -> torch.Tensor:
     """Squared L2 norm (fp64, shape (B,)) of each sample's gradient over all given per-sample tensors.
 

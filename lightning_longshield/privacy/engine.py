@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
-from lightning_longshield.privacy.clipping import clip_factors, per_sample_squared_norms
+from lightning_longshield.privacy.clipping import check_clippable_dtypes, clip_factors, per_sample_squared_norms
 from lightning_longshield.privacy.grad_sample import PerSampleGradCapture
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
 from lightning_longshield.privacy.noise import GaussianNoise
@@ -64,6 +64,7 @@ class DPSGDEngine:
         config: Optional[StrategyConfig] = None,
         projection_key: Optional[SecretKey] = None,
     ):
+        check_clippable_dtypes(model.named_parameters())  # before the capture changes the model
         config = config if config is not None else StrategyConfig()
         self.norm_estimate: Optional[RandomizedNorms] = None
         projected = config.projected_norms

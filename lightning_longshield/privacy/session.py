@@ -88,6 +88,7 @@ class PrivacySession:
         self._restored_plan: Optional[dict[str, Any]] = None
         self._planned_end = 0
         self.run_id: Optional[str] = None  # names this run's lines in the ledger; not a secret
+        self.identity = uuid.uuid4().hex  # names this session on the modules it trained (`checkpoints.mark_trained`)
         self.ledger: Optional[PrivacyLedger] = None
         self.ledger_path: Optional[str] = None  # where this run's ledger is (from a checkpoint, or once opened)
         self.ledger_since: Optional[int] = None  # the first step index that ledger records for this run

@@ -105,6 +105,39 @@ def test_model_with_its_own_checkpointing_is_handled(use_reentrant):
     fit_and_compare(False, micro_batch_size=2, module=module)
 
 
+class KeywordBlock(torch.nn.Module):
+    """A block whose keyword arguments share names with `checkpoint`'s options, and one a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.seen: dict[str, object] = {}
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, **options: object) -> torch.Tensor:
+        self.seen = options
+        return self.lin(x) * scale * (2.0 if options.get("debug") else 1.0)
+
+
+def test_a_checkpointed_block_gets_its_keyword_arguments():
+    """``debug``, ``context_fn``, ``determinism_check``, ``preserve_rng_state`` and ``use_reentrant`` given to a
+    checkpointed block reach its forward (checkpoint took them as its options, or refused ``use_reentrant``), and a
+    tensor keyword gets the same gradient as without checkpointing."""
+    options = dict(debug=True, context_fn="mine", determinism_check="mine", preserve_rng_state="mine",
+                   use_reentrant="mine")
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([KeywordBlock()])
+    x, scale = torch.randn(2, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    expected = model[0](x, scale=scale, **options)
+    expected_grads = torch.autograd.grad(expected.square().sum(), (x, scale, model[0].lin.weight))
+    assert apply_activation_checkpointing(torch.nn.Sequential(model), True) == 1
+    out = model[0](x, scale=scale, **options)
+    assert model[0].seen == options
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    grads = torch.autograd.grad(out.square().sum(), (x, scale, model[0].lin.weight))
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+
+
 def saved_tensor_bytes(model: torch.nn.Module, micro_batch: int = 2, seq_len: int = 256) -> int:
     """Bytes of the tensors autograd saves for backward during one per-sample-mode forward."""
     capture = PerSampleGradCapture(model)

@@ -17,6 +17,7 @@ from lightning_longshield.loss import per_sample_token_loss
 from lightning_longshield.models import Llama
 from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
 from lightning_longshield.privacy.grad_sample.bookkeeping import ghost_norm_is_cheaper
+from lightning_longshield.privacy.randomness import SecretKey
 from tests.support.helpers import (
     RandomTokens,
     assert_models_close,
@@ -64,7 +65,7 @@ def reference_per_sample_grads(model: nn.Module, ids: torch.Tensor, labels: torc
 
 def run_engine(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, per_sample: str, micro_batch_size: int):
     engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
-                         config=StrategyConfig(norms=per_sample))
+                         config=StrategyConfig(norms=per_sample), projection_key=SecretKey(b"p" * 32))
     engine.begin_logical_batch()
     norms = []
     for start in range(0, ids.shape[0], micro_batch_size):
@@ -134,6 +135,22 @@ def test_llama_matches_torch_func(per_sample, tie_embeddings, checkpointing):
     engine = check(model, ids, labels, per_sample, micro_batch_size=2, unchanged_copy=unchanged)
     if tie_embeddings:
         assert engine.per_sample_methods()["tok_embeddings.weight"] == "ghost"
+
+
+@pytest.mark.parametrize("norms", ["ghost", "mixed", "hutchinson", "hutchpp"])
+@pytest.mark.parametrize("tie_embeddings", [False, True], ids=["untied", "tied"])
+def test_int32_token_ids_give_the_norms_and_sums_of_int64_ids(norms: str, tie_embeddings: bool):
+    """`CausalLMModule` takes token ids of any integer dtype: int32 ids failed in backward where the book-keeper
+    deduplicates an embedding's tokens (int32 and int64 indices in one scatter)."""
+    torch.manual_seed(0)
+    model = Llama(small_config(n_layers=1, tie_embeddings=tie_embeddings))
+    ids, labels = token_batch(4, 64)
+    engine64, norms64 = run_engine(copy.deepcopy(model), ids, labels, norms, micro_batch_size=2)
+    engine32, norms32 = run_engine(model, ids.int(), labels, norms, micro_batch_size=2)
+    assert torch.equal(norms32, norms64)
+    assert set(engine32.accumulator.sums) == set(engine64.accumulator.sums)
+    for name, total in engine64.accumulator.sums.items():
+        assert torch.equal(engine32.accumulator.sums[name], total), name
 
 
 def test_tied_weight_takes_one_method_for_both_uses():

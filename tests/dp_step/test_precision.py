@@ -1,4 +1,5 @@
-"""bf16 precisions train, with norms and noise in fp32, and stay close to the fp32 update."""
+"""bf16 precisions train, with norms and noise in fp32, and stay close to the fp32 update; fp64 parameters are
+refused."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_longshield import LongShieldStrategy
-from lightning_longshield.privacy import GaussianNoise
+from lightning_longshield import LongShieldStrategy, StrategyConfig
+from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAccountant
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
 from lightning_longshield.privacy.randomness import SecretKey
 from tests.support.helpers import (
@@ -60,3 +61,25 @@ def test_sums_and_noise_are_fp32_for_bf16_parameters():
     accumulator.release(noise, noise_std=1e-3, expected_batch_size=1.0)
     assert param.grad.dtype == torch.bfloat16 and accumulator.sums == {}
     assert 0.5 < param.grad.float().mean().item() < 0.7
+
+
+@pytest.mark.parametrize("config", [
+    StrategyConfig(), StrategyConfig(clipping="per_layer"), StrategyConfig(norms="ghost"),
+    StrategyConfig(norms="mixed"), StrategyConfig(norms="hutchinson"),
+], ids=["flat", "per-layer", "ghost", "mixed", "hutchinson"])
+def test_fp64_trainable_parameters_are_refused_on_every_path_with_the_fix(config: StrategyConfig):
+    """Per-sample norms are fp32 reductions, which torch refuses for fp64 input: every path failed in the first
+    micro-batch with torch's "convertible without narrowing". Refused when the engine is built, the model left as
+    it was; a frozen fp64 parameter is kept."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.RMSNorm(4), torch.nn.Linear(4, 3))
+    model[2].double()
+
+    def engine() -> DPSGDEngine:
+        return DPSGDEngine(model, 1.0, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"), config=config,
+                           projection_key=SecretKey(b"p" * 32))
+
+    with pytest.raises(ValueError, match=r"2.weight \(torch.float64\); 2.bias \(torch.float64\).*in fp32"):
+        engine()
+    assert "forward" not in model[0].__dict__  # nothing installed on the model
+    model[2].requires_grad_(False)
+    engine()

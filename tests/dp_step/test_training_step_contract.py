@@ -1,20 +1,23 @@
 """What a user's LightningModule must give the DP step, and what is refused: the loss as each sample's loss or their
-mean (a token mean over the micro-batch is warned about), batch-first layers called with their input, and the
-trainable parameters fixed for the whole fit."""
+mean (a token mean over the micro-batch is warned about), batch-first layers called with their input, the
+trainable parameters fixed for the whole fit, and no trainable sparse embedding."""
 
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch.utils.data import DataLoader, default_collate
 
-from lightning_longshield import CausalLMModule, LongShieldStrategy
+from lightning_longshield import CausalLMModule, LongShieldStrategy, StrategyConfig
 from lightning_longshield.loss import loss_divisors
 from lightning_longshield.module import unpack_batch
-from lightning_longshield.privacy import PerSampleGradCapture
+from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PerSampleGradCapture, PrivacyAccountant
+from lightning_longshield.privacy.randomness import SecretKey
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
 DATA = RandomTokens(size=8, seq_len=8)
@@ -53,6 +56,32 @@ def test_a_vector_of_per_sample_losses_trains_as_their_mean():
     vector.configure_model()
     for name, value in _trained(vector).items():
         torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.filterwarnings("ignore:noise_seed")
+@pytest.mark.parametrize("poisson", [False, True], ids=["batches", "poisson"])
+@pytest.mark.parametrize("shape", [(-1,), (1, -1)], ids=["T", "1xT"])
+def test_positions_shared_by_the_samples_train_as_expanded_ones(poisson: bool, shape: tuple[int, ...]):
+    """``position_ids`` (T,) or (1, T) from the collate_fn train as the same positions expanded to (B, T), over
+    micro-batches of 4 (without Poisson sampling B = T = 8: a (T,) one is not split as if it were samples)."""
+    positions = torch.arange(8) * 3 + 1
+
+    def trained(shared: Optional[tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+            batch = default_collate(samples)
+            form = positions.reshape(shared) if shared else positions.expand(len(samples), -1)
+            return {**batch, "position_ids": form}
+
+        module = make_module(small_config(n_layers=1))
+        strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=0.05, micro_batch_size=4,
+                                      poisson_sampling=poisson, noise_seed=0 if poisson else None)
+        data = DataLoader(DATA, batch_size=4 if poisson else 8, collate_fn=collate)
+        make_trainer(strategy, max_steps=2).fit(module, data)
+        return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+    reference = trained(None)
+    for name, value in trained(shape).items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=0)
 
 
 def test_a_one_element_loss_is_a_scalar_and_other_shapes_are_refused():
@@ -216,3 +245,23 @@ def test_logging_a_per_sample_vector_is_refused_without_its_values(form):
     module = make_module(small_config(n_layers=1))
     make_trainer(_strategy(), max_steps=1).fit(module, loader(DATA, 4))
     assert "log" not in module.__dict__  # the method is the class's again
+
+
+@pytest.mark.parametrize("config", [
+    StrategyConfig(), StrategyConfig(clipping="per_layer"), StrategyConfig(norms="ghost"),
+    StrategyConfig(norms="mixed"), StrategyConfig(norms="hutchinson"),
+], ids=["flat", "per-layer", "ghost", "mixed", "hutchinson"])
+def test_a_trainable_sparse_embedding_is_refused_on_every_path_with_the_fix(config: StrategyConfig):
+    """``nn.Embedding(sparse=True)`` gives a sparse ``.grad``: a one-sample micro-batch's (a random event under
+    Poisson sampling) failed to reshape, and ghost norms failed in the first backward. Refused when the engine is
+    built; a frozen one has no gradient and is kept."""
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 3))
+
+    def engine() -> DPSGDEngine:
+        return DPSGDEngine(model, 1.0, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"), config=config,
+                           projection_key=SecretKey(b"p" * 32))
+
+    with pytest.raises(ValueError, match=r"0 \(sparse=True\).*sparse=False"):
+        engine()
+    model[0].weight.requires_grad_(False)
+    engine()

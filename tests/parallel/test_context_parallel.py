@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_longshield.batching import split_into_microbatches
 from lightning_longshield.context_parallel import (
     ContextParallelAttention,
     apply_context_parallel_attention,
@@ -21,7 +22,6 @@ from lightning_longshield.context_parallel import (
 )
 from lightning_longshield.loss import per_sample_token_loss
 from lightning_longshield.models import Llama
-from lightning_longshield.models.llama import causal_attention
 from tests.support import cp_workers
 from tests.support.helpers import small_config
 from tests.support.process_runner import run_processes
@@ -86,6 +86,8 @@ def test_shard_batch_expands_positions_shared_by_the_samples() -> None:
         expected = shard_batch({**batch, "position_ids": offset.expand(3, -1)}, rank, 2)["position_ids"]
         for shared in (offset, offset[None]):
             assert torch.equal(shard_batch({**batch, "position_ids": shared}, rank, 2)["position_ids"], expected)
+    with pytest.raises(ValueError, match=r"position_ids'\] must be \(B, T\)"):
+        shard_batch({**batch, "position_ids": offset.expand(2, -1)}, 0, 2)
 
 
 def test_shard_batch_with_one_rank_is_the_identity_plus_positions() -> None:
@@ -134,12 +136,45 @@ def test_apply_cp_attention_refuses_models_without_attention_fn() -> None:
         apply_context_parallel_attention(model, object())  # type: ignore[arg-type]
 
 
-def test_default_attention_honours_position_ids() -> None:
-    """The reference the CP attention is compared with: position ids 0..T-1 give plain causal attention."""
-    q, k, v = (torch.randn(2, 3, 8, 4, dtype=torch.float64) for _ in range(3))
-    torch.testing.assert_close(
-        causal_attention(q, k, v, torch.arange(8).expand(2, -1)), causal_attention(q, k, v, None)
-    )
+def test_position_ids_place_the_rotary_embeddings_and_default_to_0_to_t() -> None:
+    """Positions 0..T-1, given as (B, T), (1, T) or (T,), are what ``None`` means; positions with other distances
+    rotate q and k otherwise and change the output (causal_attention itself ignores them: see the packed-documents
+    test below)."""
+    torch.manual_seed(0)
+    model = Llama(small_config()).double()
+    tokens = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        default = model(tokens)
+        for positions in (torch.arange(8).expand(2, -1), torch.arange(8)[None], torch.arange(8)):
+            torch.testing.assert_close(model(tokens, positions), default, rtol=0, atol=0)
+        spread = model(tokens, torch.arange(8) * 3)  # a uniform shift would not do: RoPE sees distances only
+    torch.testing.assert_close(spread[:, 0], default[:, 0])  # the first token attends to itself alone
+    assert not torch.allclose(spread[:, 1:], default[:, 1:])
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_shared_positions_split_and_shard_as_expanded_ones(cp_size: int) -> None:
+    """``position_ids`` (T,) or (1, T) give every micro-batch and CP rank what the (B, T) ones give, also where B
+    equals T (a (T,) one is never split as if it were samples)."""
+    seq = 8 * cp_size
+    tokens = torch.randint(0, 64, (seq, seq))
+    positions = torch.arange(seq) * 2 + 5
+    batch = {"input_ids": tokens, "labels": tokens}
+    expected = split_into_microbatches({**batch, "position_ids": positions.expand(seq, -1)}, 3)
+    for shared in (positions, positions[None]):
+        microbatches = split_into_microbatches({**batch, "position_ids": shared}, 3)
+        assert len(microbatches) == len(expected)
+        for got, want in zip(microbatches, expected):
+            for rank in range(cp_size):
+                local, reference = shard_batch(got, rank, cp_size), shard_batch(want, rank, cp_size)
+                assert local.keys() == reference.keys()
+                assert all(torch.equal(local[key], reference[key]) for key in local)
+
+
+@pytest.mark.parametrize("batch", [(torch.zeros(2, 8), torch.zeros(2, 8)), [torch.zeros(2, 8)]], ids=["tuple", "list"])
+def test_shard_batch_refuses_a_batch_that_is_not_a_dict_with_the_fix(batch) -> None:
+    with pytest.raises(TypeError, match=r"dict \(a Mapping\) with 'input_ids'.*got a (tuple|list)\. Return a dict"):
+        shard_batch(batch, 0, 2)
 
 
 @pytest.fixture
@@ -208,6 +243,40 @@ def test_materialising_a_meta_model_leaves_the_real_tensors_beside_it_alone():
     holder.perplexity.reset()
     assert holder.perplexity.loss_sum.item() == 0.0 and holder.perplexity.tokens.item() == 0
     assert torch.equal(holder.kept, torch.full((1024,), 7.0))
+
+
+class _BufferInInit(nn.Module):
+    """A rotary ``inv_freq`` computed in ``__init__``, as Hugging Face models do; ``init_weights`` sets the rest."""
+
+    def __init__(self, set_buffer: bool) -> None:
+        super().__init__()
+        self.linear, self.set_buffer = nn.Linear(4, 4), set_buffer
+        self.register_buffer("inv_freq", self.frequencies(), persistent=False)
+
+    @staticmethod
+    def frequencies() -> torch.Tensor:
+        return 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        if self.set_buffer:
+            self.inv_freq.copy_(self.frequencies())
+
+
+def test_a_buffer_init_weights_leaves_unset_on_a_meta_model_is_refused_by_name():
+    """On the meta device ``__init__`` computes the buffer into nothing; materialised, it held whatever the memory
+    did, silently. Refused, naming it; an ``init_weights`` that sets it materialises."""
+    from lightning_longshield.parallelize import materialize_meta_parameters
+
+    with torch.device("meta"):
+        unset = _BufferInInit(set_buffer=False)
+    with pytest.raises(RuntimeError, match=r"left inv_freq unset.*init_weights\(\)"):
+        materialize_meta_parameters(unset, torch.device("cpu"), rank=0)
+    with torch.device("meta"):
+        model = _BufferInInit(set_buffer=True)
+    assert materialize_meta_parameters(model, torch.device("cpu"), rank=0)
+    assert torch.equal(model.inv_freq, _BufferInInit.frequencies())
 
 
 def test_position_ids_place_rotary_embeddings_and_never_let_a_token_see_later_ones():

@@ -299,6 +299,7 @@ def test_context_parallel_errors_name_the_fix(tmp_path):
     # test batches are sharded as validation's (unsharded, each rank took the whole sequence for its shard)
     assert messages["test_after_fit"] == pytest.approx(messages["validate_after_fit"], rel=1e-6)
     assert "would return each process's shard" in messages["predict"]
+    assert messages["steps_after_second_fit"] == 2  # a second fit of the sharded module (FSDP2 applied it once)
 
 
 @pytest.mark.slow

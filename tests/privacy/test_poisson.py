@@ -112,6 +112,26 @@ def test_per_sample_strings_follow_their_samples():
     assert [micro["input_ids"].shape[0] for micro in split_into_microbatches(batch, 2)] == [2, 1]
 
 
+@pytest.mark.parametrize("shape", [(-1,), (1, -1)], ids=["T", "1xT"])
+def test_positions_shared_by_the_samples_follow_them(shape):
+    """``position_ids`` (T,) or (1, T) from the collate_fn count as (B, T): in the empty Poisson batch, in the batch
+    size, and in a padding micro-batch taken from a batch."""
+    from lightning_longshield.batching import batch_size_of
+    from lightning_longshield.padding import ZeroWeightPadding
+
+    def collate(samples):
+        batch = default_collate(samples)
+        return {**batch, "position_ids": torch.arange(batch["input_ids"].shape[1]).reshape(shape)}
+
+    dataset = RandomTokens(size=4, seq_len=6)
+    collate_or_empty = CollateAllowingEmpty(dataset, collate)
+    assert collate_or_empty([])["position_ids"].shape == (0, 6)
+    batch = collate_or_empty([dataset[i] for i in (0, 1, 2)])
+    assert batch_size_of(batch) == 3
+    padding = ZeroWeightPadding().microbatch(batch, lambda batch: batch)
+    assert torch.equal(padding["position_ids"], torch.arange(6)[None])
+
+
 def test_a_collate_error_quotes_nothing_of_the_sampled_records():
     """torch's message names the records' lengths and their positions in the batch (its private size)."""
     class Ragged(RandomTokens):

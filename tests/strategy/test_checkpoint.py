@@ -157,6 +157,30 @@ def test_fit_refuses_weights_that_validate_loaded_from_a_run_it_does_not_account
     assert first.accountant.steps == 4
 
 
+def test_fit_refuses_a_module_another_strategys_fit_trained(tmp_path):
+    """A module trained in memory by one strategy's fit, then fit under a new strategy without ``ckpt_path``: the new
+    accountant would count only its own steps. Refused, naming the fix; the strategy that trained it fits it again,
+    and a resume from its checkpoint takes over its history."""
+    first = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    trainer = make_trainer(first, max_steps=2)
+    trained = module()
+    trainer.fit(trained, loader(DATA, 4))
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+
+    second = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    with pytest.raises(ValueError, match=r"trained by 2 DP steps of a fit under another LongShieldStrategy.*ckpt_path"):
+        make_trainer(second, max_steps=2).fit(trained, loader(DATA, 4))
+    assert second.accountant.steps == 0
+
+    trainer.fit_loop.epoch_loop.max_steps = 3
+    trainer.fit(trained, loader(DATA, 4))  # the strategy that trained it
+    assert first.accountant.steps == 3
+
+    resumed = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    make_trainer(resumed, max_steps=4).fit(trained, loader(DATA, 4), ckpt_path=tmp_path / "run.ckpt")
+    assert resumed.accountant.steps == 2 + 1 + 2  # the checkpoint's, the one its ledger holds after it, this fit's
+
+
 def test_a_poisson_run_resumes_with_fixed_batches(tmp_path):
     """The Poisson loader's (empty) state has no loader to go to when the resumed run samples no Poisson batches:
     it is dropped (Lightning refused the resume: "The CombinedLoader has 0 stateful loaders")."""

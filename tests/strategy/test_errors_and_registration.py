@@ -93,6 +93,13 @@ def test_fp16_without_loss_scaling_is_refused():
         fit(LongShieldStrategy(noise_multiplier=1.0), precision="16-true")
 
 
+def test_fp64_parameters_are_refused_before_training():
+    """Lightning refuses precision='64-true' for the strategy; a model converted to fp64 by hand is refused too."""
+    module = make_module(small_config(n_layers=1)).double()
+    with pytest.raises(ValueError, match=r"model.tok_embeddings.weight \(torch.float64\).*precision="):
+        fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
+
+
 def test_unsupported_layer_is_refused_before_training():
     module = make_module(small_config(n_layers=1))
     module.model.extra = torch.nn.Conv1d(2, 2, 1)
@@ -109,6 +116,15 @@ def test_embedding_with_max_norm_is_refused_before_training():
     module.model.tok_embeddings.max_norm = 0.01
     before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(ValueError, match=r"model.tok_embeddings \(max_norm=0.01\).*without max_norm"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
+    assert all(torch.equal(v, before[k]) for k, v in full_state(module).items())
+
+
+def test_a_trainable_sparse_embedding_is_refused_before_training():
+    module = make_module(small_config(n_layers=1))
+    module.model.tok_embeddings.sparse = True
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=r"model.tok_embeddings \(sparse=True\).*sparse=False"):
         fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
     assert all(torch.equal(v, before[k]) for k, v in full_state(module).items())
 
@@ -305,14 +321,15 @@ def test_monitors_that_count_the_micro_batches_are_warned_about(monitor, tmp_pat
 def test_validation_on_the_training_dataset_is_warned_about(sanity_steps):
     """Its loss on the private training records is logged without noise; a held-out dataset is not flagged."""
     training = RandomTokens(size=8, seq_len=8)
-    module = make_module(small_config(n_layers=1))
     with pytest.warns(UserWarning, match="A validation DataLoader reads the training dataset itself"):
         make_trainer(LongShieldStrategy(noise_multiplier=1.0), max_steps=1, num_sanity_val_steps=sanity_steps,
-                     limit_val_batches=1).fit(module, loader(training, 2), loader(training, 2))
+                     limit_val_batches=1).fit(make_module(small_config(n_layers=1)), loader(training, 2),
+                                              loader(training, 2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer(LongShieldStrategy(noise_multiplier=1.0), max_steps=1, num_sanity_val_steps=sanity_steps,
-                     limit_val_batches=1).fit(module, loader(training, 2), loader(RandomTokens(size=4, seq_len=8), 2))
+                     limit_val_batches=1).fit(make_module(small_config(n_layers=1)), loader(training, 2),
+                                              loader(RandomTokens(size=4, seq_len=8), 2))
     assert not any("reads the training dataset" in str(w.message) for w in caught)
 
 

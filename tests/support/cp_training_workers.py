@@ -190,7 +190,8 @@ def load_checkpoint_data_parallel(rank: int, world_size: int, path: str, out_dir
 
 
 def context_parallel_errors(rank: int, world_size: int, out_dir: str) -> None:
-    """Record the errors for an unshardable sequence length and for a model without replaceable attention."""
+    """Record the errors for an unshardable sequence length and for a model without replaceable attention, the
+    evaluations after a fit, and a second fit of the same module."""
     messages = {}
     try:
         trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False), max_steps=1,
@@ -225,6 +226,9 @@ def context_parallel_errors(rank: int, world_size: int, out_dir: str) -> None:
         trainer.predict(module, data)
     except RuntimeError as error:
         messages["predict"] = str(error)
+    trainer.fit_loop.epoch_loop.max_steps = 2  # training goes on: the module is laid out and sharded already
+    trainer.fit(module, data)
+    messages["steps_after_second_fit"] = trainer.strategy.accountant.steps
     if rank == 0:
         torch.save(messages, Path(out_dir) / "errors.pt")
 

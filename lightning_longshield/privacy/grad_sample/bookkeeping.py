@@ -363,7 +363,7 @@ class BookKeeper:
         if isinstance(layer, nn.Embedding):
             if layer.scale_grad_by_freq or layer.sparse:
                 raise TypeError(f"{name}: ghost clipping supports embeddings without scale_grad_by_freq and sparse.")
-            ids = activation.reshape(batch, -1)
+            ids = activation.reshape(batch, -1).long()  # any integer dtype: the deduplication indexes in int64
             grads = without_padding(layer, ids, grad_output.reshape(batch, -1, grad_output.shape[-1]))
             use = Use(ids, grads, layer.num_embeddings)
         else:

@@ -172,6 +172,9 @@ def check_embedding_options(model: nn.Module) -> None:
     the released weights would depend on the sampled private batch outside the mechanism; this holds for a frozen
     embedding too (its weights are released with the model). ``scale_grad_by_freq`` (trainable embeddings): the
     gradient is divided by token counts over the whole micro-batch, mixing samples, so no per-sample gradient exists.
+    ``sparse`` (trainable embeddings): autograd's sparse ``.grad``, which a one-sample micro-batch's clipping reads,
+    cannot be reshaped, and book-keeping has no sparse path; refused up front, where it would fail only at a random
+    step under Poisson sampling.
     """
     problems = []
     for name, module in model.named_modules():
@@ -182,6 +185,8 @@ def check_embedding_options(model: nn.Module) -> None:
             options.append(f"max_norm={module.max_norm}")
         if module.scale_grad_by_freq and module.weight.requires_grad:
             options.append("scale_grad_by_freq=True")
+        if module.sparse and module.weight.requires_grad:
+            options.append("sparse=True")
         if options:
             problems.append(f"{name or '<root>'} ({', '.join(options)})")
     if problems:
@@ -189,6 +194,7 @@ def check_embedding_options(model: nn.Module) -> None:
             "DP-SGD cannot train with these embeddings: " + "; ".join(problems) + ". max_norm renormalises the rows"
             " of the sampled batch's tokens in place, without noise (a change to the released model that depends on"
             " the private batch); scale_grad_by_freq scales gradients by token counts over the whole micro-batch"
-            " (no per-sample gradient). Construct the embeddings without max_norm and scale_grad_by_freq (e.g."
+            " (no per-sample gradient); sparse gradients are not supported by per-sample clipping. Construct the"
+            " embeddings without max_norm and scale_grad_by_freq, and with sparse=False (e.g."
             " nn.Embedding(num_embeddings, dim))."
         )
