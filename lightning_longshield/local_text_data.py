@@ -304,6 +304,13 @@ class LocalTextDataModule(L.LightningDataModule):
         if isinstance(tokenizer, (str, os.PathLike)):
             auto = require_hf("transformers").AutoTokenizer
             directory = Path(tokenizer).expanduser()
+            if directory.is_dir() and not (directory / "tokenizer_config.json").is_file():
+                rank_zero_warn(
+                    f"The tokenizer in {directory} has no tokenizer_config.json: transformers then guesses its class"
+                    " and special tokens (a SentencePiece tokenizer.model alone is read without Llama 2's BOS <s>),"
+                    " and the token ids can differ from those the checkpoint was trained on. Copy the checkpoint's"
+                    " tokenizer_config.json beside it."
+                )
             try:
                 return auto.from_pretrained(os.fspath(directory), local_files_only=True)
             except (ImportError, ValueError) as error:

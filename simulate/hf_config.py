@@ -92,6 +92,11 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
 
 def read_hf_config(directory: Union[str, Path], spec_class: type[Spec] = ModelSpec) -> Spec:  # type: ignore[assignment]
     """The `ModelSpec` (or ``spec_class``) of the Hugging Face Llama checkpoint folder ``directory``."""
+    return spec_from_hf_config(read_config_json(directory), spec_class)
+
+
+def read_config_json(directory: Union[str, Path]) -> dict[str, Any]:
+    """The JSON object of ``directory``'s config.json: FileNotFoundError or ValueError naming the file otherwise."""
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"No {CONFIG_FILE} in {directory}: expected a Hugging Face Llama checkpoint there.")
@@ -101,4 +106,4 @@ def read_hf_config(directory: Union[str, Path], spec_class: type[Spec] = ModelSp
         raise ValueError(f"{path} is not valid JSON ({err.msg}, line {err.lineno}).") from None
     if not isinstance(hf_config, dict):
         raise ValueError(f"{path} holds no JSON object: expected a Hugging Face model configuration.")
-    return spec_from_hf_config(hf_config, spec_class)
+    return hf_config

@@ -33,7 +33,7 @@ from lightning_longshield.durable_checkpoints import replace_durably
 from lightning_longshield.hf import TOKENIZER_FILES, require_hf
 from lightning_longshield.lora import is_adapter_parameter, merged_state_dict
 from lightning_longshield.models import Llama, LlamaConfig
-from simulate.hf_config import spec_from_hf_config
+from simulate.hf_config import read_config_json, spec_from_hf_config
 
 PathLike = Union[str, "os.PathLike[str]"]
 CONFIG_FILE = "config.json"
@@ -112,20 +112,16 @@ def read_config(directory: PathLike) -> LlamaConfig:
             f"No Hugging Face model directory at {os.fspath(directory)!r}: {found}. Pass a local directory holding"
             f" {CONFIG_FILE} and safetensors weights (as written by save_pretrained)."
         )
-    return config_from_hf(_config_json(path))
+    return config_from_hf(read_config_json(path))
 
 
 def checkpoint_dtype(directory: PathLike) -> Optional[torch.dtype]:
     """The floating-point dtype the checkpoint in ``directory`` declares (``dtype`` or ``torch_dtype`` in its
     ``config.json``), or None where it names none."""
-    hf_config = _config_json(Path(directory).expanduser())
+    hf_config = read_config_json(Path(directory).expanduser())
     name = hf_config.get("dtype") or hf_config.get("torch_dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
-
-
-def _config_json(directory: Path) -> dict[str, Any]:
-    return json.loads((directory / CONFIG_FILE).read_text())
 
 
 # ------------------------------------------------------------------------------------------------ names and layouts
@@ -317,7 +313,7 @@ def write_pretrained(
     config_dict = hf_config_dict(config, dtype or tensors["model.embed_tokens.weight"].dtype)
     if source is not None:
         source = Path(source).expanduser()
-        carried = _config_json(source)
+        carried = read_config_json(source)
         config_dict.update((key, carried[key]) for key in CARRIED_CONFIG_KEYS if key in carried)
     # Everything that can fail on its own is done first; the weights and the config are written aside and renamed
     # into place, so an export cut short leaves no partial file beside (or shadowing) the checkpoint already there.

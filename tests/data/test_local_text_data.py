@@ -140,6 +140,18 @@ def test_a_sentencepiece_tokenizer_under_a_home_relative_path_is_read(texts, sen
     assert dm.train_dataset[0]["input_ids"].tolist() == stream[:32]
 
 
+def test_a_tokenizer_without_its_tokenizer_config_is_warned_about(sentencepiece_dir, tmp_path):
+    """transformers reads a lone ``tokenizer.model`` as a generic tokenizer that adds no BOS: the ids then differ
+    from the checkpoint's training data's, silently."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(sentencepiece_dir, bare)
+    (bare / "tokenizer_config.json").unlink()
+    with pytest.warns(UserWarning, match="no tokenizer_config.json.*Copy the checkpoint's tokenizer_config.json"):
+        LocalTextDataModule._load_tokenizer(bare)
+
+
 def test_a_sentencepiece_tokenizer_without_its_packages_names_them(sentencepiece_dir, tmp_path, monkeypatch):
     def unreadable(*args, **kwargs):
         raise ImportError("LlamaTokenizer requires the SentencePiece library")

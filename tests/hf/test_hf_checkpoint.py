@@ -244,6 +244,9 @@ def test_missing_files_and_tensors_are_named(tmp_path: Path) -> None:
         checkpoint.load_model(tmp_path)
     with pytest.raises(FileNotFoundError, match="No Hugging Face model directory at .*nowhere': no such directory"):
         checkpoint.load_model(tmp_path / "nowhere")
+    (tmp_path / checkpoint.CONFIG_FILE).write_text('{"model_type": "llama",')  # cut short
+    with pytest.raises(ValueError, match=f"{tmp_path}/config.json is not valid JSON"):
+        checkpoint.load_model(tmp_path)
 
 
 def test_byte_level_data_for_a_pretrained_checkpoint_is_refused(tmp_path: Path) -> None:
