@@ -6,7 +6,7 @@
 
 The model is loaded from ``--model-dir`` (``config.json`` + safetensors; its tokenizer too, if it has one), each
 ``.jsonl`` line's ``text`` is one document, and ``--privacy-unit`` says what the guarantee protects: one document
-(truncated to ``--seq-len`` tokens) or one ``--seq-len``-token sequence of concatenated documents. Logical batches
+(truncated to ``--seq-len`` + 1 tokens) or one ``--seq-len``-token sequence of concatenated documents. Logical batches
 are Poisson-sampled, the noise is calibrated to ``--target-epsilon`` over ``--max-steps``, and only the LoRA
 adapters train when ``--lora-rank`` > 0. The script prints the guarantee with its privacy unit and, given public
 validation documents (``--val-data``; the validation loss is released without noise, so never hold out private
