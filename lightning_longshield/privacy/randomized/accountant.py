@@ -4,26 +4,40 @@ A history is a list of ``(noise_multiplier, sample_rate, steps)`` runs, as the p
 Each run's per-step distribution (`mechanism.step_pld`) is composed by FFT (`pld`), the runs are composed
 together, and epsilon is read off for both neighbouring directions; the larger is returned. Every stage only
 over-states delta, so the result is an upper bound on the epsilon of the mechanism described in `envelope`.
+
+The loss grid is refined per direction (`mechanism.loss_steps`: from 2e-3 towards a quarter of one step's loss
+standard deviation) while a finer grid lowers epsilon by at least `GRID_GAIN`; each grid's epsilon is an upper
+bound, and the smallest is kept. Only the direction whose epsilon is currently the larger is refined.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier as calibrate_exact_clipping
 from lightning_longshield.privacy.epsilon import close_noise_bracket
 from lightning_longshield.privacy.randomized.envelope import ScaleEnvelope, scale_envelope
-from lightning_longshield.privacy.randomized.mechanism import DEFAULT_DISCRETIZATION, Discretization, step_pld
+from lightning_longshield.privacy.randomized.mechanism import (
+    DEFAULT_DISCRETIZATION,
+    Discretization,
+    loss_steps,
+    step_pld,
+)
 from lightning_longshield.privacy.randomized.pld import PrivacyLossDistribution
 
 History = Sequence[tuple[float, float, int]]
 
 WINDOW_SPREAD = 12.0  # standard deviations of the composed loss kept on each side of its mean
 WINDOW_MARGIN = 20.0  # plus this much loss; the window doubles while epsilon lands within half of it of the top
+WINDOW_MARGIN_STEPS = 10_000  # but at most this many grid steps (fine grids come with narrow losses)
+WINDOW_INFINITY_SHARE = 0.01  # the window also doubles while more than this * delta sits at +inf
+MAX_WINDOW_POINTS = 2**20  # but stops doubling at this many grid points
 MAX_LOSS = 500.0  # the window never reaches beyond +-this many nats (exp overflows at 709)
+GRID_ERROR_SHARE = 0.25  # finer loss grids are tried while their floating-point bound is predicted below this * delta
+GRID_GAIN = 0.01  # and while each one lowers epsilon by at least this share
 
 
 def _composed(
@@ -32,40 +46,67 @@ def _composed(
     envelope: ScaleEnvelope,
     remove: bool,
     discretization: Discretization,
-    widen: float,
+    step: float,
+    margin: float,
 ) -> tuple[PrivacyLossDistribution, float, bool]:
-    """The composed distribution of ``history`` in one direction, the largest loss its window keeps and whether
-    that window hit `MAX_LOSS`."""
+    """The composed distribution of ``history`` in one direction on a loss grid of step ``step`` (its window
+    ``margin`` nats wider than `WINDOW_SPREAD` standard deviations on each side), the largest loss its window keeps
+    and whether that window may not grow (it reaches `MAX_LOSS`, or doubling it would pass `MAX_WINDOW_POINTS`)."""
     tail = discretization.scale_tail(delta, sum(q * steps for _, q, steps in history))
-    per_step = [(step_pld(sigma, q, envelope, remove, discretization, tail), steps) for sigma, q, steps in history]
+    per_step = [(step_pld(sigma, q, envelope, remove, discretization, tail, step), steps)
+                for sigma, q, steps in history]
     mean = variance = 0.0
     for pld, steps in per_step:
         step_mean, step_std = pld.mean_and_std()
         mean += steps * step_mean
         variance += steps * step_std**2
-    spread = WINDOW_SPREAD * math.sqrt(variance) + WINDOW_MARGIN * widen
+    spread = WINDOW_SPREAD * math.sqrt(variance) + margin
     # Partial compositions have means between 0 and the total's, and smaller spreads, so one window fits all.
     top = min(max(mean, 0.0) + spread, MAX_LOSS)
-    step = discretization.loss_step
     lower, upper = math.floor(-min(spread, MAX_LOSS) / step), math.ceil(top / step)
+    capped = top == MAX_LOSS or 2 * (upper - lower) > MAX_WINDOW_POINTS  # the window may not double again
     composed: Optional[PrivacyLossDistribution] = None
     for pld, steps in per_step:
         run = pld.self_compose(steps, lower, upper)
         composed = run if composed is None else composed.compose(run, lower, upper)
     assert composed is not None
-    return composed, upper * step, top == MAX_LOSS
+    return composed, upper * step, capped
 
 
-def _direction_epsilon(
+def _direction_epsilons(
     history: History, delta: float, envelope: ScaleEnvelope, remove: bool, discretization: Discretization
+) -> Iterator[float]:
+    """Epsilon of one direction on ever finer loss grids (`loss_steps`), each value an upper bound and smaller than
+    the one before; it ends once a finer grid lowers epsilon by less than `GRID_GAIN`."""
+    tail = discretization.scale_tail(delta, sum(q * steps for _, q, steps in history))
+    best = math.inf
+    for step in loss_steps(history, envelope, remove, discretization, tail, GRID_ERROR_SHARE * delta):
+        value = _grid_epsilon(history, delta, envelope, remove, discretization, step)
+        if value < best:
+            yield value
+        if not value < best * (1 - GRID_GAIN):
+            return
+        best = value
+
+
+def _grid_epsilon(
+    history: History,
+    delta: float,
+    envelope: ScaleEnvelope,
+    remove: bool,
+    discretization: Discretization,
+    step: float,
 ) -> float:
+    margin = min(WINDOW_MARGIN, WINDOW_MARGIN_STEPS * step)
     widen = 1.0
     while True:
-        composed, top, capped = _composed(history, delta, envelope, remove, discretization, widen)
+        composed, top, capped = _composed(history, delta, envelope, remove, discretization, step, margin * widen)
         value = composed.epsilon(delta)
-        if value < top - WINDOW_MARGIN / 2 or capped:
+        if composed.error >= delta:  # a wider window only adds floating-point error: epsilon stays infinite
             return value
-        widen *= 2  # epsilon near the window's top: the truncation may dominate, so widen and redo
+        if (value < top - margin / 2 and composed.infinity_mass <= WINDOW_INFINITY_SHARE * delta) or capped:
+            return value
+        widen *= 2  # epsilon near the window's top or mass cut to +inf: the truncation may dominate, so redo wider
 
 
 def history_epsilon(
@@ -79,7 +120,15 @@ def history_epsilon(
         return 0.0
     if any(sigma == 0 for sigma, _, _ in history):
         return math.inf
-    return max(_direction_epsilon(history, delta, envelope, remove, discretization) for remove in (True, False))
+    # Epsilon is the larger direction's: only the direction now larger is refined, until its grids stop paying.
+    searches = [_direction_epsilons(history, delta, envelope, remove, discretization) for remove in (True, False)]
+    bests = [next(search, math.inf) for search in searches]
+    while True:
+        larger = 0 if bests[0] >= bests[1] else 1
+        value = next(searches[larger], None)
+        if value is None:
+            return bests[larger]
+        bests[larger] = value
 
 
 def get_epsilon(
