@@ -51,9 +51,10 @@ _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "base_
 #: Files of the source checkpoint that an export copies as they are: the tokenizer (also a byte-level BPE one saved
 #: as ``vocab.json`` and ``merges.txt``), the generation defaults, and the license files a derivative of a model such
 #: as Llama must carry.
-CARRIED_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                 "chat_template.json", "generation_config.json", "vocab.json", "merges.txt",
-                 "LICENSE", "LICENSE.txt", "LICENSE.md", "USE_POLICY.md", "NOTICE")
+TOKENIZER_AND_GENERATION_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json",
+                                  "chat_template.jinja", "chat_template.json", "generation_config.json", "vocab.json",
+                                  "merges.txt")
+CARRIED_FILES = (*TOKENIZER_AND_GENERATION_FILES, "LICENSE", "LICENSE.txt", "LICENSE.md", "USE_POLICY.md", "NOTICE")
 #: ``config.json`` entries an export takes from the source checkpoint: the special tokens' ids.
 CARRIED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -302,7 +303,7 @@ def write_pretrained(
     A tied model whose output weight no longer equals its embedding (a LoRA adapter on the head, merged) is written
     untied, with ``lm_head.weight``. With ``source``, the Hugging Face directory the model was loaded from, the
     special tokens' ids of its ``config.json`` and its `CARRIED_FILES` (tokenizer, generation defaults, license) come
-    along.
+    along, and tokenizer files in ``directory`` that it lacks (another model's) are removed.
     """
     save_file = require_hf("safetensors.torch").save_file
     config = _untied_if_heads_differ(state, config)
@@ -324,8 +325,22 @@ def write_pretrained(
             carried_file, target = source / name, directory / name
             if carried_file.is_file() and not (target.exists() and target.samefile(carried_file)):
                 shutil.copyfile(carried_file, target)
+        _remove_other_tokenizer_files(directory, source)
     if replaced:
         _remove(replaced, directory)
+
+
+def _remove_other_tokenizer_files(directory: Path, source: Path) -> None:
+    """Remove the tokenizer and generation files in ``directory`` that ``source`` lacks, saying so: another model's
+    (an earlier export there), which transformers would read beside, or instead of, the carried ones (it prefers a
+    ``tokenizer.json`` to a carried ``tokenizer.model``)."""
+    stale = [name for name in TOKENIZER_AND_GENERATION_FILES
+             if (directory / name).is_file() and not (source / name).is_file()]
+    for name in stale:
+        (directory / name).unlink()
+    if stale:
+        warnings.warn(f"{directory} held {', '.join(stale)}, which {source} does not have: another model's, removed so"
+                      " that the export's tokenizer is its checkpoint's.", stacklevel=4)
 
 
 def _replaced_shards(directory: Path) -> list[Path]:

@@ -411,7 +411,11 @@ def test_an_export_carries_tokenizers_saved_without_tokenizer_json_and_the_licen
             tokenizer_class="GPT2Tokenizer", eos_token="<eos>", bos_token="<eos>", unk_token="<eos>")))
     (source / "LICENSE.txt").write_text("license text")
     (source / "USE_POLICY.md").write_text("use policy")
-    checkpoint.save_pretrained(checkpoint.load_model(source), tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tokenizer.json").write_text("{}")  # an earlier export's: transformers would prefer it
+    with pytest.warns(UserWarning, match="held tokenizer.json, which .* does not have: another model's, removed"):
+        checkpoint.save_pretrained(checkpoint.load_model(source), tmp_path / "out")
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
     assert (tmp_path / "out" / "LICENSE.txt").read_text() == "license text"
     assert (tmp_path / "out" / "USE_POLICY.md").read_text() == "use policy"
     text = "def wrap(text, width=70):"
