@@ -108,6 +108,8 @@ def shard_with_fsdp(
     rank, world = mesh.get_local_rank(), mesh.size()
     shards = {}
     for name, param in module.named_parameters():
+        if not hasattr(param, "placements"):  # a frozen parameter of the root itself: not sharded, not clipped
+            continue
         dim = param.placements[0].dim
         shards[name] = ParamShard(dim=dim, rank=rank, world=world, size=param.shape[dim])
     return shards

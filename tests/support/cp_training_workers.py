@@ -191,7 +191,7 @@ def load_checkpoint_data_parallel(rank: int, world_size: int, path: str, out_dir
 
 def context_parallel_errors(rank: int, world_size: int, out_dir: str) -> None:
     """Record the errors for an unshardable sequence length and for a model without replaceable attention, the
-    evaluations after a fit, and a second fit of the same module."""
+    evaluations after a fit (of a module that owns a frozen parameter itself), and a second fit of the same module."""
     messages = {}
     try:
         trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False), max_steps=1,
@@ -216,6 +216,7 @@ def context_parallel_errors(rank: int, world_size: int, out_dir: str) -> None:
     except RuntimeError as error:
         messages["validate"] = str(error)
     module = make_module(small_config())
+    module.register_parameter("frozen", torch.nn.Parameter(torch.ones(3), requires_grad=False))  # the root's own
     trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False), max_steps=1,
                            devices=world_size)
     trainer.fit(module, data)
