@@ -190,6 +190,19 @@ def materialize_meta_parameters(
     return True
 
 
+@torch.no_grad()
+def sync_data_parallel_replicas(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    """Give every replica in ``group`` (the data-parallel group) its rank 0's parameters and buffers, each rank its
+    local shards, as DDP does when it wraps a model: replicas built apart (an unseeded initialisation in each
+    process) would otherwise train different models from one released gradient. Not for a model sharded over all
+    ranks (``shard_over="all"``), whose ranks hold different shards, not replicas."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    source = dist.get_global_rank(group, 0)
+    for _, tensor in _named_tensors(module):
+        dist.broadcast(_local(tensor), src=source, group=group)
+
+
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
 

@@ -41,7 +41,7 @@ from lightning_longshield.dp_step_loop import DPStepLoop
 from lightning_longshield.durable_checkpoints import DurableCheckpointIO
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
 from lightning_longshield.padding import ZeroWeightPadding
-from lightning_longshield.parallelize import parallelize
+from lightning_longshield.parallelize import parallelize, sync_data_parallel_replicas
 from lightning_longshield.preemption import PreemptionCheckpoint
 from lightning_longshield.privacy import DPSGDEngine, PrivacyAccountant
 from lightning_longshield.privacy.metric_guard import SampledBatchMetricGuard
@@ -259,6 +259,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         exchange = parallelize(module, self.config, self.context_parallel_mesh, self.root_device, precision,
                                self._padding.mesh, getattr(module, "initialize_materialized", None))
         dp_group = self._submesh(DATA_PARALLEL).get_group() if self.data_parallel_size > 1 else None
+        if self.config.shard_over != "all":
+            sync_data_parallel_replicas(module, dp_group)
         assert self.privacy.noise is not None
         return DPSGDEngine(module, self.max_grad_norm, self.privacy.noise, self.accountant, exchange, dp_group,
                            self.config, projection_key=self.privacy.projection_key)

@@ -1,10 +1,15 @@
 """Every process must hold the same training set and batch size: each draws the same Poisson mask over its own copy at
-the rate its own DataLoader gives, so a disagreement is refused on every rank (none left waiting in a collective)."""
+the rate its own DataLoader gives, so a disagreement is refused on every rank (none left waiting in a collective).
+And the data-parallel replicas start from the same model."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
 
+from lightning_longshield.parallelize import sync_data_parallel_replicas
 from lightning_longshield.trainer_checks import check_same_training_data
 from tests.support.process_runner import run_processes
 
@@ -20,3 +25,23 @@ def check_on_each_rank(rank: int, world_size: int) -> None:
 @pytest.mark.timeout(60)
 def test_ranks_with_different_training_data_are_refused_on_every_rank(tmp_path):
     run_processes(2, tmp_path, check_on_each_rank)
+
+
+def replicas_built_apart(rank: int, world_size: int) -> None:
+    torch.manual_seed(rank)  # an unseeded initialisation: each process draws its own
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    model.register_buffer("counts", torch.full((2,), float(rank)))
+    sync_data_parallel_replicas(model, dist.group.WORLD)
+    torch.manual_seed(0)
+    expected = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))  # rank 0's
+    wanted = {**expected.state_dict(), "counts": torch.zeros(2)}
+    assert model.state_dict().keys() == wanted.keys()
+    for name, got in model.state_dict().items():
+        torch.testing.assert_close(got, wanted[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.timeout(60)
+def test_data_parallel_replicas_built_apart_start_from_rank_0s_model(tmp_path):
+    """Without it an unseeded model trained as two different replicas from one released gradient (DDP broadcasts
+    rank 0's state; the strategy wraps no DDP)."""
+    run_processes(2, tmp_path, replicas_built_apart)
