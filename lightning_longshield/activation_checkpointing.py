@@ -39,11 +39,22 @@ class CheckpointedForward:
 
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the children of every `nn.ModuleList`, in order, except trainable layers
-    themselves (a list of ``nn.Linear``). A checkpoint of one layer would keep its input, all it saves anyway, and
-    its recomputation would run outside the per-sample capture that the layer's first forward ran through."""
-    return [block for child in module.modules() if isinstance(child, nn.ModuleList) for block in child
+    """The repeated blocks of a model: the children of every outermost `nn.ModuleList`, in order, except trainable
+    layers themselves (a list of ``nn.Linear``). A list inside a block (a mixture's experts) is part of that block:
+    its members are neither counted by an ``int`` policy nor checkpointed apart (a checkpoint inside a checkpointed
+    block recomputes its forward twice). A checkpoint of one layer would keep its input, all it saves anyway, and its
+    recomputation would run outside the per-sample capture that the layer's first forward ran through."""
+    outer: list[tuple[str, nn.ModuleList]] = []
+    for name, child in module.named_modules():
+        if isinstance(child, nn.ModuleList) and not any(_inside(name, found) for found, _ in outer):
+            outer.append((name, child))
+    return [block for _, blocks in outer for block in blocks
             if not any(param.requires_grad for param in block.parameters(recurse=False))]
+
+
+def _inside(name: str, outer: str) -> bool:
+    """Whether the module named ``name`` lies under the one named ``outer`` (``""``: the root)."""
+    return name != outer and (not outer or name.startswith(f"{outer}."))
 
 
 def select_blocks(blocks: list[nn.Module], policy: CheckpointPolicy) -> list[nn.Module]:

@@ -95,6 +95,36 @@ def test_trainable_layers_in_a_module_list_are_not_checkpointed():
         apply_activation_checkpointing(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)])), True)
 
 
+class MixtureBlock(torch.nn.Module):
+    """A block holding a list of its own (experts): part of the block, not blocks of the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4)) for _ in range(3)])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + sum(torch.tanh(expert(h)) for expert in self.experts)
+
+
+def checkpointed(modules: list[torch.nn.Module]) -> list[bool]:
+    return [isinstance(module.__dict__.get("forward"), CheckpointedForward) for module in modules]
+
+
+@pytest.mark.parametrize("root_list", [False, True], ids=["attribute", "root"])
+def test_an_int_policy_counts_the_outermost_blocks_not_lists_inside_them(root_list):
+    blocks = [MixtureBlock() for _ in range(4)]
+    model = torch.nn.ModuleList(blocks) if root_list else torch.nn.Sequential(torch.nn.ModuleList(blocks))
+    assert apply_activation_checkpointing(model, 2) == 2
+    assert checkpointed(blocks) == [True, False, True, False]
+    experts = [expert for block in blocks for expert in block.experts]
+    assert not any(checkpointed(experts))  # no checkpoint inside a checkpoint, none counted
+    assert apply_activation_checkpointing(model, True) == 4 and not any(checkpointed(experts))
+    h = torch.randn(2, 4, requires_grad=True)
+    for block in blocks:
+        h = block(h)
+    h.sum().backward()  # checkpointed blocks recompute their experts once
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_model_with_its_own_checkpointing_is_handled(use_reentrant):
     """A model that checkpoints inside DP-hooked layers still gets exact per-sample gradients."""
