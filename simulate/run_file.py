@@ -72,7 +72,7 @@ def planned_run(document: Mapping[str, Any], source: str = "the run file") -> Pl
         model=_model(document.get("model"), model, source),
         lora_rank=_lora_rank(model.get("lora"), source),
         seq_len=_seq_len(document.get("data"), _init_args(document.get("data"), "data", source), source),
-        gpus=_gpus(trainer, source),
+        gpus=trainer_processes(trainer, source),
         precision=_precision(trainer.get("precision"), source),
         strategy=_strategy(_init_args(strategy, "trainer.strategy", source), source),
         loss_chunk_tokens=_loss_chunking(model.get("loss_chunk_tokens", "auto"), source),
@@ -160,15 +160,18 @@ def _positive_int(value: object, key: str, source: str, optional: bool = True) -
     return value
 
 
-def _gpus(trainer: Mapping[str, Any], source: str) -> int | None:
-    """``devices`` x ``num_nodes`` where ``devices`` is a count (or a list of device indices); ``None`` otherwise
-    (``"auto"``: the planner cannot know; give ``--gpus``)."""
+def trainer_processes(trainer: Mapping[str, Any], source: str) -> int | None:
+    """The run's processes, ``trainer.devices`` x ``trainer.num_nodes``, where ``devices`` is a count, a list of
+    device indices or Lightning's ``"0,1"``; ``None`` where it is none of these (``"auto"``, ``-1``: Lightning counts
+    them on the machine that runs). A ValueError naming ``source`` for a count or ``num_nodes`` below 1."""
     devices = trainer.get("devices")
+    if isinstance(devices, str) and "," in devices:
+        devices = [index for index in devices.split(",") if index.strip()]
+    elif isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
     if isinstance(devices, (list, tuple)):
         devices = len(devices)
-    elif isinstance(devices, str) and devices.isdigit():
-        devices = int(devices)
-    if not isinstance(devices, int) or isinstance(devices, bool):
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices == -1:
         return None
     nodes = _positive_int(trainer.get("num_nodes", 1), "trainer.num_nodes", source) or 1
     return _positive_int(devices, "trainer.devices", source) * nodes  # type: ignore[operator]

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_longshield.audit.run import audit_training, check_audit_inputs
+from simulate.run_file import trainer_processes
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -154,17 +155,15 @@ def _run_from_file(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _processes(trainer: Mapping[str, Any], source: str) -> tuple[int, str]:
-    """The run's processes, ``trainer.devices`` x ``trainer.num_nodes``, and a note where ``devices`` is no count or
+    """The run's processes (`simulate.run_file.trainer_processes`), and a note where ``devices`` is no count or
     list (``"auto"``, ``-1``): Lightning's count for it on this machine, which the run's may differ from."""
+    try:
+        processes = trainer_processes(trainer, source)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    if processes is not None:
+        return processes, ""
     devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes") or 1
-    if isinstance(devices, str) and "," in devices:  # Lightning's "0,1": device indices
-        devices = [index for index in devices.split(",") if index.strip()]
-    elif isinstance(devices, str) and devices.strip().isdigit():
-        devices = int(devices)
-    if isinstance(devices, (list, tuple)):
-        return len(devices) * nodes, ""
-    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
-        return devices * nodes, ""
     try:
         import lightning.pytorch as pl
 

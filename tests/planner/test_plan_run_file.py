@@ -12,7 +12,7 @@ pytest.importorskip("yaml")  # --config reads YAML (PyYAML comes with Lightning;
 
 from simulate.cli import main  # noqa: E402
 from simulate.config import method_for  # noqa: E402
-from simulate.run_file import read_run_file  # noqa: E402
+from simulate.run_file import read_run_file, trainer_processes  # noqa: E402
 from simulate.strategy_config import StrategyConfig  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "configs" / "stdlib_tiny.yaml"
@@ -254,3 +254,18 @@ def test_a_null_precision_is_lightnings_default(tmp_path: Path, capsys: pytest.C
     assert read_run_file(path).precision == "fp32"
     assert _json(capsys, "fit", "--config", str(path))["precision"] == "fp32"
     assert _json(capsys, "recommend", "--config", str(path))["precision"] == "fp32"
+
+
+@pytest.mark.parametrize("trainer, processes", [
+    (dict(devices=[0, 1]), 2), (dict(devices="0,1,2", num_nodes=2), 6), (dict(devices="4"), 4),
+    (dict(devices=2, num_nodes=3), 6), (dict(devices="auto"), None), (dict(devices=-1), None), (dict(), None),
+])
+def test_a_run_files_gpus_are_its_devices_times_its_nodes_where_it_counts_them(trainer, processes):
+    """Lightning's device forms: a count, a list of indices, "0,1"; "auto" and -1 are counted where the run starts,
+    so the planner asks for --gpus."""
+    assert trainer_processes(trainer, "run.yaml") == processes
+
+
+def test_a_run_file_of_no_devices_is_refused():
+    with pytest.raises(ValueError, match="run.yaml: trainer.devices must be a positive integer, got 0"):
+        trainer_processes(dict(devices=0), "run.yaml")
