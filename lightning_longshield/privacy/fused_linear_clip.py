@@ -70,14 +70,19 @@ def _sample_tile(
     stride_ab, stride_at, stride_ai, stride_gb, stride_gt, stride_go,
     BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """The ``(BLOCK_OUT, BLOCK_IN)`` tile of ``G_sample^T A_sample`` in fp32."""
-    offs_t = tl.arange(0, BLOCK_TOKENS)
+    """The ``(BLOCK_OUT, BLOCK_IN)`` tile of ``G_sample^T A_sample`` in fp32.
+
+    Offsets along the sample and token dimensions are int64: Triton passes a stride below 2^31 as int32, and
+    ``t * stride_gt`` reaches ``T x out``, past 2^31 for an unchunked 128k-vocabulary head at T >= 16,744."""
+    offs_t = tl.arange(0, BLOCK_TOKENS).to(tl.int64)
+    sample = tl.cast(sample, tl.int64)
+    g_sample, a_sample = g_ptr + sample * stride_gb, a_ptr + sample * stride_ab
     tile = tl.zeros((BLOCK_OUT, BLOCK_IN), dtype=tl.float32)
     for start in range(0, tokens, BLOCK_TOKENS):
         t = start + offs_t
-        g = tl.load(g_ptr + sample * stride_gb + t[None, :] * stride_gt + offs_out[:, None] * stride_go,
+        g = tl.load(g_sample + t[None, :] * stride_gt + offs_out[:, None] * stride_go,
                     mask=(t[None, :] < tokens) & (offs_out[:, None] < n_out), other=0.0)
-        a = tl.load(a_ptr + sample * stride_ab + t[:, None] * stride_at + offs_in[None, :] * stride_ai,
+        a = tl.load(a_sample + t[:, None] * stride_at + offs_in[None, :] * stride_ai,
                     mask=(t[:, None] < tokens) & (offs_in[None, :] < n_in), other=0.0)
         tile = tl.dot(g, a, tile, input_precision=PRECISION)
     return tile

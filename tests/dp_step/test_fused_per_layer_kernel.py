@@ -29,6 +29,7 @@ from tests.support.helpers import (
 )
 from tests.support.triton_kernels import (
     HAS_TRITON,
+    INTERPRETED,
     needs_interpreter_process,
     run_file_under_interpreter,
 )
@@ -42,7 +43,37 @@ kernel_device = triton_kernels.kernel_device  # the fixture
 @needs_interpreter_process
 def test_kernels_under_the_interpreter():
     """This file's kernel tests in a fresh process with ``TRITON_INTERPRET=1``."""
-    run_file_under_interpreter(__file__, skipped=2)
+    run_file_under_interpreter(__file__, skipped=3)
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="compiles the kernel for a GPU target (Triton's compiler)")
+def test_token_offsets_are_int64_in_the_compiled_kernels():
+    """``t * stride`` along the tokens reaches ``T x out``, past 2^31 for an unchunked 128k-vocabulary head at
+    T >= 16,744, where Triton passes the stride as int32: the kernels form those products in int64 (read from the
+    Triton IR of a CUDA compilation, which needs no GPU)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lightning_longshield.privacy.fused_linear_clip import _clipped_sum_kernel, _squared_norms_kernel
+
+    strides = ["stride_ab", "stride_at", "stride_ai", "stride_gb", "stride_gt", "stride_go"]
+    tiles = dict(BLOCK_OUT=64, BLOCK_IN=64, BLOCK_TOKENS=32, PRECISION="ieee")
+    kernels = {
+        _squared_norms_kernel: dict(a_ptr="*fp32", g_ptr="*fp32", norms_ptr="*fp64", tokens="i32", n_out="i32",
+                                    n_in="i32", **dict.fromkeys(strides, "i32")),
+        _clipped_sum_kernel: dict(a_ptr="*fp32", g_ptr="*fp32", factors_ptr="*fp32", out_ptr="*fp32", batch="i32",
+                                  tokens="i32", n_out="i32", n_in="i32", **dict.fromkeys(strides, "i32"),
+                                  stride_oo="i32", stride_oi="i32"),
+    }
+    for kernel, signature in kernels.items():
+        source = ASTSource(kernel, {**signature, **dict.fromkeys(tiles, "constexpr")}, constexprs=tiles)
+        ir = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
+        # the token block's offsets times a stride: (1, BLOCK_TOKENS) for G, (BLOCK_TOKENS, 1) for A
+        token_products = [line for line in ir.splitlines()
+                          if "arith.muli" in line and ("tensor<1x32x" in line or "tensor<32x1x" in line)]
+        assert len(token_products) == 2, "\n".join(token_products)
+        assert all("xi64>" in line for line in token_products), "\n".join(token_products)
 
 
 def per_sample_weights(activation: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
