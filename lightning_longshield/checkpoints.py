@@ -39,6 +39,16 @@ _LOADED_DP_HISTORY = "_longshield_loaded_dp_history"
 _TRAINED_BY = "_longshield_trained_by"
 
 
+def check_checkpoint_options(checkpoint_format: str, async_checkpoints: bool) -> None:
+    """Refuse an unknown ``checkpoint_format``, or asynchronous saves of full checkpoints, naming the choices."""
+    if checkpoint_format not in ("auto", "sharded", "full"):
+        raise ValueError(f"checkpoint_format={checkpoint_format!r}: choose 'auto' (sharded above 134 M parameters"
+                         " with several processes, else one file), 'sharded' or 'full'.")
+    if async_checkpoints and checkpoint_format == "full":
+        raise ValueError("async_checkpoints=True writes sharded checkpoints in the background; use"
+                         " checkpoint_format='sharded' (or 'auto') with it.")
+
+
 def forget_trained(module: Any) -> None:
     """Drop `mark_trained`'s note: for a run whose claim is its own steps alone whatever trained the weights before
     (a privacy audit: its canaries are new to them)."""

@@ -168,6 +168,50 @@ def training_dataloader(
     return poisson_dataloader(dataloader, sampling, first_draw, data_parallel_rank, data_parallel_size)
 
 
+def key_poisson_sampling(
+    train_dataloader: object, sampling: Optional[SecretKey], first_draw: int, reproducible: bool
+) -> None:
+    """As training starts: every training loader (``trainer.train_dataloader``: one, or a list or dict of them)
+    samples Poisson batches keyed by ``sampling``, the fit's key, from draw ``first_draw``, the steps the restored
+    accountant has taken. Nothing to do without ``sampling`` (``poisson_sampling=False``).
+
+    A hook that reads ``trainer.estimated_stepping_batches`` (a scheduler's total steps in ``configure_optimizers``,
+    with ``max_epochs``) builds the training loader before the checkpoint is restored, so its first draw is set here.
+    A loader whose workers already drew from another first draw is refused where the key is reproducible
+    (``noise_seed``): it would replay the masks of steps that ran before the checkpoint. Any other training loader
+    is refused: the guarantee would state Poisson sampling that never ran.
+    """
+    if sampling is None:
+        return
+    for loader in _flattened(train_dataloader):
+        sampler = getattr(loader, "batch_sampler", None)
+        if not isinstance(loader, PoissonDataLoader) or not isinstance(sampler, PoissonBatchSampler):
+            raise RuntimeError(
+                f"The training DataLoader is a {type(loader).__name__} that the strategy did not turn into Poisson"
+                " sampling, but the privacy guarantee assumes Poisson sampling. Return a torch DataLoader from"
+                " train_dataloader and let the strategy replace its sampling (or set poisson_sampling=False, whose"
+                " guarantee says it is not a formal one)."
+            )
+        if sampler.first_drawn is None:
+            sampler.randomness, sampler.next_draw = sampling, first_draw
+        elif reproducible and (sampler.randomness is not sampling or sampler.first_drawn != first_draw):
+            raise RuntimeError(
+                f"The training DataLoader's workers drew Poisson batches from step {sampler.first_drawn} before the"
+                f" checkpoint of step {first_draw} was restored (a hook read trainer.estimated_stepping_batches with"
+                " max_epochs set): under noise_seed they would replay the sampling of steps that already ran. Set"
+                " max_steps, read estimated_stepping_batches later, or use num_workers=0."
+            )
+
+
+def _flattened(loaders: object) -> list[object]:
+    """The loaders of ``trainer.train_dataloader``: one, or a (nested) list, tuple or dict of them."""
+    if isinstance(loaders, dict):
+        return [found for value in loaders.values() for found in _flattened(value)]
+    if isinstance(loaders, (list, tuple)):
+        return [found for value in loaders for found in _flattened(value)]
+    return [] if loaders is None else [loaders]
+
+
 def training_set_size(dataloader: DataLoader) -> int:
     """The training dataset's size, which Poisson sampling needs: an `IterableDataset` or a dataset without a length
     is refused with the fix."""

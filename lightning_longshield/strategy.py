@@ -23,9 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_longshield import dp_dataloaders
 from lightning_longshield import preflight as _preflight
 from lightning_longshield.callbacks import PrivacyMonitor
-from lightning_longshield.checkpoints import StrategyCheckpoints, mark_trained
+from lightning_longshield.checkpoints import StrategyCheckpoints, check_checkpoint_options, mark_trained
 from lightning_longshield.context_parallel import (
     CONTEXT_PARALLEL,
     DATA_PARALLEL,
@@ -36,7 +37,6 @@ from lightning_longshield.context_parallel import (
 )
 from lightning_longshield.context_parallel.evaluation import check_evaluation_layout
 from lightning_longshield.cpu_allocator import retain_freed_memory
-from lightning_longshield.dp_dataloaders import data_parallel_dataloader, training_dataloader, training_set_size
 from lightning_longshield.dp_step_loop import DPStepLoop
 from lightning_longshield.durable_checkpoints import DurableCheckpointIO
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
@@ -163,12 +163,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         self.seed = seed
         self.preflight = preflight
         self.privacy_ledger = privacy_ledger
-        if checkpoint_format not in ("auto", "sharded", "full"):
-            raise ValueError(f"checkpoint_format={checkpoint_format!r}: choose 'auto' (sharded above 134 M parameters"
-                             " with several processes, else one file), 'sharded' or 'full'.")
-        if async_checkpoints and checkpoint_format == "full":
-            raise ValueError("async_checkpoints=True writes sharded checkpoints in the background; use"
-                             " checkpoint_format='sharded' (or 'auto') with it.")
+        check_checkpoint_options(checkpoint_format, async_checkpoints)
         self.checkpoint_format = checkpoint_format
         self.async_checkpoints = async_checkpoints
         self._start_method = start_method
@@ -222,13 +217,17 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         self._padding.mesh = build_all_ranks_mesh(self.root_device.type, self.world_size) if sharded_over_all else None
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+        # Before a hook can build the training DataLoader (as reading trainer.estimated_stepping_batches does).
+        trainer = self.lightning_module.trainer
+        trainer._accelerator_connector.use_distributed_sampler = False
+        if trainer.state.fn == TrainerFn.FITTING:
+            stream = (self.data_parallel_rank, self.context_parallel_mesh.get_local_rank())
+            self.privacy.open_fit(self.root_device, stream, self.broadcast)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        # The strategy splits data over data-parallel groups itself (CP peers share batches; Poisson sampling).
-        trainer._accelerator_connector.use_distributed_sampler = False
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_trainer_for_dp_sgd(trainer, self.lightning_module, self.precision_plugin)
@@ -240,8 +239,6 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         if fitting:
             if self.root_device.type == "cpu":
                 retain_freed_memory()  # per-sample gradients reuse the last micro-batch's pages
-            stream = (self.data_parallel_rank, self.context_parallel_mesh.get_local_rank())
-            self.privacy.open_fit(self.root_device, stream, self.broadcast)
             self._engine = self._build_engine()
             self._release_pending = False  # a fresh clipped sum: nothing of an interrupted fit is carried over
             callbacks = trainer.callbacks
@@ -298,10 +295,10 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         if not trainer.training:
             if trainer.state.fn == TrainerFn.FITTING:  # validation during fit, before or after the training data
                 warn_validation_on_training_data(getattr(self, "_training_dataset", None), dataloader)
-            return data_parallel_dataloader(dataloader, rank, size)
+            return dp_dataloaders.data_parallel_dataloader(dataloader, rank, size)
         self._training_dataset = dataloader.dataset
         warn_validation_on_training_data(dataloader.dataset, trainer.val_dataloaders)
-        dataset_size = training_set_size(dataloader)
+        dataset_size = dp_dataloaders.training_set_size(dataloader)
         check_same_training_data(dataset_size, dataloader.batch_size)
         self.privacy.record_training_data(dataset_size, dataloader.batch_size)
         warn_micro_batch_above_batch(self.config.micro_batch_size, dataloader.batch_size)
@@ -312,8 +309,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
                 world_size=self.world_size, cp=self.context_parallel_mesh.size(),
                 precision=str(self.precision_plugin.precision), config=self.config,
             )
-        sampling = self.privacy.sampling if self.privacy.poisson_sampling else None
-        return training_dataloader(dataloader, sampling, self.accountant.steps, rank, size)
+        key, steps = self.privacy.poisson_key, self.accountant.steps
+        return dp_dataloaders.training_dataloader(dataloader, key, steps, rank, size)
 
     # ------------------------------------------------------------------ privacy
 
@@ -321,6 +318,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer
+        dp_dataloaders.key_poisson_sampling(trainer.train_dataloader, self.privacy.poisson_key, self.accountant.steps,
+                                            self.privacy.reproducible)
         planned_steps = trainer.estimated_stepping_batches - trainer.global_step
         if self.privacy.start_training(trainer.global_step, planned_steps, self.data_parallel_size):
             trainer.should_stop = True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Optional
 
 from torch.utils.data import Dataset, Sampler
 
@@ -43,6 +43,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.sample_rate = sample_rate
         self.randomness = randomness
         self.next_draw = first_draw
+        self.first_drawn: Optional[int] = None  # the first draw taken, once one is (the DataLoader may draw ahead)
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
         self.num_batches = max(1, round(1 / sample_rate))
@@ -52,6 +53,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.num_batches):
+            if self.first_drawn is None:
+                self.first_drawn = self.next_draw
             mask = self.randomness.uniforms(self.num_samples, "poisson", self.next_draw) < self.sample_rate
             self.next_draw += 1
             selected = mask.nonzero().flatten()

@@ -88,6 +88,7 @@ class PrivacySession:
         self._restored_plan: Optional[dict[str, Any]] = None
         self._planned_end = 0
         self.run_id: Optional[str] = None  # names this run's lines in the ledger; not a secret
+        self._new_run_id: Optional[str] = None  # the id a run that opens its first ledger takes (from rank 0)
         self.identity = uuid.uuid4().hex  # names this session on the modules it trained (`checkpoints.mark_trained`)
         self.ledger: Optional[PrivacyLedger] = None
         self.ledger_path: Optional[str] = None  # where this run's ledger is (from a checkpoint, or once opened)
@@ -104,6 +105,16 @@ class PrivacySession:
 
     # ------------------------------------------------------------------ a fit's secret randomness
 
+    @property
+    def poisson_key(self) -> Optional[SecretKey]:
+        """The key of this fit's Poisson masks; ``None`` with ``poisson_sampling=False`` (or before `open_fit`)."""
+        return self.sampling if self.poisson_sampling else None
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether the noise and the sampling come from ``noise_seed`` (a key that can be derived again)."""
+        return self.noise_seed is not None
+
     def open_fit(self, device: torch.device, stream: tuple[int, ...], broadcast: Callable[[T], T]) -> None:
         """Fresh secret randomness for a fit: this process's noise generator, the Poisson masks' key and (randomized
         clipping) the projections' key.
@@ -117,6 +128,7 @@ class PrivacySession:
             shared, noise_key = seeded.derive("shared"), seeded.derive("noise")
         else:
             shared, noise_key = SecretKey(broadcast(secrets.token_bytes(KEY_BYTES))), None
+        self._new_run_id = broadcast(uuid.uuid4().hex)  # rank 0's: every rank names a new ledger's run alike
         self.sampling = shared.derive("sampling")
         self.noise = GaussianNoise(device, noise_key, stream, self.secure_mode)
         self._fit_data = None
@@ -225,7 +237,7 @@ class PrivacySession:
     def open_ledger(self, path: str | os.PathLike, writer: bool) -> None:
         """Record this run's steps in the ledger at ``path`` from now on (``writer``: this process writes it; one
         process does)."""
-        self.run_id = self.run_id or uuid.uuid4().hex
+        self.run_id = self.run_id or self._new_run_id or uuid.uuid4().hex
         path = os.fspath(os.path.abspath(path))
         if path != self.ledger_path or self.ledger_since is None:  # a new ledger: it records the steps from now on
             self.ledger_since = self.accountant.steps
@@ -239,7 +251,7 @@ class PrivacySession:
         assert plan is not None
         if self.ledger is not None:
             self.ledger.record(self.accountant.steps, plan.noise_multiplier, plan.sample_rate,
-                               poisson=self.poisson_sampling, reproducible=self.noise_seed is not None)
+                               poisson=self.poisson_sampling, reproducible=self.reproducible)
 
     def resume_from_ledger(self, path: Optional[str | os.PathLike], broadcast: Callable[[T], T]) -> None:
         """After `load_state_dict`: add to the accountant every step the ledger at ``path`` (default: the one the

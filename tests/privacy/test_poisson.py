@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import default_collate
 
 from lightning_longshield import LongShieldStrategy
+from lightning_longshield.dp_dataloaders import key_poisson_sampling, poisson_dataloader
 from lightning_longshield.privacy import CollateAllowingEmpty, PoissonBatchSampler
 from lightning_longshield.privacy.randomness import SecretKey
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
@@ -212,3 +213,75 @@ def test_a_split_over_data_parallel_groups_refuses_a_selecting_sampler(selecting
         with pytest.raises(ValueError, match=r"would be replaced by a split of all 20 records.*Subset\(dataset"):
             data_parallel_dataloader(loader, 0, 2, training=training)
     assert data_parallel_dataloader(loader, 0, 1) is loader  # one group: the loader as it is
+
+
+class RecordBatches(Callback):
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[int, ...]]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append(sorted(tuple(sample.tolist()) for sample in batch["input_ids"]))
+
+
+def reading_stepping_batches(hook: str):
+    """A module whose ``hook`` reads ``trainer.estimated_stepping_batches``, which with ``max_epochs`` builds the
+    training DataLoader there and then (Lightning keeps it): in ``setup``, before the strategy's own setup; in
+    ``configure_optimizers`` (a scheduler's total steps), before a checkpoint is restored."""
+    module = make_module(small_config(n_layers=1), optimizer="sgd", learning_rate=1e-2)
+    original = getattr(module, hook)
+
+    def reading(*args, **kwargs):
+        result = original(*args, **kwargs)
+        module.total_steps = module.trainer.estimated_stepping_batches
+        return result
+
+    setattr(module, hook, reading)
+    return module
+
+
+def test_a_loader_built_before_the_strategys_setup_samples_poisson_batches():
+    """Reading estimated_stepping_batches in setup() built the training loader before the fit was keyed: it trained on
+    Lightning's fixed batches (a DistributedSampler's) while the guarantee stated Poisson sampling."""
+    recorder = RecordBatches()
+    trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, target_delta=1e-3), max_steps=-1, max_epochs=2,
+                           callbacks=[recorder])
+    trainer.fit(reading_stepping_batches("setup"), loader(RandomTokens(size=32, seq_len=8), 4))
+    assert isinstance(trainer.train_dataloader.batch_sampler, PoissonBatchSampler)
+    assert len({len(batch) for batch in recorder.batches}) > 1  # 16 batches of exactly 4: p = 0.22^16 under Poisson
+
+
+def test_a_resume_continues_the_sampling_when_a_hook_built_the_loader_before_the_restore(tmp_path):
+    """A scheduler reading estimated_stepping_batches in configure_optimizers built the loader at the accountant's
+    step 0: under noise_seed the resumed run replayed the masks of the steps before its checkpoint."""
+    data = RandomTokens(size=32, seq_len=8)
+
+    def fit(recorder: RecordBatches, max_steps: int, ckpt_path=None):
+        strategy = LongShieldStrategy(noise_multiplier=1.0, target_delta=1e-3, noise_seed=123)
+        trainer = make_trainer(strategy, max_steps=max_steps, max_epochs=2, callbacks=[recorder])
+        trainer.fit(reading_stepping_batches("configure_optimizers"), loader(data, 4), ckpt_path=ckpt_path)
+        return trainer
+
+    whole, first, resumed = RecordBatches(), RecordBatches(), RecordBatches()
+    fit(whole, -1)
+    fit(first, 2).save_checkpoint(tmp_path / "step2.ckpt")
+    fit(resumed, -1, ckpt_path=tmp_path / "step2.ckpt")
+    assert first.batches == whole.batches[:2]
+    assert resumed.batches == whole.batches[2:2 + len(resumed.batches)] and len(resumed.batches) >= 6
+
+
+def test_training_starts_only_from_poisson_loaders_keyed_for_the_fit():
+    key, other = SecretKey.from_seed(1), SecretKey.from_seed(2)
+    plain = loader(RandomTokens(size=8, seq_len=4), 2)
+    with pytest.raises(RuntimeError, match="did not turn into Poisson sampling"):
+        key_poisson_sampling({"text": plain}, key, 0, reproducible=False)
+    key_poisson_sampling(plain, None, 0, reproducible=False)  # poisson_sampling=False: the loader's own batches
+    poisson = poisson_dataloader(plain, other, 0, 0, 1)
+    key_poisson_sampling([poisson], key, 5, reproducible=True)  # not drawn yet: keyed for the fit at its step
+    assert (poisson.batch_sampler.randomness, poisson.batch_sampler.next_draw) == (key, 5)
+    next(iter(poisson.batch_sampler))
+    key_poisson_sampling([poisson], key, 5, reproducible=True)
+    drawn_early = poisson_dataloader(plain, key, 0, 0, 1)
+    next(iter(drawn_early.batch_sampler))  # a worker drew ahead from step 0, before a checkpoint of step 5
+    key_poisson_sampling([drawn_early], key, 5, reproducible=False)  # a fresh secret key: fresh draws all the same
+    with pytest.raises(RuntimeError, match="replay the sampling of steps that already ran"):
+        key_poisson_sampling([drawn_early], key, 5, reproducible=True)

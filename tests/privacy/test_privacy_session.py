@@ -41,20 +41,25 @@ def test_every_fit_draws_fresh_secret_randomness_unless_a_noise_seed_is_given():
     assert torch.equal(seeded[0].sampling.uniforms(8, 3), seeded[1].sampling.uniforms(8, 3))
 
 
-def test_the_sampling_key_is_broadcast_and_secure_mode_keeps_it():
+def test_the_sampling_key_and_the_run_id_are_broadcast_and_secure_mode_keeps_them(tmp_path):
+    """Every rank takes rank 0's key and run id: drawn apart, a rank's run id differed from the one rank 0's
+    checkpoints and ledger name, and ranks disagreed whether a module's weights were accounted."""
     broadcast = []
 
     def from_rank_zero(value):
         broadcast.append(value)
-        return value
+        return {bytes: bytes(range(32)), str: "rank-zero-run"}[type(value)]
 
     privacy = session(noise_multiplier=1.0)
     privacy.open_fit(CPU, (1, 0), broadcast=from_rank_zero)
-    assert len(broadcast) == 1 and len(broadcast[-1]) == 32
-    assert privacy.sampling._key == SecretKey(broadcast[-1]).derive("sampling")._key
+    assert [type(value) for value in broadcast] == [bytes, str] and len(broadcast[0]) == 32
+    assert privacy.sampling._key == SecretKey(bytes(range(32))).derive("sampling")._key
+    assert privacy.run_id is None  # a run id marks a run that keeps a ledger (or resumed)
+    privacy.open_ledger(tmp_path / "ledger.jsonl", writer=False)
+    assert privacy.run_id == "rank-zero-run"
     secure = session(noise_multiplier=1.0, secure_mode=True)
     secure.open_fit(CPU, (1, 0), broadcast=from_rank_zero)
-    assert secure.sampling._key == SecretKey(broadcast[-1]).derive("sampling")._key
+    assert secure.sampling._key == SecretKey(bytes(range(32))).derive("sampling")._key
     assert secure.noise.secure_mode
     with pytest.raises(ValueError, match="remove noise_seed"):
         session(noise_multiplier=1.0, secure_mode=True, noise_seed=1)
