@@ -197,7 +197,11 @@ class StrategyCheckpoints:
         return checkpoint
 
     def _fitting(self) -> bool:
-        return self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # type: ignore[attr-defined]
+        try:
+            trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        except RuntimeError:  # no longer attached (Lightning refused a second fit of a spawn Trainer): not fitting
+            return False
+        return trainer.state.fn == TrainerFn.FITTING
 
     def on_train_start(self) -> None:
         """Keep the privacy ledger wherever the run can be resumed: it checkpoints, resumed, or names a ledger.

@@ -99,7 +99,15 @@ class PrivacyAccountant:
         if state["mechanism"] != self.mechanism:
             raise ValueError(
                 f"The checkpoint was accounted with {state['mechanism']!r} but this run uses {self.mechanism!r};"
-                f" pass accountant={state['mechanism']!r} to resume it."
+                f" {resume_hint(state)}"
             )
         self._accountant.history = [tuple(entry) for entry in state["history"]]
+
+
+def resume_hint(state: dict[str, Any]) -> str:
+    """The strategy arguments that resume a checkpoint whose accountant state is ``state``."""
+    if state.get("mechanism") == "randomized-prv":
+        return (f"resume with the norms it was trained with: norms=ProjectedNorms({state.get('estimator')!r},"
+                f" projection_dim={state.get('projections')}).")
+    return f"resume with exact norms (norms='materialize', 'ghost' or 'mixed') and accountant={state['mechanism']!r}."
 

@@ -10,6 +10,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from scipy import integrate
 from scipy.special import ndtr
 
+from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier as calibrate_exact_clipping
 from lightning_longshield.privacy.randomized import (
     Discretization,
@@ -244,8 +245,15 @@ def test_accountant_records_history_and_answers_like_the_functions():
     restored = RandomizedClippingAccountant("hutchinson", 32, discretization=COARSE)
     restored.load_state_dict(accountant.state_dict())
     assert restored.get_epsilon(DELTA) == accountant.get_epsilon(DELTA)
-    with pytest.raises(ValueError, match="projections"):
+    with pytest.raises(ValueError, match=r"norms=ProjectedNorms\('hutchinson', projection_dim=32\)"):
         RandomizedClippingAccountant("hutchinson", 16).load_state_dict(accountant.state_dict())
+    # each error names arguments that resume the checkpoint (the exact run's once named accountant='randomized-prv')
+    with pytest.raises(ValueError, match=r"norms=ProjectedNorms\('hutchinson', projection_dim=32\)"):
+        PrivacyAccountant("prv").load_state_dict(accountant.state_dict())
+    exact = PrivacyAccountant("rdp")
+    exact.step(1.0, 0.01)
+    with pytest.raises(ValueError, match=r"exact norms .*'mixed'\) and accountant='rdp'"):
+        RandomizedClippingAccountant("hutchinson", 32).load_state_dict(exact.state_dict())
     zero_noise = RandomizedClippingAccountant("hutch++", 32)
     zero_noise.step(0.0, 0.01)
     assert math.isinf(zero_noise.get_epsilon(DELTA))

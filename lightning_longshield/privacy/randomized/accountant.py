@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
-from lightning_longshield.privacy.accountant import PrivacyAccountant
+from lightning_longshield.privacy.accountant import PrivacyAccountant, resume_hint
 from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier as calibrate_exact_clipping
 from lightning_longshield.privacy.epsilon import close_noise_bracket
 from lightning_longshield.privacy.randomized.envelope import ScaleEnvelope, scale_envelope
@@ -215,6 +215,6 @@ class RandomizedClippingAccountant(PrivacyAccountant):
         if stored != ours:
             raise ValueError(
                 f"The checkpoint was accounted as (mechanism, estimator, projections)={stored} but this run uses"
-                f" {ours}; resume with the checkpoint's norm estimator and projections."
+                f" {ours}; {resume_hint(state)}"
             )
         super().load_state_dict(state)
