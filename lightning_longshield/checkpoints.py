@@ -9,8 +9,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -20,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lightning_longshield.durable_checkpoints import newer_checkpoint_beside
 from lightning_longshield.privacy.ledger import LEDGER_FILE
 from lightning_longshield.sharded_checkpoints import (
     ShardedSave,
@@ -37,6 +40,23 @@ AUTO_FULL_FILE_PARAMETERS = 2**27
 _LOADED_DP_HISTORY = "_longshield_loaded_dp_history"
 # Set on a module by the fits that trained it: (the session's identity, its DP steps), checked when a fit starts.
 _TRAINED_BY = "_longshield_trained_by"
+
+
+def warn_if_a_newer_checkpoint_is_beside(path: Any) -> None:
+    """Warn when a resume from a ``last*`` checkpoint (what ``fit(ckpt_path="last")`` finds) leaves a newer whole
+    checkpoint beside it unused: a ``last.ckpt`` saved at SIGTERM is not refreshed by a `ModelCheckpoint` without
+    ``save_last``, so after a later crash "last" rolls the run back."""
+    if "://" in os.fspath(path) or not Path(path).name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
+        return
+    newer = newer_checkpoint_beside(Path(path))
+    if newer is not None:
+        rank_zero_warn(
+            f"Resuming from {path}, but {newer.name} beside it was written later: the steps between them run again"
+            " and are accounted again (their privacy is spent twice). fit(ckpt_path='last') finds last.ckpt, which a"
+            " ModelCheckpoint without save_last does not refresh after a SIGTERM saved it. Pass"
+            f" ckpt_path={os.fspath(newer)!r} to resume from the newer one, and set ModelCheckpoint(save_last=True)"
+            " so that 'last' follows every checkpoint."
+        )
 
 
 def check_checkpoint_options(checkpoint_format: str, async_checkpoints: bool) -> None:
@@ -189,6 +209,7 @@ class StrategyCheckpoints:
             return checkpoint
         module.__dict__.pop(_LOADED_DP_HISTORY, None)  # a resume: the checkpoint's history is the session's now
         forget_trained(module)
+        warn_if_a_newer_checkpoint_is_beside(path)
         if not self.privacy.poisson_sampling:  # type: ignore[attr-defined]
             _drop_empty_loader_states(checkpoint)
         if state is not None:

@@ -120,5 +120,17 @@ def newest_whole_checkpoint(directory: Path, exclude: Optional[Path] = None) -> 
                  if (is_whole_sharded_checkpoint(p) if p.is_dir() else is_whole_checkpoint(p))), None)
 
 
+def newer_checkpoint_beside(path: Path) -> Optional[Path]:
+    """The newest whole checkpoint in ``path``'s folder if it was written after ``path`` itself (a file or a sharded
+    folder; links followed), else None. Whole means read in full: only looked for when some ``*.ckpt`` is newer."""
+    written, resolved = path.stat().st_mtime, path.resolve()
+    if not any(p.resolve() != resolved and p.stat().st_mtime > written for p in path.parent.glob("*.ckpt")):
+        return None
+    found = newest_whole_checkpoint(path.parent, exclude=path)
+    if found is None or found.resolve() == resolved or found.stat().st_mtime <= written:
+        return None
+    return found
+
+
 def _is_local(path: _PATH) -> bool:
     return "://" not in os.fspath(path)

@@ -280,3 +280,14 @@ def test_a_checkpoint_moved_without_its_ledger_resumes_with_a_new_one_where_it_r
         _fit(resumed, new, max_steps=3, ckpt_path=new / "checkpoints" / "step=2.ckpt")
     assert not old.exists() and resumed.accountant.steps == 3
     assert [entry.index for entry in read_ledger(new / LEDGER_FILE, _run_id(new)).entries] == [2]
+
+
+def test_a_resume_from_last_warns_when_a_newer_checkpoint_is_beside_it(tmp_path):
+    """``last.ckpt`` saved at SIGTERM (step 2) is not refreshed by a ModelCheckpoint without save_last: after later
+    checkpoints (4, 6) ``fit(ckpt_path="last")`` rolls back to step 2, spending the privacy of steps 2-6 again. Said,
+    naming the newer checkpoint."""
+    _fit(_strategy(), tmp_path, max_steps=2)
+    shutil.copy(tmp_path / "checkpoints" / "step=2.ckpt", tmp_path / "checkpoints" / "last.ckpt")  # as at SIGTERM
+    _fit(_strategy(), tmp_path, max_steps=6, ckpt_path=tmp_path / "checkpoints" / "last.ckpt")
+    with pytest.warns(UserWarning, match=r"Resuming from .*last.ckpt, but step=6.ckpt beside it was written later"):
+        _fit(_strategy(), tmp_path, max_steps=7, ckpt_path="last")
