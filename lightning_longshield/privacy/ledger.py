@@ -9,7 +9,9 @@ checkpoint's.
 
 One line per step, JSON: ``{"run": run id, "index": the step's position in the run's accounting, "noise_multiplier",
 "sample_rate", "poisson": whether its batch was Poisson-sampled, "reproducible": whether its randomness came from a
-noise_seed}``. Nothing secret (no seed, no sample, no norm). A line torn by a crash during its write belongs to a
+noise_seed}``; and, where a run first opens the file, ``{"run": run id, "opened_at": index}``, the step index from
+which it records (a file replaced by another run's then lacks it). Nothing secret (no seed, no sample, no norm). A
+line torn by a crash during its write belongs to a
 step that never released and is skipped, also where another run sharing the file appended its next line to the
 fragment. Any other line that does not read as a step is damaged: `read_ledger` counts it, and a resume counts it
 as a step of the run.
@@ -40,18 +42,23 @@ class LedgerEntry:
 class PrivacyLedger:
     """Appends this run's steps to ``path`` (created with its folder), each line fsynced before `record` returns."""
 
-    def __init__(self, path: Union[str, os.PathLike], run_id: str) -> None:
+    def __init__(self, path: Union[str, os.PathLike], run_id: str, opened_at: Optional[int] = None) -> None:
+        """``opened_at``: the run starts recording in this file at that step index (fsynced as its first line)."""
         self.path = Path(path).absolute()
         self.run_id = run_id
         self._file: Optional[IO[str]] = None
         self._open()  # exists from now on: a resumed run that finds no ledger knows it was lost
+        if opened_at is not None:
+            self._write({"run": run_id, "opened_at": opened_at})
 
     def record(self, index: int, noise_multiplier: float, sample_rate: float, poisson: bool = True,
                reproducible: bool = False) -> None:
         """Durably note that step ``index`` is about to release (returns once the line is on disk)."""
+        self._write({"run": self.run_id, "index": index, "noise_multiplier": noise_multiplier,
+                     "sample_rate": sample_rate, "poisson": poisson, "reproducible": reproducible})
+
+    def _write(self, line: dict[str, object]) -> None:
         file = self._open()
-        line = {"run": self.run_id, "index": index, "noise_multiplier": noise_multiplier, "sample_rate": sample_rate,
-                "poisson": poisson, "reproducible": reproducible}
         file.write(json.dumps(line) + "\n")
         file.flush()
         os.fsync(file.fileno())
@@ -75,16 +82,18 @@ class PrivacyLedger:
 
 @dataclass(frozen=True)
 class LedgerReading:
-    """What a ledger holds for one run: its steps in file order, and how many lines of any run are damaged."""
+    """What a ledger holds for one run: its steps in file order, how many lines of any run are damaged, and the step
+    indices at which the run opened the file."""
 
     entries: list[LedgerEntry]
     damaged: int
+    opened_at: frozenset[int] = frozenset()
 
 
 def read_ledger(path: Union[str, os.PathLike], run_id: str) -> LedgerReading:
     """The steps ``path`` records for ``run_id``; torn and other runs' lines are skipped, damaged ones counted.
     Raises `FileNotFoundError` when there is no ledger."""
-    entries, damaged = [], 0
+    entries, damaged, opened_at = [], 0, set()
     with open(path, encoding="utf-8", errors="replace") as file:
         for line in file:
             record = _parse(line.rstrip("\n"))
@@ -92,9 +101,11 @@ def read_ledger(path: Union[str, os.PathLike], run_id: str) -> LedgerReading:
                 continue  # a write cut by a crash: its step never released
             if record is None:
                 damaged += 1
+            elif record[0] == run_id and isinstance(record[1], int):
+                opened_at.add(record[1])
             elif record[0] == run_id:
                 entries.append(record[1])
-    return LedgerReading(entries, damaged)
+    return LedgerReading(entries, damaged, frozenset(opened_at))
 
 
 _TORN = object()
@@ -113,9 +124,12 @@ def _parse(line: str) -> object:
     return record
 
 
-def _record(text: str) -> Optional[tuple[str, LedgerEntry]]:
+def _record(text: str) -> Optional[tuple[str, Union[LedgerEntry, int]]]:
+    """``(run id, entry)`` of a step's line, ``(run id, index)`` of a line opening the file; None if damaged."""
     try:
         fields = json.loads(text)
+        if "opened_at" in fields and "index" not in fields:
+            return str(fields["run"]), int(fields["opened_at"])
         entry = LedgerEntry(int(fields["index"]), float(fields["noise_multiplier"]), float(fields["sample_rate"]),
                             bool(fields.get("poisson", True)), bool(fields.get("reproducible", False)))
         return str(fields["run"]), entry
@@ -127,6 +141,25 @@ def steps_after(entries: list[LedgerEntry], checkpoint_steps: int) -> list[Ledge
     """The recorded steps a checkpoint of ``checkpoint_steps`` steps does not hold, each counted once per line (a
     step index recorded twice ran twice), in index order."""
     return sorted((entry for entry in entries if entry.index >= checkpoint_steps), key=lambda entry: entry.index)
+
+
+def steps_beside(entries: list[LedgerEntry], since: Optional[int], checkpoint_steps: int) -> list[LedgerEntry]:
+    """Lines of indices a checkpoint holds (``since``, where its run opened this ledger, up to ``checkpoint_steps``)
+    beyond one each: steps that another attempt ran from an earlier checkpoint beside the checkpoint's own (two jobs
+    resumed from one checkpoint at once number their steps alike), which the checkpoint does not hold. Of each index's
+    lines, the one with the most noise and the lowest sampling rate is taken to be the checkpoint's own (the others,
+    counted, then cost at least as much)."""
+    if since is None:
+        return []
+    by_index: dict[int, list[LedgerEntry]] = {}
+    for entry in entries:
+        if since <= entry.index < checkpoint_steps:
+            by_index.setdefault(entry.index, []).append(entry)
+    extra = []
+    for lines in by_index.values():
+        lines.sort(key=lambda entry: (-entry.noise_multiplier, entry.sample_rate))
+        extra += lines[1:]
+    return sorted(extra, key=lambda entry: entry.index)
 
 
 def missing_indices(entries: list[LedgerEntry], checkpoint_steps: int) -> int:

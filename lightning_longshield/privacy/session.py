@@ -18,7 +18,14 @@ from typing import Any, Optional, TypeVar
 import torch
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
-from lightning_longshield.privacy.ledger import LedgerEntry, PrivacyLedger, missing_indices, read_ledger, steps_after
+from lightning_longshield.privacy.ledger import (
+    LedgerEntry,
+    PrivacyLedger,
+    missing_indices,
+    read_ledger,
+    steps_after,
+    steps_beside,
+)
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.plan import PlanMessage, PrivacyArguments, PrivacyPlan, resolve_plan
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
@@ -93,6 +100,7 @@ class PrivacySession:
         self.ledger: Optional[PrivacyLedger] = None
         self.ledger_path: Optional[str] = None  # where this run's ledger is (from a checkpoint, or once opened)
         self.ledger_since: Optional[int] = None  # the first step index that ledger records for this run
+        self.ledger_marked = False  # that ledger holds a line where this run opened it at ledger_since
         self.rolled_back_steps = 0  # steps that ran after the checkpoint a run resumed from
         self.accounting_incomplete = False  # a resume found the run's ledger missing: steps may be uncounted
         # How steps before this fit ran (checkpoint and ledger): without Poisson sampling, or from a noise_seed.
@@ -239,11 +247,12 @@ class PrivacySession:
         process does)."""
         self.run_id = self.run_id or self._new_run_id or uuid.uuid4().hex
         path = os.fspath(os.path.abspath(path))
-        if path != self.ledger_path or self.ledger_since is None:  # a new ledger: it records the steps from now on
-            self.ledger_since = self.accountant.steps
+        new = path != self.ledger_path or self.ledger_since is None
+        if new:  # a new ledger: it records the steps from now on, from a first line that says so
+            self.ledger_since, self.ledger_marked = self.accountant.steps, True
         self.ledger_path = path
         if writer and self.ledger is None:
-            self.ledger = PrivacyLedger(self.ledger_path, self.run_id)
+            self.ledger = PrivacyLedger(self.ledger_path, self.run_id, opened_at=self.ledger_since if new else None)
 
     def record_release(self) -> None:
         """Write the next step to the ledger (fsynced) before it releases anything."""
@@ -262,19 +271,26 @@ class PrivacySession:
         checkpoint_steps = self.accountant.steps
         problem: Optional[str] = None
         entries: list[LedgerEntry] = []
+        beside: list[LedgerEntry] = []
         lost = 0
         if path is not None:
             try:
                 reading = read_ledger(path, self.run_id)
                 entries = steps_after(reading.entries, checkpoint_steps)
                 lost = missing_indices(entries, checkpoint_steps) + reading.damaged
+                beside = steps_beside(reading.entries, self.ledger_since, checkpoint_steps)
                 unrecorded = self._steps_not_in(reading.entries, checkpoint_steps)
                 if unrecorded:
                     problem = (f"The privacy ledger {path} lacks {unrecorded} of this run's steps before the checkpoint"
                                " (replaced or truncated)")
+                elif self.ledger_marked and self.ledger_since not in reading.opened_at:
+                    problem = (f"The privacy ledger {path} lacks the line where this run opened it at step"
+                               f" {self.ledger_since} (replaced or truncated)")
             except FileNotFoundError:
-                problem = f"The privacy ledger {path} is missing"
-        entries, lost, problem = broadcast((entries, lost, problem))
+                named = self.ledger_path  # the checkpoint's, where privacy_ledger names another
+                problem = f"The privacy ledger {path} is missing" + (
+                    f" (the checkpoint names {named})" if named is not None and named != path else "")
+        entries, beside, lost, problem = broadcast((entries, beside, lost, problem))
         if problem is not None:
             rank_zero_warn(
                 f"{problem}: epsilon counts the checkpoint's {checkpoint_steps} steps and what the ledger holds, and"
@@ -291,6 +307,13 @@ class PrivacySession:
                 " and highest sampling rate (epsilon may be over-stated, never under-stated)."
             )
             entries = entries + [_worst_step(entries, self._restored_plan)] * lost
+        if beside:
+            rank_zero_warn(
+                f"The privacy ledger {path} records {len(beside)} steps of this run beside the checkpoint's own:"
+                " another attempt resumed from an earlier checkpoint ran them at the same time (two jobs from one"
+                " checkpoint). They are accounted."
+            )
+            entries = entries + beside
         for entry in entries:
             self.accountant.step(entry.noise_multiplier, entry.sample_rate)
             self.earlier_without_poisson |= not entry.poisson
@@ -405,7 +428,7 @@ class PrivacySession:
         if self.noise is None or self.plan is None:
             return None
         return {"plan": self.plan.state_dict(), "accountant": self.accountant.state_dict(), "run_id": self.run_id,
-                "ledger": self.ledger_path, "ledger_since": self.ledger_since,
+                "ledger": self.ledger_path, "ledger_since": self.ledger_since, "ledger_marked": self.ledger_marked,
                 "rolled_back_steps": self.rolled_back_steps, "accounting_incomplete": self.accounting_incomplete,
                 "ran_without_poisson": self.earlier_without_poisson or not self.poisson_sampling,
                 "ran_reproducibly": self.earlier_reproducible or self.noise_seed is not None}
@@ -417,6 +440,7 @@ class PrivacySession:
         self.run_id = state.get("run_id")
         self.ledger_path = state.get("ledger")
         self.ledger_since = state.get("ledger_since")
+        self.ledger_marked = state.get("ledger_marked", False)
         self.rolled_back_steps = state.get("rolled_back_steps", 0)
         self.accounting_incomplete = state.get("accounting_incomplete", False)
         self.earlier_without_poisson = state.get("ran_without_poisson", False)

@@ -27,6 +27,8 @@ from lightning_longshield.privacy.ledger import (
     read_ledger,
     steps_after,
 )
+from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
+from lightning_longshield.privacy.session import PrivacySession
 from lightning_longshield.sharded_checkpoints import is_whole_sharded_checkpoint
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
@@ -128,8 +130,7 @@ def test_a_damaged_line_of_a_step_after_the_checkpoint_is_counted(tmp_path):
     _fit(_strategy(), tmp_path, max_steps=6)
     for step in (4, 6):
         (tmp_path / "checkpoints" / f"step={step}.ckpt").unlink()
-    lines = (tmp_path / LEDGER_FILE).read_text().splitlines()
-    lines[3] = lines[3].replace('"index": 3', '"index": 3x')
+    lines = [line.replace('"index": 3,', '"index": 3x,') for line in (tmp_path / LEDGER_FILE).read_text().splitlines()]
     (tmp_path / LEDGER_FILE).write_text("\n".join(lines) + "\n")
     resumed = _strategy()
     with pytest.warns(UserWarning, match="has 2 damaged lines or gaps among this run's steps after the checkpoint"):
@@ -171,6 +172,7 @@ def test_how_steps_before_a_resume_ran_stays_in_the_printed_guarantee(tmp_path):
     _fit(resumed, tmp_path / "seeded", max_steps=3, ckpt_path=tmp_path / "seeded" / "checkpoints" / "step=2.ckpt")
     assert "before a resume: noise and sampling reproducible from a noise_seed" in resumed.privacy.describe_guarantee()
     lines = [json.loads(line) for line in (tmp_path / "seeded" / LEDGER_FILE).read_text().splitlines()]
+    lines = [line for line in lines if "index" in line]  # the steps, not the line that opened the ledger
     assert [(line["reproducible"], line["poisson"]) for line in lines] == [(True, True)] * 2 + [(False, True)]
     fresh = _strategy()
     _fit(fresh, tmp_path / "fresh", max_steps=1)
@@ -291,3 +293,66 @@ def test_a_resume_from_last_warns_when_a_newer_checkpoint_is_beside_it(tmp_path)
     _fit(_strategy(), tmp_path, max_steps=6, ckpt_path=tmp_path / "checkpoints" / "last.ckpt")
     with pytest.warns(UserWarning, match=r"Resuming from .*last.ckpt, but step=6.ckpt beside it was written later"):
         _fit(_strategy(), tmp_path, max_steps=7, ckpt_path="last")
+
+
+def _session_at(plan: PrivacyPlan, state=None) -> PrivacySession:
+    """A session that releases under ``plan`` (from a checkpoint's ``state``, resumed from its ledger)."""
+    session = PrivacySession(PrivacyArguments(1.0, None, DELTA, 1.0, "rdp"))
+    if state is not None:
+        session.load_state_dict(state)
+        session.resume_from_ledger(None, broadcast=lambda value: value)
+    session.plan = plan
+    return session
+
+
+def _release(session: PrivacySession, steps: int) -> None:
+    for _ in range(steps):
+        session.record_release()
+        session.accountant.step(1.0, 0.125)
+
+
+def test_two_attempts_resumed_from_one_checkpoint_at_once_are_both_accounted(tmp_path):
+    """Two jobs resumed from the checkpoint of step 2 at the same time (a requeued job whose old instance still runs)
+    number their steps alike (2-5): a resume from one's checkpoint of step 6 dropped the other's four steps."""
+    plan = PrivacyPlan(1.0, DELTA, 0.125, 4, 32, 6, None)
+    run = _session_at(plan)
+    run.noise = object()  # a fit's state: what a checkpoint holds
+    run.open_ledger(tmp_path / LEDGER_FILE, writer=True)
+    _release(run, 2)
+    checkpoint = run.state_dict()
+    run.close_ledger()
+    first, second = _session_at(plan, checkpoint), _session_at(plan, checkpoint)
+    for attempt in (first, second):
+        attempt.open_ledger(attempt.ledger_path, writer=True)
+        _release(attempt, 4)
+        attempt.noise = object()
+    later = first.state_dict()
+    first.close_ledger(), second.close_ledger()
+    with pytest.warns(UserWarning, match="records 4 steps of this run beside the checkpoint's own"):
+        resumed = _session_at(plan, later)
+    assert resumed.accountant.steps == 10 == len(read_ledger(tmp_path / LEDGER_FILE, run.run_id).entries)
+
+
+def test_a_replaced_ledger_is_noticed_when_the_run_opened_it_at_its_checkpoint(tmp_path):
+    """A run without ModelCheckpoint opens its ledger at its first save: the checkpoint's own step. With nothing of
+    the run before that step to look for, a ledger replaced by another run's went unnoticed and the steps after the
+    checkpoint were dropped silently. The line that opened the ledger is looked for too."""
+    first = make_trainer(_strategy(), max_steps=2, default_root_dir=tmp_path)
+    first.fit(make_module(small_config(n_layers=1), optimizer="sgd", learning_rate=1e-2), loader(DATA, 4))
+    first.save_checkpoint(tmp_path / "step2.ckpt")
+    (tmp_path / LEDGER_FILE).unlink()
+    PrivacyLedger(tmp_path / LEDGER_FILE, "another-run").record(0, 1.0, 0.125)
+    resumed = _strategy()
+    with pytest.warns(UserWarning, match="lacks the line where this run opened it at step 2"):
+        make_trainer(resumed, max_steps=3, default_root_dir=tmp_path).fit(
+            make_module(small_config(n_layers=1), optimizer="sgd", learning_rate=1e-2), loader(DATA, 4),
+            ckpt_path=tmp_path / "step2.ckpt")
+    assert resumed.privacy.accounting_incomplete
+
+
+def test_a_missing_ledger_named_at_resume_points_to_the_one_the_checkpoint_names(tmp_path):
+    _fit(_strategy(), tmp_path, max_steps=2)
+    resumed = _strategy(privacy_ledger=tmp_path / "elsewhere.jsonl")
+    named = str(tmp_path / LEDGER_FILE)
+    with pytest.warns(UserWarning, match=f"elsewhere.jsonl is missing \\(the checkpoint names {named}\\)"):
+        _fit(resumed, tmp_path, max_steps=3, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
