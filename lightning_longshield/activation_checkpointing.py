@@ -39,17 +39,24 @@ class CheckpointedForward:
 
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the children of every outermost `nn.ModuleList`, in order, except trainable
-    layers themselves (a list of ``nn.Linear``). A list inside a block (a mixture's experts) is part of that block:
-    its members are neither counted by an ``int`` policy nor checkpointed apart (a checkpoint inside a checkpointed
-    block recomputes its forward twice). A checkpoint of one layer would keep its input, all it saves anyway, and its
-    recomputation would run outside the per-sample capture that the layer's first forward ran through."""
+    """The repeated blocks of a model: the children of every outermost `nn.ModuleList` (through lists of lists, as
+    stages of blocks), in order, except trainable layers themselves (a list of ``nn.Linear``). A list inside a block
+    (a mixture's experts) is part of that block: its members are neither counted by an ``int`` policy nor
+    checkpointed apart (a checkpoint inside a checkpointed block recomputes its forward twice). A checkpoint of one
+    layer would keep its input, all it saves anyway, and its recomputation would run outside the per-sample capture
+    that the layer's first forward ran through."""
     outer: list[tuple[str, nn.ModuleList]] = []
     for name, child in module.named_modules():
         if isinstance(child, nn.ModuleList) and not any(_inside(name, found) for found, _ in outer):
             outer.append((name, child))
-    return [block for _, blocks in outer for block in blocks
+    return [block for _, blocks in outer for block in _members(blocks)
             if not any(param.requires_grad for param in block.parameters(recurse=False))]
+
+
+def _members(blocks: nn.ModuleList) -> list[nn.Module]:
+    """The list's members, looking through members that are lists themselves (blocks grouped in stages)."""
+    return [found for block in blocks
+            for found in (_members(block) if isinstance(block, nn.ModuleList) else [block])]
 
 
 def _inside(name: str, outer: str) -> bool:

@@ -17,8 +17,8 @@ class PrivacyMonitor(Callback):
     `LongShieldStrategy` adds one automatically. Computing epsilon with the PRV accountant costs up to about a
     second, and with randomized clipping's accountant 5-20 s (one CPU core, while the other processes wait at the next
     step), so it is not recomputed on every step (nor at every epoch end: with Poisson sampling an epoch can be a
-    handful of steps), and only global rank 0 computes it; with randomized clipping raise ``log_every_n_steps`` to
-    match.
+    handful of steps); with randomized clipping raise ``log_every_n_steps`` to match. Every rank computes it, so that
+    every rank's ``callback_metrics`` hold it (for an ``EarlyStopping`` or ``ModelCheckpoint`` that monitors it).
 
     Lightning writes what ``self.log`` collected to the loggers only at steps that are multiples of
     ``log_every_n_steps`` or when ``trainer.should_stop`` is set, so a run ending on ``max_steps``, ``max_epochs`` or a
@@ -59,8 +59,7 @@ class PrivacyMonitor(Callback):
             or (trainer.is_last_batch and last_epoch)
         )
         every = trainer.log_every_n_steps  # 0: no periodic logging
-        logs = (every and trainer.global_step % every == 0) or is_last or trainer.global_step == 1
-        if logs and trainer.is_global_zero:
+        if (every and trainer.global_step % every == 0) or is_last or trainer.global_step == 1:
             pl_module.log("epsilon", strategy.get_epsilon(), prog_bar=True, rank_zero_only=True)
             if _lightning_writes_this_step(trainer):
                 self._written_step = trainer.global_step

@@ -48,7 +48,10 @@ def warn_if_a_newer_checkpoint_is_beside(path: Any) -> None:
     ``save_last``, so after a later crash "last" rolls the run back."""
     if "://" in os.fspath(path) or not Path(path).name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
         return
-    newer = newer_checkpoint_beside(Path(path))
+    try:
+        newer = newer_checkpoint_beside(Path(path))
+    except OSError:  # a file beside it went away while listed (another job's ModelCheckpoint), or a dangling link
+        return
     if newer is not None:
         rank_zero_warn(
             f"Resuming from {path}, but {newer.name} beside it was written later: the steps between them run again"
@@ -209,7 +212,8 @@ class StrategyCheckpoints:
             return checkpoint
         module.__dict__.pop(_LOADED_DP_HISTORY, None)  # a resume: the checkpoint's history is the session's now
         forget_trained(module)
-        warn_if_a_newer_checkpoint_is_beside(path)
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            warn_if_a_newer_checkpoint_is_beside(path)
         if not self.privacy.poisson_sampling:  # type: ignore[attr-defined]
             _drop_empty_loader_states(checkpoint)
         if state is not None:

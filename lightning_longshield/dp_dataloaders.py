@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -177,13 +178,13 @@ def key_poisson_sampling(
 
     A hook that reads ``trainer.estimated_stepping_batches`` (a scheduler's total steps in ``configure_optimizers``,
     with ``max_epochs``) builds the training loader before the checkpoint is restored, so its first draw is set here.
-    A loader whose workers already drew from another first draw is refused where the key is reproducible
-    (``noise_seed``): it would replay the masks of steps that ran before the checkpoint. Any other training loader
-    is refused: the guarantee would state Poisson sampling that never ran.
+    A loader that already drew from another first draw (its workers, started with the iterator) is refused where the
+    key is reproducible (``noise_seed``): it would replay the masks of steps that ran before the checkpoint. Any other
+    training loader is refused: the guarantee would state Poisson sampling that never ran.
     """
     if sampling is None:
         return
-    for loader in _flattened(train_dataloader):
+    for loader in CombinedLoader(train_dataloader).flattened:
         sampler = getattr(loader, "batch_sampler", None)
         if not isinstance(loader, PoissonDataLoader) or not isinstance(sampler, PoissonBatchSampler):
             raise RuntimeError(
@@ -196,20 +197,12 @@ def key_poisson_sampling(
             sampler.randomness, sampler.next_draw = sampling, first_draw
         elif reproducible and (sampler.randomness is not sampling or sampler.first_drawn != first_draw):
             raise RuntimeError(
-                f"The training DataLoader's workers drew Poisson batches from step {sampler.first_drawn} before the"
-                f" checkpoint of step {first_draw} was restored (a hook read trainer.estimated_stepping_batches with"
-                " max_epochs set): under noise_seed they would replay the sampling of steps that already ran. Set"
-                " max_steps, read estimated_stepping_batches later, or use num_workers=0."
+                f"The training DataLoader drew Poisson batches from step {sampler.first_drawn} before the checkpoint"
+                f" of step {first_draw} was restored (a hook read trainer.estimated_stepping_batches with max_epochs"
+                " set, and Lightning built the loader's iterator there, whose workers draw their first batches at"
+                " once): under noise_seed they would replay the sampling of steps that already ran. Set max_steps,"
+                " read estimated_stepping_batches later, or use num_workers=0."
             )
-
-
-def _flattened(loaders: object) -> list[object]:
-    """The loaders of ``trainer.train_dataloader``: one, or a (nested) list, tuple or dict of them."""
-    if isinstance(loaders, dict):
-        return [found for value in loaders.values() for found in _flattened(value)]
-    if isinstance(loaders, (list, tuple)):
-        return [found for value in loaders for found in _flattened(value)]
-    return [] if loaders is None else [loaders]
 
 
 def training_set_size(dataloader: DataLoader) -> int:

@@ -107,7 +107,10 @@ class PrivacyAccountant:
 def resume_hint(state: dict[str, Any]) -> str:
     """The strategy arguments that resume a checkpoint whose accountant state is ``state``."""
     if state.get("mechanism") == "randomized-prv":
-        return (f"resume with the norms it was trained with: norms=ProjectedNorms({state.get('estimator')!r},"
-                f" projection_dim={state.get('projections')}).")
+        estimator, projections = state.get("estimator"), state.get("projections")
+        if estimator == "hutch++":  # the envelope's Hutch++ counts the residual projections, k - k // 3 of k
+            estimator = "hutchpp"
+            projections = next(k for k in range(projections, 2 * projections + 2) if k - k // 3 == projections)
+        return (f"resume with the norms it was trained with: norms=ProjectedNorms({estimator!r},"
+                f" projection_dim={projections}).")
     return f"resume with exact norms (norms='materialize', 'ghost' or 'mixed') and accountant={state['mechanism']!r}."
-

@@ -101,6 +101,9 @@ class PrivacySession:
         self.ledger_path: Optional[str] = None  # where this run's ledger is (from a checkpoint, or once opened)
         self.ledger_since: Optional[int] = None  # the first step index that ledger records for this run
         self.ledger_marked = False  # that ledger holds a line where this run opened it at ledger_since
+        self.without_lines: set[int] = set()  # step indices accounted by a resume that no ledger line names
+        self.damaged_counted = 0  # damaged ledger lines a resume counted as steps
+        self.beside_counted = 0  # ledger lines beside the checkpoint's own (same index) a resume counted
         self.rolled_back_steps = 0  # steps that ran after the checkpoint a run resumed from
         self.accounting_incomplete = False  # a resume found the run's ledger missing: steps may be uncounted
         # How steps before this fit ran (checkpoint and ledger): without Poisson sampling, or from a noise_seed.
@@ -129,7 +132,8 @@ class PrivacySession:
 
         Draws are keyed by the DP step, so with ``noise_seed`` a resumed or second fit continues the streams instead
         of replaying them. ``stream`` (data-parallel rank, context-parallel rank) separates the processes' noise;
-        ``broadcast`` (from rank 0) gives every process the same Poisson masks and projections.
+        ``broadcast`` (from rank 0) gives every process the same Poisson masks and projections, and the run id that
+        a ledger this run opens will name.
         """
         if self.noise_seed is not None:
             seeded = SecretKey.from_seed(self.noise_seed)
@@ -272,13 +276,17 @@ class PrivacySession:
         problem: Optional[str] = None
         entries: list[LedgerEntry] = []
         beside: list[LedgerEntry] = []
-        lost = 0
+        lost, damaged = 0, self.damaged_counted
         if path is not None:
             try:
                 reading = read_ledger(path, self.run_id)
                 entries = steps_after(reading.entries, checkpoint_steps)
-                lost = missing_indices(entries, checkpoint_steps) + reading.damaged
-                beside = steps_beside(reading.entries, self.ledger_since, checkpoint_steps)
+                # Damaged lines and lines beside the checkpoint's own that an earlier resume in the checkpoint's
+                # history counted are in its accountant already: only more of them are new.
+                damaged = max(reading.damaged, self.damaged_counted)
+                lost = missing_indices(entries, checkpoint_steps) + damaged - self.damaged_counted
+                beside = _most_costly(steps_beside(reading.entries, self.ledger_since, checkpoint_steps),
+                                      self.beside_counted)
                 unrecorded = self._steps_not_in(reading.entries, checkpoint_steps)
                 if unrecorded:
                     problem = (f"The privacy ledger {path} lacks {unrecorded} of this run's steps before the checkpoint"
@@ -289,8 +297,11 @@ class PrivacySession:
             except FileNotFoundError:
                 named = self.ledger_path  # the checkpoint's, where privacy_ledger names another
                 problem = f"The privacy ledger {path} is missing" + (
-                    f" (the checkpoint names {named})" if named is not None and named != path else "")
-        entries, beside, lost, problem = broadcast((entries, beside, lost, problem))
+                    f" (the checkpoint names {named})" if named is not None and named != os.path.abspath(path)
+                    else "")
+        entries, beside, lost, damaged, problem = broadcast((entries, beside, lost, damaged, problem))
+        self.damaged_counted, self.beside_counted = damaged, self.beside_counted + len(beside)
+        with_lines = {entry.index for entry in entries}
         if problem is not None:
             rank_zero_warn(
                 f"{problem}: epsilon counts the checkpoint's {checkpoint_steps} steps and what the ledger holds, and"
@@ -314,6 +325,9 @@ class PrivacySession:
                 " checkpoint). They are accounted."
             )
             entries = entries + beside
+        # The positions these steps take in the run's accounting that no line of the ledger names (stand-ins for
+        # damaged lines and gaps, steps that ran beside the checkpoint): never a sign of a truncated ledger later.
+        self.without_lines |= set(range(checkpoint_steps, checkpoint_steps + len(entries))) - with_lines
         for entry in entries:
             self.accountant.step(entry.noise_multiplier, entry.sample_rate)
             self.earlier_without_poisson |= not entry.poisson
@@ -330,7 +344,8 @@ class PrivacySession:
         was opened) are not among ``recorded``."""
         if self.ledger_since is None:
             return 0  # a checkpoint from before `ledger_since` was kept: nothing to check against
-        return len(set(range(self.ledger_since, checkpoint_steps)) - {entry.index for entry in recorded})
+        expected = set(range(self.ledger_since, checkpoint_steps)) - self.without_lines
+        return len(expected - {entry.index for entry in recorded})
 
     def close_ledger(self) -> None:
         if self.ledger is not None:
@@ -429,6 +444,8 @@ class PrivacySession:
             return None
         return {"plan": self.plan.state_dict(), "accountant": self.accountant.state_dict(), "run_id": self.run_id,
                 "ledger": self.ledger_path, "ledger_since": self.ledger_since, "ledger_marked": self.ledger_marked,
+                "without_lines": sorted(self.without_lines), "damaged_counted": self.damaged_counted,
+                "beside_counted": self.beside_counted,
                 "rolled_back_steps": self.rolled_back_steps, "accounting_incomplete": self.accounting_incomplete,
                 "ran_without_poisson": self.earlier_without_poisson or not self.poisson_sampling,
                 "ran_reproducibly": self.earlier_reproducible or self.noise_seed is not None}
@@ -441,6 +458,9 @@ class PrivacySession:
         self.ledger_path = state.get("ledger")
         self.ledger_since = state.get("ledger_since")
         self.ledger_marked = state.get("ledger_marked", False)
+        self.without_lines = set(state.get("without_lines", ()))
+        self.damaged_counted = state.get("damaged_counted", 0)
+        self.beside_counted = state.get("beside_counted", 0)
         self.rolled_back_steps = state.get("rolled_back_steps", 0)
         self.accounting_incomplete = state.get("accounting_incomplete", False)
         self.earlier_without_poisson = state.get("ran_without_poisson", False)
@@ -458,6 +478,13 @@ class PrivacySession:
         self.load_state_dict(state)
         self.plan = PrivacyPlan(**state["plan"])
         self.noise = GaussianNoise(noise_device, secure_mode=self.secure_mode)
+
+
+def _most_costly(lines: list[LedgerEntry], counted: int) -> list[LedgerEntry]:
+    """All but ``counted`` of ``lines``, the most costly kept (least noise, highest sampling rate first): the lines an
+    earlier resume counted are not known one by one, so the new ones are taken to cost at least as much."""
+    ordered = sorted(lines, key=lambda entry: (entry.noise_multiplier, -entry.sample_rate))
+    return ordered[:max(0, len(lines) - counted)]
 
 
 def _worst_step(entries: list[LedgerEntry], restored_plan: Optional[dict[str, Any]]) -> LedgerEntry:

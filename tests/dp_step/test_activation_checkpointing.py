@@ -125,6 +125,13 @@ def test_an_int_policy_counts_the_outermost_blocks_not_lists_inside_them(root_li
     h.sum().backward()  # checkpointed blocks recompute their experts once
 
 
+def test_blocks_grouped_in_lists_of_lists_are_the_blocks():
+    """Stages of blocks (a list of lists): the blocks are checkpointed, not the stages' lists."""
+    blocks = [MixtureBlock() for _ in range(4)]
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.ModuleList(blocks[:2]), torch.nn.ModuleList(blocks[2:])]))
+    assert apply_activation_checkpointing(model, 2) == 2 and checkpointed(blocks) == [True, False, True, False]
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_model_with_its_own_checkpointing_is_handled(use_reentrant):
     """A model that checkpoints inside DP-hooked layers still gets exact per-sample gradients."""

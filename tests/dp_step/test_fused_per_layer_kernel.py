@@ -74,6 +74,9 @@ def test_token_offsets_are_int64_in_the_compiled_kernels():
                           if "arith.muli" in line and ("tensor<1x32x" in line or "tensor<32x1x" in line)]
         assert len(token_products) == 2, "\n".join(token_products)
         assert all("xi64>" in line for line in token_products), "\n".join(token_products)
+        # the sample's offset, sample * stride (B x T x out elements in all), a scalar product
+        sample_products = [line for line in ir.splitlines() if "arith.muli %sample" in line]  # for G and for A
+        assert len(sample_products) == 2 and all(": i64" in line for line in sample_products), sample_products
 
 
 def per_sample_weights(activation: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:

@@ -162,7 +162,8 @@ def test_projections_are_fresh_secret_and_never_stored():
         strategy = fit(module, steps=1, noise_multiplier=1.0, norms=ProjectedNorms("hutchinson", projection_dim=4))
     state = strategy.privacy.state_dict()
     assert "key" not in repr(state) and set(state) == {"plan", "accountant", "run_id", "ledger", "ledger_since",
-                                                    "rolled_back_steps", "accounting_incomplete",
+                                                    "ledger_marked", "without_lines", "damaged_counted",
+                                                    "beside_counted", "rolled_back_steps", "accounting_incomplete",
                                                     "ran_without_poisson", "ran_reproducibly"}
     assert state["accountant"]["estimator"] == "hutchinson"
     described = strategy.privacy.describe_randomness()

@@ -136,6 +136,12 @@ def test_a_damaged_line_of_a_step_after_the_checkpoint_is_counted(tmp_path):
     with pytest.warns(UserWarning, match="has 2 damaged lines or gaps among this run's steps after the checkpoint"):
         _fit(resumed, tmp_path, max_steps=2, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
     assert resumed.accountant.steps == 7  # the damaged line and the gap it leaves, each counted: never fewer than 6
+    # A resume from the resumed run's own checkpoint counts neither again, nor calls the ledger truncated for the
+    # indices their stand-ins took
+    _fit(_strategy(), tmp_path, max_steps=10, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
+    again = _strategy()
+    _fit(again, tmp_path, max_steps=10, ckpt_path=tmp_path / "checkpoints" / "step=10.ckpt")
+    assert again.accountant.steps == 7 + 8 + 0 and not again.privacy.accounting_incomplete
 
 
 def test_a_missing_ledger_makes_every_later_guarantee_a_lower_bound(tmp_path):
@@ -331,6 +337,15 @@ def test_two_attempts_resumed_from_one_checkpoint_at_once_are_both_accounted(tmp
     with pytest.warns(UserWarning, match="records 4 steps of this run beside the checkpoint's own"):
         resumed = _session_at(plan, later)
     assert resumed.accountant.steps == 10 == len(read_ledger(tmp_path / LEDGER_FILE, run.run_id).entries)
+    # Steps 6-9 stand for the lines beside: a resume from a later checkpoint neither counts those lines again nor
+    # takes their indices, which no line names, for a truncated ledger.
+    resumed.open_ledger(resumed.ledger_path, writer=True)
+    _release(resumed, 2)
+    resumed.noise = object()
+    latest = resumed.state_dict()
+    resumed.close_ledger()
+    again = _session_at(plan, latest)
+    assert again.accountant.steps == 12 and not again.accounting_incomplete
 
 
 def test_a_replaced_ledger_is_noticed_when_the_run_opened_it_at_its_checkpoint(tmp_path):
@@ -356,3 +371,15 @@ def test_a_missing_ledger_named_at_resume_points_to_the_one_the_checkpoint_names
     named = str(tmp_path / LEDGER_FILE)
     with pytest.warns(UserWarning, match=f"elsewhere.jsonl is missing \\(the checkpoint names {named}\\)"):
         _fit(resumed, tmp_path, max_steps=3, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
+
+
+def test_a_file_gone_from_beside_last_ckpt_leaves_the_resume_alone(tmp_path):
+    """Another job's ModelCheckpoint removing a file while it is listed, or a dangling link: no warning to give, and
+    the resume goes on (the check raised FileNotFoundError)."""
+    _fit(_strategy(), tmp_path, max_steps=2)
+    folder = tmp_path / "checkpoints"
+    shutil.copy(folder / "step=2.ckpt", folder / "last.ckpt")
+    (folder / "best.ckpt").symlink_to(folder / "gone.ckpt")
+    resumed = _strategy()
+    _fit(resumed, tmp_path, max_steps=3, ckpt_path="last")
+    assert resumed.accountant.steps == 3

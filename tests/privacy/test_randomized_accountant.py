@@ -12,6 +12,7 @@ from scipy.special import ndtr
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier as calibrate_exact_clipping
+from lightning_longshield.privacy.plan import PrivacyArguments
 from lightning_longshield.privacy.randomized import (
     Discretization,
     RandomizedClippingAccountant,
@@ -20,6 +21,8 @@ from lightning_longshield.privacy.randomized import (
     scale_envelope,
 )
 from lightning_longshield.privacy.randomized.mechanism import step_pld
+from lightning_longshield.privacy.session import PrivacySession
+from simulate.strategy_config import ProjectedNorms
 
 COARSE = Discretization(loss_step=5e-3, scale_ratio=1e-2)
 DELTA = 1e-5
@@ -250,6 +253,13 @@ def test_accountant_records_history_and_answers_like_the_functions():
     # each error names arguments that resume the checkpoint (the exact run's once named accountant='randomized-prv')
     with pytest.raises(ValueError, match=r"norms=ProjectedNorms\('hutchinson', projection_dim=32\)"):
         PrivacyAccountant("prv").load_state_dict(accountant.state_dict())
+    # norms="hutchpp" accounts the residual projections (k - k // 3 of k): the hint names the estimator and k
+    residual = RandomizedClippingAccountant("hutch++", 32 - 32 // 3)
+    with pytest.raises(ValueError, match=r"norms=ProjectedNorms\('hutchpp', projection_dim=32\)"):
+        PrivacyAccountant("prv").load_state_dict(residual.state_dict())
+    followed = PrivacySession(PrivacyArguments(1.0, None, DELTA, 1.0, "prv"),
+                              projected_norms=ProjectedNorms("hutchpp", projection_dim=32))
+    followed.accountant.load_state_dict(residual.state_dict())
     exact = PrivacyAccountant("rdp")
     exact.step(1.0, 0.01)
     with pytest.raises(ValueError, match=r"exact norms .*'mixed'\) and accountant='rdp'"):
