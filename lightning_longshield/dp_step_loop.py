@@ -19,8 +19,8 @@ from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
 class DPStepLoop:
     """Strategy mix-in (before Lightning's strategy in the bases): one optimizer step is one DP step over one logical
-    batch. Uses the strategy's ``dp_engine``, ``privacy`` (`PrivacySession`), ``config``, ``_padding``
-    (`ZeroWeightPadding`), ``_check_logged_metrics`` and ``_shard_sequence``."""
+    batch. Uses the strategy's ``dp_engine``, ``privacy`` (`PrivacySession`), ``config``, ``data_parallel_size``,
+    ``_padding`` (`ZeroWeightPadding`), ``_check_logged_metrics`` and ``_shard_sequence``."""
 
     _scalar_loss_settled = False  # whether a scalar loss of several samples was checked (and warned about) yet
     _release_pending = False  # a logical batch ran through training_step and was not released yet
@@ -74,7 +74,7 @@ class DPStepLoop:
     def _microbatch_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         size = batch_size_of(microbatch)
         self.dp_engine.prepare_microbatch(size)
-        with scalar_logging_only(self.lightning_module):
+        with scalar_logging_only(self.lightning_module, self.data_parallel_size):
             output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):

@@ -3,6 +3,7 @@ not cover."""
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
@@ -41,11 +42,16 @@ class SampledBatchMetricGuard:
 
 
 @contextmanager
-def scalar_logging_only(module: nn.Module) -> Generator[None, None, None]:
+def scalar_logging_only(module: nn.Module, data_parallel_groups: int = 1) -> Generator[None, None, None]:
     """Inside, ``module.log`` (and so ``log_dict``) refuses a tensor of several values before Lightning's own error,
-    which would print them: in ``training_step`` they are values of the sampled records (a per-sample loss vector)."""
+    which would print them: in ``training_step`` they are values of the sampled records (a per-sample loss vector).
+
+    With several ``data_parallel_groups`` it also refuses a value synced at every call (``sync_dist=True`` unless
+    ``on_step=False``): each group runs ``training_step`` once per micro-batch it drew, and under Poisson sampling
+    the groups draw different numbers, so the syncs of different steps would meet (the run hangs, or pairs them)."""
     saved = module.__dict__.get("log")
     original = module.log
+    signature = inspect.signature(original)
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if not _one_value(value):
@@ -53,6 +59,15 @@ def scalar_logging_only(module: nn.Module) -> Generator[None, None, None]:
                 f"self.log({name!r}, ...) in training_step got {type(value).__name__} of more than one value: log a"
                 " scalar (for per-sample losses, their mean). Its values are not quoted: they are the sampled"
                 " records'."
+            )
+        options = signature.bind_partial(name, value, *args, **kwargs).arguments
+        if data_parallel_groups > 1 and options.get("sync_dist") and options.get("on_step") is not False:
+            raise ValueError(
+                f"self.log({name!r}, ..., sync_dist=True) in training_step syncs across processes at every call, but"
+                f" each of the {data_parallel_groups} data-parallel groups calls training_step once per micro-batch"
+                " of the Poisson sample it drew, and the groups draw different numbers: the syncs of different steps"
+                " would meet, and the run would hang. Log without sync_dist (each process its own value), with"
+                " on_step=False (one sync at the epoch's end), or sync a held-out metric in validation_step."
             )
         original(name, value, *args, **kwargs)
 

@@ -17,6 +17,7 @@ from lightning_longshield import CausalLMModule, LongShieldStrategy, StrategyCon
 from lightning_longshield.loss import loss_divisors
 from lightning_longshield.module import unpack_batch
 from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PerSampleGradCapture, PrivacyAccountant
+from lightning_longshield.privacy.metric_guard import scalar_logging_only
 from lightning_longshield.privacy.randomness import SecretKey
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
@@ -265,3 +266,27 @@ def test_a_trainable_sparse_embedding_is_refused_on_every_path_with_the_fix(conf
         engine()
     model[0].weight.requires_grad_(False)
     engine()
+
+
+def test_a_sync_at_every_training_step_log_is_refused_with_several_data_parallel_groups():
+    """Each group runs training_step once per micro-batch of its Poisson draw: a per-call sync across processes
+    (sync_dist=True, on_step) would meet another step's sync and hang the run. One group, or one sync at the epoch's
+    end, is left alone."""
+    logged = []
+
+    class Logging(nn.Module):
+        def log(self, name, value, prog_bar=False, logger=None, on_step=None, on_epoch=None, reduce_fx="mean",
+                enable_graph=False, sync_dist=False, sync_dist_group=None):
+            logged.append((name, sync_dist, on_step))
+
+    module = Logging()
+    with scalar_logging_only(module, data_parallel_groups=2):
+        with pytest.raises(ValueError, match=r"self.log\('loss', ..., sync_dist=True\) .* 2 data-parallel groups"):
+            module.log("loss", 1.0, sync_dist=True)
+        with pytest.raises(ValueError, match="would hang"):
+            module.log("loss", 1.0, False, None, None, None, "mean", False, True)  # sync_dist given positionally
+        module.log("epoch_loss", 1.0, on_step=False, on_epoch=True, sync_dist=True)
+        module.log("own_loss", 1.0)
+    with scalar_logging_only(module, data_parallel_groups=1):
+        module.log("loss", 1.0, sync_dist=True)
+    assert logged == [("epoch_loss", True, False), ("own_loss", False, None), ("loss", True, None)]
