@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_longshield.activation_checkpointing import apply_activation_checkpointing
 from lightning_longshield.context_parallel import apply_context_parallel_attention
@@ -191,16 +191,19 @@ def materialize_meta_parameters(
 
 
 @torch.no_grad()
-def sync_data_parallel_replicas(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+def sync_data_parallel_replicas(module: nn.Module, group: Optional[dist.ProcessGroup],
+                                sharded_over_all: bool = False) -> None:
     """Give every replica in ``group`` (the data-parallel group) its rank 0's parameters and buffers, each rank its
     local shards, as DDP does when it wraps a model: replicas built apart (an unseeded initialisation in each
-    process) would otherwise train different models from one released gradient. Not for a model sharded over all
-    ranks (``shard_over="all"``), whose ranks hold different shards, not replicas."""
+    process) would otherwise train different models from one released gradient. With ``sharded_over_all`` (FSDP2
+    over every rank, ``shard_over="all"``: its parameters are each rank's own shards, not replicas) only the tensors
+    FSDP2 leaves whole, buffers and unsharded frozen parameters."""
     if group is None or dist.get_world_size(group) == 1:
         return
     source = dist.get_global_rank(group, 0)
     for _, tensor in _named_tensors(module):
-        dist.broadcast(_local(tensor), src=source, group=group)
+        if not (sharded_over_all and isinstance(tensor, DTensor)):
+            dist.broadcast(_local(tensor), src=source, group=group)
 
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -256,8 +256,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         exchange = parallelize(module, self.config, self.context_parallel_mesh, self.root_device, precision,
                                self._padding.mesh, getattr(module, "initialize_materialized", None))
         dp_group = self._submesh(DATA_PARALLEL).get_group() if self.data_parallel_size > 1 else None
-        if self.config.shard_over != "all":
-            sync_data_parallel_replicas(module, dp_group)
+        sync_data_parallel_replicas(module, dp_group, sharded_over_all=self.config.shard_over == "all")
         assert self.privacy.noise is not None
         return DPSGDEngine(module, self.max_grad_norm, self.privacy.noise, self.accountant, exchange, dp_group,
                            self.config, projection_key=self.privacy.projection_key)

@@ -40,8 +40,32 @@ def replicas_built_apart(rank: int, world_size: int) -> None:
         torch.testing.assert_close(got, wanted[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def sharded_over_all_built_apart(rank: int, world_size: int) -> None:
+    """FSDP2 over both ranks (shard_over="all"): each keeps its own parameter shard, and takes rank 0's buffer and
+    unsharded frozen parameter, which FSDP2 leaves whole on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.register_buffer("counts", torch.full((2,), float(rank)))
+    model.frozen = nn.Parameter(torch.full((3,), float(rank)), requires_grad=False)
+    fully_shard(model[0], mesh=init_device_mesh("cpu", (world_size,)))
+    own = model[0].weight.to_local().clone()
+    sync_data_parallel_replicas(model, dist.group.WORLD, sharded_over_all=True)
+    assert torch.equal(model[0].weight.to_local(), own)  # its own shard, not rank 0's
+    assert torch.equal(model.counts, torch.zeros(2)) and torch.equal(model.frozen, torch.zeros(3))
+
+
 @pytest.mark.timeout(60)
 def test_data_parallel_replicas_built_apart_start_from_rank_0s_model(tmp_path):
     """Without it an unseeded model trained as two different replicas from one released gradient (DDP broadcasts
     rank 0's state; the strategy wraps no DDP)."""
     run_processes(2, tmp_path, replicas_built_apart)
+
+
+@pytest.mark.timeout(60)
+def test_under_shard_over_all_the_tensors_left_whole_start_from_rank_0s(tmp_path):
+    """Under shard_over="all" nothing was broadcast: a buffer or frozen parameter initialised apart in each process
+    differed between the data-parallel groups."""
+    run_processes(2, tmp_path, sharded_over_all_built_apart)
