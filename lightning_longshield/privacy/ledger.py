@@ -157,9 +157,14 @@ def steps_beside(entries: list[LedgerEntry], since: Optional[int], checkpoint_st
             by_index.setdefault(entry.index, []).append(entry)
     extra = []
     for lines in by_index.values():
-        lines.sort(key=lambda entry: (-entry.noise_multiplier, entry.sample_rate))
+        lines.sort(key=cost_order, reverse=True)  # the least costly first: taken as the checkpoint's own
         extra += lines[1:]
     return sorted(extra, key=lambda entry: entry.index)
+
+
+def cost_order(entry: LedgerEntry) -> tuple[float, float]:
+    """Sort key of steps, the most costly first: the least noise, then the highest sampling rate."""
+    return entry.noise_multiplier, -entry.sample_rate
 
 
 def missing_indices(entries: list[LedgerEntry], checkpoint_steps: int) -> int:

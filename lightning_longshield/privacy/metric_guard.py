@@ -51,7 +51,8 @@ def scalar_logging_only(module: nn.Module, data_parallel_groups: int = 1) -> Gen
     the groups draw different numbers, so the syncs of different steps would meet (the run hangs, or pairs them)."""
     saved = module.__dict__.get("log")
     original = module.log
-    signature = inspect.signature(original)
+    # Only where a sync could hang: each micro-batch's training_step enters this, so nothing more is done per call.
+    signature = inspect.signature(original) if data_parallel_groups > 1 else None
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if not _one_value(value):
@@ -60,8 +61,8 @@ def scalar_logging_only(module: nn.Module, data_parallel_groups: int = 1) -> Gen
                 " scalar (for per-sample losses, their mean). Its values are not quoted: they are the sampled"
                 " records'."
             )
-        options = signature.bind_partial(name, value, *args, **kwargs).arguments
-        if data_parallel_groups > 1 and options.get("sync_dist") and options.get("on_step") is not False:
+        options = signature.bind_partial(name, value, *args, **kwargs).arguments if signature is not None else {}
+        if options.get("sync_dist") and options.get("on_step") is not False:
             raise ValueError(
                 f"self.log({name!r}, ..., sync_dist=True) in training_step syncs across processes at every call, but"
                 f" each of the {data_parallel_groups} data-parallel groups calls training_step once per micro-batch"

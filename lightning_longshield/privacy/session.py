@@ -21,6 +21,7 @@ from lightning_longshield.privacy.accountant import PrivacyAccountant
 from lightning_longshield.privacy.ledger import (
     LedgerEntry,
     PrivacyLedger,
+    cost_order,
     missing_indices,
     read_ledger,
     steps_after,
@@ -483,7 +484,7 @@ class PrivacySession:
 def _most_costly(lines: list[LedgerEntry], counted: int) -> list[LedgerEntry]:
     """All but ``counted`` of ``lines``, the most costly kept (least noise, highest sampling rate first): the lines an
     earlier resume counted are not known one by one, so the new ones are taken to cost at least as much."""
-    ordered = sorted(lines, key=lambda entry: (entry.noise_multiplier, -entry.sample_rate))
+    ordered = sorted(lines, key=cost_order)
     return ordered[:max(0, len(lines) - counted)]
 
 
