@@ -69,10 +69,14 @@ def test_fused_linear_clip_benchmark_times_each_projection_and_sums_the_model():
         assert report["model"][path] == pytest.approx(expected, abs=1e-3)
 
 
-def test_gpu_throughput_benchmark_refuses_without_cuda():
-    result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_throughput.py")], capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 2 and "CUDA is not available" in result.stderr
+def test_gpu_throughput_benchmark_refuses_without_cuda(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # in this process: a refusal needs no fresh one
+    from gpu_throughput import main
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # as on this CPU-only machine, also where not
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -137,11 +141,13 @@ def test_dp_overhead_reports_each_loop_against_non_dp_and_the_floors():
     assert "nondp_lightning_noise_s" not in row
 
 
-def test_fused_per_layer_worker_refuses_cpu():
-    command = [sys.executable, str(BENCHMARKS / "dp_overhead.py"), "--worker", "longshield_per_layer_fused",
-               "--micro-batch-size", "2", "--device", "cpu"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "needs CUDA" in result.stderr
+def test_fused_per_layer_worker_refuses_cpu(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from dp_overhead import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--worker", "longshield_per_layer_fused", "--micro-batch-size", "2", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "needs CUDA" in capsys.readouterr().err
 
 
 @pytest.mark.slow
