@@ -218,12 +218,13 @@ def test_epsilon_after_sigkills_of_a_two_process_run_covers_every_step_that_ran(
     release, before a save, once its own shards are written, and halfway through the save's state and manifest (the
     kills at a step's start and end, which a second process does not change, are the one-process test's). Every
     attempt resumes from the newest checkpoint whose manifest checks; no checkpoint name ever holds a partial folder;
-    the finished run's epsilon covers every step the ledger holds."""
+    the finished run's epsilon covers every step the ledger holds. The killed attempts start both ranks at once, as
+    torchrun does; the last one relaunches its script as Lightning does by default."""
     rng = random.Random(1)
     points = [(rng.randint(2, 3), "release")] + [(rng.randint(0, 1), p) for p in ("save", "mid_save", "manifest")]
     for kill_after, point in points:
         kill_rank = 0 if point == "manifest" else rng.randint(0, 1)  # rank 0 writes the save's own files
-        result = _attempt(tmp_path, kill_after, point, processes=2, kill_rank=kill_rank)
+        result = _attempt(tmp_path, kill_after, point, processes=2, kill_rank=kill_rank, launched_apart=True)
         assert result.returncode == -signal.SIGKILL, (point, result.stderr[-2000:])
         checkpoints = list((tmp_path / "checkpoints").glob("*.ckpt"))
         assert all(path.is_dir() and is_whole_sharded_checkpoint(path) for path in checkpoints), point
@@ -237,15 +238,25 @@ def test_epsilon_after_sigkills_of_a_two_process_run_covers_every_step_that_ran(
     assert report["epsilon"] >= _rdp_epsilon(ran) * (1 - 1e-9)
 
 
-def _attempt(root, kill_after: int, point: str, processes: int = 1, kill_rank: int = 0) -> subprocess.CompletedProcess:
+def _attempt(root, kill_after: int, point: str, processes: int = 1, kill_rank: int = 0,
+             launched_apart: bool = False) -> subprocess.CompletedProcess:
+    """One attempt of `ledger_crash_worker`. ``launched_apart``: every rank started at once by a shell, with the
+    environment torchrun sets (Lightning then launches none), instead of rank 0 relaunching its script for the others
+    once it has imported everything: the ranks' imports overlap."""
     command = [sys.executable, "-m", "tests.support.ledger_crash_worker", str(root), "6", str(kill_after), point,
                str(processes), str(kill_rank)]
     # A session of its own: a two-process attempt kills its whole process group, never the test's. Its temporary
     # files go under the test's folder: a killed process removes none.
     scratch = Path(root) / "tmp"
     scratch.mkdir(exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    if launched_apart:
+        env.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(processes), NODE_RANK="0")
+        ranks = " ".join(map(str, range(processes)))
+        command = ["bash", "-c", f'for rank in {ranks}; do LOCAL_RANK=$rank RANK=$rank "$@" & done; status=0; '
+                   'for job in $(jobs -p); do wait "$job" || status=$?; done; exit "$status"', "ranks", *command]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2],
-                          start_new_session=True, env={**os.environ, "TMPDIR": str(scratch)})
+                          start_new_session=True, env=env)
 
 
 @pytest.mark.slow

@@ -10,8 +10,10 @@ same save, half written; sharded: once this rank's shards are written), ``manife
 through the save's last files), ``sigterm`` (SIGTERM before the step: the run saves ``last.ckpt`` at the step's end
 and exits with status 0) or ``none``.
 
-With ``PROCESSES`` 2 the script relaunches itself as rank 1 (CP 2, sharded checkpoints) and rank ``KILL_RANK``
-SIGKILLs the whole process group, as a lost node would end the job; run it in a session of its own.
+With ``PROCESSES`` 2 (CP 2, sharded checkpoints) the script relaunches itself as rank 1, or, started once per rank
+with torchrun's environment (``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), joins the
+others; rank ``KILL_RANK`` SIGKILLs the whole process group, as a lost node would end the job: run it in a session of
+its own.
 """
 
 from __future__ import annotations
