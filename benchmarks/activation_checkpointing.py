@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from resident_memory import peak_rss_bytes
+from resident_memory import current_rss_bytes, peak_rss_bytes
 
 WORKER_FLAG = "--worker"
 
@@ -54,7 +54,7 @@ def worker(seq_len: int, checkpointing: bool, layers: int, dim: int, micro_batch
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if not self.start_rss:
-                self.start_rss = peak_rss_bytes()
+                self.start_rss = current_rss_bytes()  # the peak so far may be the set-up's
             self.started = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -197,9 +197,9 @@ class StepProbe(Callback):
         if trainer.global_step > len(self.ends):
             self.ends.append((time.perf_counter(), dict(self.counter.bytes)))
 
-    def timed(self, warmup: int) -> tuple[list[float], dict[str, float]]:
-        """Durations of the steps after ``warmup`` and their communication per step, by kind."""
-        steps = list(zip(self.starts, self.ends))[warmup:]
+    def timed(self, warmup: int, count: int) -> tuple[list[float], dict[str, float]]:
+        """Durations of the ``count`` steps after ``warmup`` and their communication per step, by kind."""
+        steps = list(zip(self.starts, self.ends))[warmup:warmup + count]
         durations = [end - start for (start, _), (end, _) in steps]
         per_step = {
             kind: sum(end[kind] - start[kind] for (_, start), (_, end) in steps) / len(steps) for kind in COLLECTIVES
@@ -257,13 +257,14 @@ def _strategy_and_module(run: Run, config: LlamaConfig) -> tuple[Any, CausalLMMo
 
 
 def train(run: Run, counter: CommunicationCounter) -> dict[str, Any]:
-    """Fit warmup + steps optimizer steps; this rank's measurements."""
+    """Fit warmup + steps optimizer steps, and one more, not timed (the privacy monitor computes epsilon at the end
+    of a fit's last step, before the probe's end of that step); this rank's measurements."""
     tiny = LlamaConfig.from_name("tiny")
     config = replace(tiny, max_seq_len=max(tiny.max_seq_len, run.seq_len))
     strategy, module = _strategy_and_module(run, config)
     dp = METHODS[run.method] is not None
     logical = ACCUMULATION * run.micro_batch_size
-    total_steps = run.warmup + run.steps
+    total_steps = run.warmup + run.steps + 1
     probe = StepProbe(counter)
     trainer = L.Trainer(
         strategy=strategy,
@@ -280,7 +281,7 @@ def train(run: Run, counter: CommunicationCounter) -> dict[str, Any]:
     )
     dataset = RandomTokens(total_steps * logical, run.seq_len, config.vocab_size)
     trainer.fit(module, DataLoader(dataset, batch_size=logical if dp else run.micro_batch_size))
-    durations, communicated = probe.timed(run.warmup)
+    durations, communicated = probe.timed(run.warmup, run.steps)
     return {
         "step_s": statistics.median(durations),
         "peak_rss": peak_rss_bytes(),

@@ -23,7 +23,8 @@ These loops train the same model on the same micro-batches, ``--accumulation`` m
 Every (loop, micro-batch size) runs in a fresh subprocess, so peak memory is measured in isolation: the most bytes
 of tensors alive at once during training, on CUDA ``max_memory_allocated`` above the memory allocated just before
 training (and ``max_memory_reserved``), on CPU the peak of what the CPU allocator reports to the profiler over a
-separate, untimed run of two optimizer steps (the same quantity). On CPU the growth of peak RSS (``ru_maxrss``) from
+separate, untimed run of two optimizer steps (the same quantity). A last optimizer step is not timed: the privacy
+monitor computes epsilon at the end of a fit's last step. On CPU the growth of peak RSS (``ru_maxrss``) from
 just before training is reported too, as ``peak_rss``: it also counts what the C allocator keeps after a free and
 the pages of libraries first used during training, so it says little about what a loop holds. The LongShield loops
 also report the most per-sample-gradient bytes the DP engine held at once, ``opacus`` the size of its
@@ -199,8 +200,8 @@ class _ProfileLastStep(Callback):
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
 
-    def on_train_end(self, trainer: L.Trainer, *_: Any) -> None:
-        if self.profiler is None:
+    def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+        if self.profiler is None or trainer.global_step != self.timed_steps + 1:
             return
         _synchronize(self.args.device)
         self.profiler.__exit__(None, None, None)
@@ -227,6 +228,7 @@ def _lightning_step_ends(
     if args.profile_dir:
         callbacks.append(_ProfileLastStep(args, total_steps))
         total_steps += 1
+    total_steps += 1  # a last step, not timed: the privacy monitor computes epsilon at the end of a fit's last step
     micro, logical = args.micro_batch_size, args.micro_batch_size * args.accumulation
     if dp:
         strategy: Any = LongShieldStrategy(
@@ -467,10 +469,20 @@ class WorkerFailed(RuntimeError):
         self.out_of_memory = out_of_memory
 
 
+#: Seconds one configuration's process may run: a process stuck in a collective or a driver call fails the
+#: benchmark instead of stalling it (a 1B model's T 16384 step on an H100 takes a few seconds).
+WORKER_TIMEOUT_S = 900
+
+
 def measure(method: str, micro_batch_size: int, argv: list[str]) -> dict[str, float]:
     """Run one configuration in a fresh process (``argv``: this script's flags) and return its measurements."""
     command = [sys.executable, __file__, *argv, "--worker", method, "--micro-batch-size", str(micro_batch_size)]
-    result = subprocess.run(command, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired as expired:
+        stderr = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr or ""
+        raise WorkerFailed(f"{method} (micro_batch_size={micro_batch_size}) ran past {WORKER_TIMEOUT_S} s:\n"
+                           f"{stderr[-4000:]}", out_of_memory=False) from None
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
         raise WorkerFailed(f"{method} (micro_batch_size={micro_batch_size}) failed:\n{result.stderr[-4000:]}",

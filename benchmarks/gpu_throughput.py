@@ -6,10 +6,12 @@ The grid is the one LongShield's GPU targets are stated on: ``llama3.2-1b``, bf1
 (16384, 1). Every (configuration, method) runs in a fresh process (``benchmarks/dp_overhead.py``'s worker), so
 peak memory is its own; a run that runs out of memory is reported as ``"out_of_memory"``. Ratios:
 ``longshield_over_nondp`` = LongShield tokens/s / non-DP tokens/s (target >= 0.95 / 0.92 / 0.97),
-``longshield_over_opacus`` (target >= 1.3) and ``longshield_peak_over_nondp`` (peak reserved, target <= 1.03 at
-MBS 1), and ``noise``: the per-step cost of the mechanism's keyed noise against the old seeding and secure mode's
-noise throughput (``benchmarks/noise_generation.py``). Needs CUDA; ``--device cpu --preset tiny --points 64x1`` runs
-the same code at a toy size.
+``longshield_over_opacus`` = LongShield tokens/s / Opacus tokens/s, each in its own loop (Lightning's for
+LongShield, a plain PyTorch loop for Opacus, whose loop is the lighter: a conservative ratio; target >= 1.3) and
+``longshield_peak_over_nondp`` (peak reserved, target <= 1.03 at MBS 1), and ``noise``: the per-step cost of the
+mechanism's keyed noise against the old seeding and secure mode's noise throughput
+(``benchmarks/noise_generation.py``). Needs CUDA; ``--device cpu --preset tiny --points 64x1`` runs the same code at
+a toy size.
 
     python benchmarks/gpu_throughput.py                 # the grid above, on cuda
 """

@@ -49,6 +49,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def best_of(repeats: int, run: Callable[[], None], device: torch.device) -> float:
+    """The least seconds of ``repeats`` calls of ``run``, after one untimed call (first-call costs: allocations,
+    kernel loading, the generators' set-up) that would otherwise land on whichever variant is timed first."""
+    run()
     times = []
     for _ in range(repeats):
         if device.type == "cuda":

@@ -1,6 +1,6 @@
 """Per-layer vs flat clipping on this machine: LongShield flat, LongShield per-layer (PyTorch path; on CUDA also the
 fused Triton kernel), non-DP and Opacus hooks, side by side in one run. Prints JSON (and, with ``--markdown``,
-README's table).
+the table of docs/benchmarks.md).
 
     python benchmarks/per_layer_clipping.py --seq-len 256 --micro-batch-sizes 8 --accumulation 4 \\
         --repeats 3 --budget-mib 400 --budget-micro-batch-sizes 1 2 4 8 16 32 --markdown
@@ -54,7 +54,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=PRECISIONS, default="32-true")
     parser.add_argument("--budget-mib", type=float, default=None, help="memory budget for the largest micro-batch")
     parser.add_argument("--budget-micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--markdown", action="store_true", help="also print README's table")
+    parser.add_argument("--markdown", action="store_true", help="also print the table of docs/benchmarks.md")
     return parser.parse_args(argv)
 
 

@@ -12,6 +12,7 @@ recorded with ``measured_gib: null``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -44,7 +45,8 @@ class TokenWindows(torch.utils.data.Dataset):
 
 
 def measured_peak(model: str, method: str, mbs: int, seq_len: int) -> int | None:
-    """Peak bytes allocated on the GPU during the second of two real DP steps (``None``: out of memory)."""
+    """Peak bytes allocated on the GPU during the second of two real DP steps (``None``: out of memory), less what
+    was still allocated before this configuration (an earlier one's leftovers)."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
@@ -62,8 +64,10 @@ def measured_peak(model: str, method: str, mbs: int, seq_len: int) -> int | None
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == 2:
                 torch.cuda.synchronize()
-                self.peak = torch.cuda.max_memory_allocated()
+                self.peak = torch.cuda.max_memory_allocated() - leftover
 
+    gc.collect()  # a Trainer and its module refer to each other: freed only by the collector
+    leftover = torch.cuda.memory_allocated()
     config = LlamaConfig.from_name(model)
     strategy = LongShieldStrategy(noise_multiplier=1.0, micro_batch_size=mbs, poisson_sampling=False, seed=0,
                                   activation_checkpointing=method == "v3", preflight=False)
@@ -79,6 +83,7 @@ def measured_peak(model: str, method: str, mbs: int, seq_len: int) -> int | None
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # the trace creates its own (fake) one
     del trainer, strategy
+    gc.collect()
     torch.cuda.empty_cache()
     return probe.peak
 

@@ -1,5 +1,5 @@
 """The LongShield paper's comparison on this machine: ZeRO-DP+ vs LongShield V2 / V3 vs Opacus ghost clipping, with
-their non-DP loops, side by side in one run. Prints JSON (and, with ``--markdown``, README's table).
+their non-DP loops, side by side in one run. Prints JSON (and, with ``--markdown``, the table of docs/benchmarks.md).
 
     python benchmarks/zero_dp_vs_longshield.py --seq-len 256 --micro-batch-sizes 1 2 4 8 \\
         --budget-mib 600 --budget-seq-lens 256 512 1024 2048 --markdown
@@ -45,7 +45,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--budget-mib", type=float, default=None, help="memory budget for the max sequence length")
     parser.add_argument("--budget-seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--budget-micro-batch-size", type=int, default=4)
-    parser.add_argument("--markdown", action="store_true", help="also print README's table")
+    parser.add_argument("--markdown", action="store_true", help="also print the table of docs/benchmarks.md")
     return parser.parse_args(argv)
 
 

@@ -203,3 +203,30 @@ def test_a_sharded_save_holds_its_own_shard_and_the_full_save_the_whole_state():
     assert full["rank0_save_memory_growth_mib"] > 0.5 * state_mib
     assert sharded["save_memory_growth_mib"] < 0.25 * state_mib / 2  # a quarter of one rank's shard
     assert sharded["mib_on_disk"] == pytest.approx(full["mib_on_disk"], rel=0.05)
+
+
+def test_no_timed_dp_step_includes_the_epsilon_of_the_last_step(monkeypatch):
+    """The privacy monitor computes epsilon at the end of a fit's first and last steps: the Lightning loop's timed
+    steps (after the warm-up) include neither."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import time
+
+    import dp_overhead
+
+    from lightning_longshield import LongShieldStrategy
+
+    args = dp_overhead.parse_args(["--seq-len", "16", "--accumulation", "1", "--warmup", "1", "--steps", "2",
+                                   "--worker", "longshield", "--micro-batch-size", "1"])
+    total_steps = args.warmup + args.steps + 1
+    computed: list[float] = []
+    get_epsilon = LongShieldStrategy.get_epsilon
+
+    def timed_get_epsilon(self, *rest, **options):
+        computed.append(time.perf_counter())
+        return get_epsilon(self, *rest, **options)
+
+    monkeypatch.setattr(LongShieldStrategy, "get_epsilon", timed_get_epsilon)
+    dataset = dp_overhead._dataset(args, total_steps * args.micro_batch_size)
+    ends = dp_overhead._lightning_step_ends(args, dataset, True, total_steps, {})
+    first_timed_start, last_timed_end = ends[args.warmup], ends[total_steps - 1]
+    assert computed and not [moment for moment in computed if first_timed_start < moment < last_timed_end]
