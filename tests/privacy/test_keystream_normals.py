@@ -51,10 +51,10 @@ def reference_normals(key: bytes, nonce: int, numel: int, std: float) -> np.ndar
     values, position = [], 0
     for size in block_sizes:
         pairs = (size + 1) // 2
-        low = words[position:position + 2 * pairs] & np.uint64(2**24 - 1)
+        block = words[position:position + 2 * pairs]
         position += 2 * pairs
-        u = 1.0 - low[:pairs].astype(np.float64) * 2.0**-24
-        v = low[pairs:].astype(np.float64) * 2.0**-24
+        u = ((block[:pairs] & np.uint64(2**31 - 1)).astype(np.float32).astype(np.float64) + 1.0) * 2.0**-31
+        v = (block[pairs:] & np.uint64(2**24 - 1)).astype(np.float64) * 2.0**-24
         radius = np.sqrt(-2.0 * np.log(u)) * std
         sines = (radius * np.sin(2 * np.pi * v))[: size - pairs]
         values.append(np.concatenate([radius * np.cos(2 * np.pi * v), sines]))
@@ -89,17 +89,19 @@ def test_draws_are_standard_normal_and_keyed_by_key_and_nonce():
         assert abs(values.mean()) < 5 / math.sqrt(values.size)
         tail = np.mean(np.abs(values) > 3)  # 0.0027 for a standard normal; its standard error here is 5e-5
         assert abs(tail - 2 * stats.norm.sf(3)) < 5 * math.sqrt(tail / values.size)
-        assert np.abs(values).max() <= math.sqrt(48 * math.log(2)) * (1 + 1e-6)
+        assert np.abs(values).max() <= math.sqrt(62 * math.log(2)) * (1 + 1e-6)
     correlations = torch.corrcoef(torch.stack(draws))
     assert correlations[~torch.eye(3, dtype=torch.bool)].abs().max() < 5 / 2**10
 
 
 def test_the_extreme_words_give_the_largest_radius_and_zero():
-    """Low 24 bits all ones: u = 2^-24, the largest radius sqrt(48 ln 2); all zeros: u = 1, radius 0. High bits are
-    ignored (a negative int32 word masks like any other)."""
-    words = torch.tensor([-1, 0, 0, 0], dtype=torch.int32)  # radii from words 0 and 1, angles from words 2 and 3
+    """A radius word's low 31 bits all zeros: u = 2^-31, the largest radius sqrt(62 ln 2) ~ 6.56, beyond the 5.77 of
+    24-bit uniforms (a shorter cut-off of the noise costs privacy: see `keystream_normals`); all ones: u = 1, radius
+    0. The sign bit is ignored (a negative int32 word masks like any other)."""
+    words = torch.tensor([0, -1, 0, 0], dtype=torch.int32)  # radii from words 0 and 1, angles from words 2 and 3
     values = box_muller(words, std=1.0)  # r0 cos(0), r1 cos(0), r0 sin(0), r1 sin(0)
-    torch.testing.assert_close(values, torch.tensor([math.sqrt(48 * math.log(2)), 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(values, torch.tensor([math.sqrt(62 * math.log(2)), 0.0, 0.0, 0.0]))
+    assert box_muller(torch.tensor([2**31 - 1, 0], dtype=torch.int32), std=1.0)[0] == 0.0  # u = 1 exactly
     assert values.data_ptr() == words.data_ptr()  # formed in the keystream's memory
 
 
