@@ -132,7 +132,9 @@ def _run_from_file(args: argparse.Namespace) -> dict[str, Any]:
     strategy = trainer.get("strategy")
     if not (hasattr(strategy, "get") and str(strategy.get("class_path", "")).endswith("LongShieldStrategy")):
         raise SystemExit(f"{args.config}: trainer.strategy must be LongShieldStrategy to audit a DP run.")
-    options = {key: value for key, value in dict(strategy.get("init_args") or {}).items() if value is not None}
+    # The run's noise_seed stays out: seeded, the audit would draw the audited run's own noise and masks again.
+    options = {key: value for key, value in dict(strategy.get("init_args") or {}).items()
+               if value is not None and key != "noise_seed"}
     datamodule = cli.datamodule
     datamodule.setup("fit")
     configured = trainer.get("max_steps")

@@ -70,7 +70,8 @@ class PrivacySession:
             rank_zero_warn(
                 "noise_seed is set: the noise and the Poisson sampling are reproducible from this seed. The"
                 " privacy guarantee holds only while the seed stays secret: anyone who knows it can subtract the noise"
-                " and see which samples each step used. Use it for tests, never for a release."
+                " and see which samples each step used. Two runs with one seed draw the same noise at each step, so"
+                " even with the seed secret their releases together cancel it. Use it for tests, never for a release."
             )
         self.arguments = arguments
         self.secure_mode = secure_mode

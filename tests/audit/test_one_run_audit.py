@@ -15,6 +15,7 @@ import math
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -237,6 +238,15 @@ def _run_file(tmp_path, devices: object, context_parallel_size: object, max_step
                          context_parallel_size: {context_parallel_size}, shard_over: all}}
         """))
     return str(config)
+
+
+def test_a_run_files_noise_seed_is_not_the_audits(tmp_path):
+    """Seeded, the audit would draw the audited run's own noise and Poisson masks again: it leaves the seed out."""
+    config = Path(_run_file(tmp_path, 1, 1))
+    config.write_text(config.read_text().replace("noise_multiplier: 1.0,", "noise_multiplier: 1.0, noise_seed: 7,"))
+    with pytest.warns(UserWarning, match="noise_seed is set"):  # the run file's own strategy, as the CLI builds it
+        run = audit_cli._run_from_file(audit_cli.parse_args(["--config", str(config)]))
+    assert "noise_seed" not in run["strategy_options"] and run["strategy_options"]["noise_multiplier"] == 1.0
 
 
 def test_the_audit_runs_in_one_process_without_the_layout_options():
