@@ -45,6 +45,9 @@ def check_batch(batch: Any, vocab_size: Optional[int]) -> None:
         )
     if input_ids.dtype.is_floating_point or labels.dtype.is_floating_point:
         raise ValueError(f"input_ids and labels must be integer tensors; got {input_ids.dtype} and {labels.dtype}.")
+    if labels.dtype not in (torch.int64, torch.uint8):
+        raise ValueError(f"labels must be int64 (cross-entropy takes no other integer targets); got {labels.dtype}:"
+                         " pass labels.long().")
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1 and (mask[:, 1:] > mask[:, :-1]).any():
         raise ValueError(
@@ -143,8 +146,9 @@ class CausalLMModule(L.LightningModule):
 
     ``loss_chunk_tokens``: the loss (training and validation) runs the output head and the fp32 cross-entropy over
     chunks of that many positions (`chunked_token_loss_sums`), so the whole ``(B, T, vocab)`` logits never exist; the
-    loss, its gradients and every clipping path's per-sample gradients are those of the whole logits. ``"auto"`` (the
-    default) chunks where the whole logits would take more than 1 GiB, with chunks sized by
+    loss, its gradients and every clipping path's per-sample gradients are those of the whole logits (in bf16, to a
+    rounding that grows with the chunks: the head's per-sample gradient is summed over them in bf16). ``"auto"`` (the
+    default) chunks where the whole logits' fp32 working set (12 bytes a logit) would pass 1 GiB, with chunks sized by
     `simulate.loss_chunks.auto_loss_chunk_tokens`; ``None`` never chunks.
 
     ``log_train_loss=True`` also logs ``train_loss``, the loss of each sampled micro-batch. It is computed without
