@@ -154,6 +154,8 @@ def clip_factors(
     """
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"Clip factors are fp32 or fp64, not {dtype}.")
+    if not 0 <= margin < 1:  # a margin of 1 or more would make every bound 0 or negative
+        raise ValueError(f"A clipping margin is in [0, 1), not {margin}.")
     norms = squared_norms.double().sqrt()
     if rounding is not None:
         norms = norms + rounding

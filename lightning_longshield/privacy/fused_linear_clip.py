@@ -72,8 +72,10 @@ def _sample_tile(
 ):
     """The ``(BLOCK_OUT, BLOCK_IN)`` tile of ``G_sample^T A_sample`` in fp32.
 
-    Offsets along the sample and token dimensions are int64: Triton passes a stride below 2^31 as int32, and
-    ``t * stride_gt`` reaches ``T x out``, past 2^31 for an unchunked 128k-vocabulary head at T >= 16,744."""
+    Every offset is int64 (``offs_out`` and ``offs_in`` come as int64 from the kernels): Triton passes a stride below
+    2^31 as int32, and ``t * stride_gt`` reaches ``T x out``, past 2^31 for an unchunked 128k-vocabulary head at
+    T >= 16,744; ``out * stride_go`` does the same for a transposed gradient, and a weight past 2^31 elements
+    overflows ``out * in``."""
     offs_t = tl.arange(0, BLOCK_TOKENS).to(tl.int64)
     sample = tl.cast(sample, tl.int64)
     g_sample, a_sample = g_ptr + sample * stride_gb, a_ptr + sample * stride_ab
@@ -95,8 +97,8 @@ def _squared_norms_kernel(
     BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     sample = tl.program_id(0)
-    offs_out = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    offs_in = tl.program_id(2) * BLOCK_IN + tl.arange(0, BLOCK_IN)
+    offs_out = (tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)).to(tl.int64)
+    offs_in = (tl.program_id(2) * BLOCK_IN + tl.arange(0, BLOCK_IN)).to(tl.int64)
     tile = _sample_tile(a_ptr, g_ptr, sample, offs_out, offs_in, tokens, n_out, n_in,
                         stride_ab, stride_at, stride_ai, stride_gb, stride_gt, stride_go,
                         BLOCK_OUT, BLOCK_IN, BLOCK_TOKENS, PRECISION)
@@ -110,8 +112,8 @@ def _clipped_sum_kernel(
     stride_ab, stride_at, stride_ai, stride_gb, stride_gt, stride_go, stride_oo, stride_oi,
     BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    offs_out = tl.program_id(0) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    offs_in = tl.program_id(1) * BLOCK_IN + tl.arange(0, BLOCK_IN)
+    offs_out = (tl.program_id(0) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)).to(tl.int64)
+    offs_in = (tl.program_id(1) * BLOCK_IN + tl.arange(0, BLOCK_IN)).to(tl.int64)
     total = tl.zeros((BLOCK_OUT, BLOCK_IN), dtype=tl.float32)
     for sample in range(0, batch):
         tile = _sample_tile(a_ptr, g_ptr, sample, offs_out, offs_in, tokens, n_out, n_in,

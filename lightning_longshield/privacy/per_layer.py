@@ -167,15 +167,34 @@ class PerLayerClipper:
             linear_squared_norms,
         )
 
+        margin = fused_kernel_margin(activation.numel() // (activation.shape[0] * activation.shape[-1]))
         tiles = tiles or DEFAULT_TILES
         squared = linear_squared_norms(activation, grad_output, tiles)
         self._squared_norms += squared
-        # The norm and the sum are two fp32 reductions over the tokens: each off by at most T 2^-24 relative.
-        tokens = activation.numel() // (activation.shape[0] * activation.shape[-1])
-        factors = clip_factors(squared, self.thresholds[name], max(CLIP_MARGIN, 2 * tokens * 2.0**-24))
+        factors = clip_factors(squared, self.thresholds[name], margin)
         shape = (grad_output.shape[-1], activation.shape[-1])
         add_clipped_linear_sum(self.accumulator.running_sum(name, shape, grad_output.device), activation, grad_output,
                                factors, tiles)
+
+
+#: Tokens a sample from which the fused kernels' margin would take a quarter or more off the clipping bound.
+FUSED_KERNEL_TOKEN_LIMIT = 2**21
+
+
+def fused_kernel_margin(tokens: int) -> float:
+    """The clipping margin of the fused kernels at ``tokens`` tokens a sample: the norm and the sum are two fp32
+    reductions over the tokens, each off by at most ``tokens x 2^-24`` relative, so ``2 tokens 2^-24`` (at least
+    `CLIP_MARGIN`). It grows with the sequence (1.6% at 2^17 tokens, 12.5% at 2^20, all of the bound at 2^23): from
+    `FUSED_KERNEL_TOKEN_LIMIT` on, where it would take a quarter or more off every clipped gradient, the sequence is
+    refused with the fix instead of trained on silently."""
+    margin = max(CLIP_MARGIN, 2 * tokens * 2.0**-24)
+    if tokens >= FUSED_KERNEL_TOKEN_LIMIT:
+        raise ValueError(
+            f"PerLayerClipping(kernel='triton') clips within a margin of 2 x tokens x 2^-24 of the bound, {margin:.0%}"
+            f" at this sequence length (from {FUSED_KERNEL_TOKEN_LIMIT} tokens a sample on): use"
+            " PerLayerClipping(kernel='torch'), whose margin does not grow with the sequence."
+        )
+    return margin
 
 
 def _factors_on_host(squared: torch.Tensor) -> bool:

@@ -47,10 +47,11 @@ def test_kernels_under_the_interpreter():
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="compiles the kernel for a GPU target (Triton's compiler)")
-def test_token_offsets_are_int64_in_the_compiled_kernels():
+def test_offsets_are_int64_in_the_compiled_kernels():
     """``t * stride`` along the tokens reaches ``T x out``, past 2^31 for an unchunked 128k-vocabulary head at
-    T >= 16,744, where Triton passes the stride as int32: the kernels form those products in int64 (read from the
-    Triton IR of a CUDA compilation, which needs no GPU)."""
+    T >= 16,744, where Triton passes the stride as int32; ``out * stride`` does the same for a transposed gradient and
+    for a weight past 2^31 elements: the kernels form every offset product in int64 (read from the Triton IR of a
+    CUDA compilation, which needs no GPU)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -77,6 +78,11 @@ def test_token_offsets_are_int64_in_the_compiled_kernels():
         # the sample's offset, sample * stride (B x T x out elements in all), a scalar product
         sample_products = [line for line in ir.splitlines() if "arith.muli %sample" in line]  # for G and for A
         assert len(sample_products) == 2 and all(": i64" in line for line in sample_products), sample_products
+        # the output and input rows' offsets times a stride: (64, 1) and (1, 64), in the tile and in the sum's store
+        row_products = [line for line in ir.splitlines()
+                        if "arith.muli" in line and ("tensor<64x1x" in line or "tensor<1x64x" in line)]
+        assert len(row_products) == (2 if kernel is _squared_norms_kernel else 4), "\n".join(row_products)
+        assert all("xi64>" in line for line in row_products), "\n".join(row_products)
 
 
 def per_sample_weights(activation: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:

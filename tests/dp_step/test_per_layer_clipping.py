@@ -19,7 +19,12 @@ from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PrivacyAcco
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
 from lightning_longshield.privacy.clipping import clip_factors, per_parameter_squared_norms
 from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
-from lightning_longshield.privacy.per_layer import PerLayerClipper, per_layer_thresholds
+from lightning_longshield.privacy.per_layer import (
+    FUSED_KERNEL_TOKEN_LIMIT,
+    PerLayerClipper,
+    fused_kernel_margin,
+    per_layer_thresholds,
+)
 from simulate.strategy_config import PerLayerClipping, StrategyConfig
 from tests.support.helpers import (
     AtenOpCounts,
@@ -386,3 +391,18 @@ def test_per_sample_gradients_are_freed_layer_by_layer(checkpointing):
         assert engine.exchange.held_bytes == 0 and not engine.exchange.grad_samples
     sizes = [p.numel() * 4 * BATCH for p in model.parameters()]
     assert held == {"flat": sum(sizes), "per_layer": max(sizes)}
+
+
+def test_the_fused_kernels_margin_grows_with_the_sequence_and_is_refused_where_it_would_eat_the_bound():
+    """The fused kernels' two fp32 reductions over T tokens are each off by up to T 2^-24: their margin 2 T 2^-24
+    reached the whole bound at 2^23 tokens a sample (every factor 0, the layer's update noise alone) and passed it
+    beyond (negative factors). From 2^21 tokens (a quarter off every clipped gradient) the sequence is refused."""
+    assert fused_kernel_margin(16) == 2.0**-18  # short sequences: the usual margin
+    assert fused_kernel_margin(2**17) == pytest.approx(2**-6)  # 1.6%
+    assert fused_kernel_margin(FUSED_KERNEL_TOKEN_LIMIT - 1) < 0.25
+    for tokens in (FUSED_KERNEL_TOKEN_LIMIT, 2**23, 2**25):
+        with pytest.raises(ValueError, match=r"kernel='torch'"):
+            fused_kernel_margin(tokens)
+    for margin in (1.0, 1.5, -0.1):  # a bound of 0 or below, or above C
+        with pytest.raises(ValueError, match=r"margin is in \[0, 1\)"):
+            clip_factors(torch.tensor([4.0], dtype=torch.float64), 1.0, margin)
