@@ -132,8 +132,9 @@ class PrivacySession:
         """Fresh secret randomness for a fit: this process's noise generator, the Poisson masks' key and (randomized
         clipping) the projections' key.
 
-        Draws are keyed by the DP step, so with ``noise_seed`` a resumed or second fit continues the streams instead
-        of replaying them. ``stream`` (data-parallel rank, context-parallel rank) separates the processes' noise;
+        Draws are keyed by the DP step, so with ``noise_seed`` a resumed or second fit of this session continues the
+        streams instead of replaying them; another session with the same seed (a new strategy, a sweep) starts them
+        again from its own step 0, and draws the same noise. ``stream`` (data-parallel rank, context-parallel rank) separates the processes' noise;
         ``broadcast`` (from rank 0) gives every process the same Poisson masks and projections, and the run id that
         a ledger this run opens will name.
         """
