@@ -134,9 +134,9 @@ class PrivacySession:
 
         Draws are keyed by the DP step, so with ``noise_seed`` a resumed or second fit of this session continues the
         streams instead of replaying them; another session with the same seed (a new strategy, a sweep) starts them
-        again from its own step 0, and draws the same noise. ``stream`` (data-parallel rank, context-parallel rank) separates the processes' noise;
-        ``broadcast`` (from rank 0) gives every process the same Poisson masks and projections, and the run id that
-        a ledger this run opens will name.
+        again from its own step 0, and draws the same noise. ``stream`` (data-parallel rank, context-parallel rank)
+        separates the processes' noise; ``broadcast`` (from rank 0) gives every process the same Poisson masks and
+        projections, and the run id that a ledger this run opens will name.
         """
         if self.noise_seed is not None:
             seeded = SecretKey.from_seed(self.noise_seed)
