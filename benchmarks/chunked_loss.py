@@ -4,7 +4,8 @@ step of the ``tiny`` preset with a realistic vocabulary. Prints one JSON object 
 
     python benchmarks/chunked_loss.py --seq-len 4096 --vocab 32000 --chunk-tokens auto
 
-Every measurement runs in a fresh process with ``MALLOC_MMAP_THRESHOLD_`` lowered so freed large blocks go back to
+Every measurement runs in a fresh process (forked from a server that imported the libraries once) with
+``MALLOC_MMAP_THRESHOLD_`` lowered so freed large blocks go back to
 the OS and peak RSS tracks live memory; memory is the peak-RSS growth over the measured work.
 """
 
@@ -13,24 +14,42 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from resident_memory import current_rss_bytes, peak_rss_bytes
 
-WORKER_FLAG = "--worker"
-
 
 def run_worker(kind: str, chunk_tokens: int, args: argparse.Namespace) -> dict[str, Any]:
-    command = [sys.executable, __file__, WORKER_FLAG, kind, str(chunk_tokens), str(args.seq_len), str(args.vocab),
-               str(args.micro_batch_size), str(args.repeats)]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(result.stderr[-2000:])
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """One measurement in a fresh process, forked from a server that imported the libraries once (instead of 10 s of
+    imports in each), with glibc returning large freed blocks to the OS so that RSS follows the live tensors."""
+    import multiprocessing
+
+    import chunked_loss  # by name (also where this file runs as the script): the target's module in the worker
+
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the server's C library when it starts; forks inherit it
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["lightning_longshield"])  # installed: Python 3.11's server ignores sys.path
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder, "result.json")
+        process = context.Process(target=chunked_loss.measure_into, args=(
+            str(result), kind, chunk_tokens, args.seq_len, args.vocab, args.micro_batch_size, args.repeats))
+        process.start()
+        process.join()
+        if process.exitcode or not result.exists():
+            raise RuntimeError(f"the {kind} worker (chunk_tokens={chunk_tokens}) failed with exit code"
+                               f" {process.exitcode}; its traceback is above")
+        return json.loads(result.read_text())
+
+
+def measure_into(path: str, kind: str, *arguments: int) -> None:
+    """A worker's measurement (`loss_phase` or `dp_step` of ``arguments``), written to ``path`` as JSON; what the
+    libraries print goes to standard error, never into the driver's JSON on standard output."""
+    os.dup2(2, 1)
+    measure = loss_phase if kind == "loss_phase" else dp_step
+    Path(path).write_text(json.dumps(measure(*arguments)))
 
 
 def loss_phase(chunk_tokens: int, seq_len: int, vocab: int, micro_batch_size: int, repeats: int) -> dict[str, Any]:
@@ -141,9 +160,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
-        kind, chunk, seq_len, vocab, mbs, repeats = sys.argv[2], *map(int, sys.argv[3:8])
-        measure = loss_phase if kind == "loss_phase" else dp_step
-        print(json.dumps(measure(chunk, seq_len, vocab, mbs, repeats)))
-    else:
-        main()
+    main()
