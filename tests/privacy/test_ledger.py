@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from opacus.accountants import RDPAccountant
 
@@ -240,23 +241,43 @@ def test_epsilon_after_sigkills_of_a_two_process_run_covers_every_step_that_ran(
 
 def _attempt(root, kill_after: int, point: str, processes: int = 1, kill_rank: int = 0,
              launched_apart: bool = False) -> subprocess.CompletedProcess:
-    """One attempt of `ledger_crash_worker`. ``launched_apart``: every rank started at once by a shell, with the
-    environment torchrun sets (Lightning then launches none), instead of rank 0 relaunching its script for the others
-    once it has imported everything: the ranks' imports overlap."""
-    command = [sys.executable, "-m", "tests.support.ledger_crash_worker", str(root), "6", str(kill_after), point,
-               str(processes), str(kill_rank)]
-    # A session of its own: a two-process attempt kills its whole process group, never the test's. Its temporary
-    # files go under the test's folder: a killed process removes none.
+    """One attempt of `ledger_crash_worker`. One process: forked from this worker's server, which imported the
+    libraries once. Two: ``launched_apart``, every rank started at once by a shell, with the environment torchrun sets
+    (Lightning then launches none), else rank 0 relaunching its script for the others as Lightning does."""
+    arguments = [str(root), "6", str(kill_after), point, str(processes), str(kill_rank)]
+    # Its temporary files go under the test's folder: a killed process removes none.
     scratch = Path(root) / "tmp"
     scratch.mkdir(exist_ok=True)
+    if processes == 1:
+        return _attempt_in_a_fork(arguments, scratch)
+    command = [sys.executable, "-m", "tests.support.ledger_crash_worker", *arguments]
     env = {**os.environ, "TMPDIR": str(scratch)}
     if launched_apart:
         env.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(processes), NODE_RANK="0")
         ranks = " ".join(map(str, range(processes)))
         command = ["bash", "-c", f'for rank in {ranks}; do LOCAL_RANK=$rank RANK=$rank "$@" & done; status=0; '
                    'for job in $(jobs -p); do wait "$job" || status=$?; done; exit "$status"', "ranks", *command]
+    # A session of its own: a two-process attempt kills its whole process group, never the test's.
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2],
                           start_new_session=True, env=env)
+
+
+def _attempt_in_a_fork(arguments: list[str], scratch: Path) -> subprocess.CompletedProcess:
+    """A one-process attempt (it kills only itself) in a process forked from this test worker's forkserver."""
+    from tests.support import ledger_crash_worker
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["lightning_longshield"])  # where this worker has not started the server yet
+    stdout, stderr = scratch / "stdout", scratch / "stderr"
+    environment = {"TMPDIR": str(scratch), "MASTER_PORT": os.environ["MASTER_PORT"]}  # not the server's
+    process = context.Process(target=ledger_crash_worker.run_attempt,
+                              args=(arguments, str(stdout), str(stderr), environment))
+    process.start()
+    process.join(300)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    return subprocess.CompletedProcess(arguments, process.exitcode, stdout.read_text(), stderr.read_text())
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,5 +143,21 @@ def main(root: Path, max_steps: int, kill_after: int, kill_point: str, processes
                           "run": strategy.privacy.run_id}))
 
 
+def run_attempt(argv: list[str], stdout_path: str, stderr_path: str, environment: dict[str, str]) -> None:
+    """One one-process attempt in a process forked from the test's server (``argv`` as on the command line, without
+    the imports of a fresh interpreter): its output goes to the two files, ``environment`` updates its environment."""
+    for descriptor, path in ((1, stdout_path), (2, stderr_path)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(file, descriptor)
+        os.close(file)
+    os.environ.update(environment)
+    tempfile.tempdir = None  # TMPDIR is read again
+    _main_of(argv)
+
+
+def _main_of(argv: list[str]) -> None:
+    main(Path(argv[0]), int(argv[1]), int(argv[2]), argv[3], *map(int, argv[4:6]))
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:7]))
+    _main_of(sys.argv[1:])
