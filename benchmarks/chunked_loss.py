@@ -19,35 +19,30 @@ import time
 from pathlib import Path
 from typing import Any
 
+from forked_workers import exit_code_of, redirect_output
 from resident_memory import current_rss_bytes, peak_rss_bytes
 
 
 def run_worker(kind: str, chunk_tokens: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One measurement in a fresh process, forked from a server that imported the libraries once (instead of 10 s of
-    imports in each), with glibc returning large freed blocks to the OS so that RSS follows the live tensors."""
-    import multiprocessing
-
+    """One measurement in a fresh process (`forked_workers`), with glibc returning large freed blocks to the OS so
+    that RSS follows the live tensors."""
     import chunked_loss  # by name (also where this file runs as the script): the target's module in the worker
 
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the server's C library when it starts; forks inherit it
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["lightning_longshield"])  # installed: Python 3.11's server ignores sys.path
     with tempfile.TemporaryDirectory() as folder:
         result = Path(folder, "result.json")
-        process = context.Process(target=chunked_loss.measure_into, args=(
+        exit_code = exit_code_of(chunked_loss.measure_into, (
             str(result), kind, chunk_tokens, args.seq_len, args.vocab, args.micro_batch_size, args.repeats))
-        process.start()
-        process.join()
-        if process.exitcode or not result.exists():
-            raise RuntimeError(f"the {kind} worker (chunk_tokens={chunk_tokens}) failed with exit code"
-                               f" {process.exitcode}; its traceback is above")
+        if exit_code or not result.exists():
+            raise RuntimeError(f"the {kind} worker (chunk_tokens={chunk_tokens}) failed with exit code {exit_code};"
+                               " its traceback is above")
         return json.loads(result.read_text())
 
 
 def measure_into(path: str, kind: str, *arguments: int) -> None:
     """A worker's measurement (`loss_phase` or `dp_step` of ``arguments``), written to ``path`` as JSON; what the
     libraries print goes to standard error, never into the driver's JSON on standard output."""
-    os.dup2(2, 1)
+    redirect_output(None, None)
     measure = loss_phase if kind == "loss_phase" else dp_step
     Path(path).write_text(json.dumps(measure(*arguments)))
 

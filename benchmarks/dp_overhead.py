@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -66,6 +65,7 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from forked_workers import exit_code_of, redirect_output
 from lightning.pytorch.callbacks import Callback
 from opacus import PrivacyEngine
 from opacus.utils.batch_memory_manager import wrap_data_loader
@@ -477,48 +477,30 @@ WORKER_TIMEOUT_S = 900
 
 
 def measure(method: str, micro_batch_size: int, argv: list[str]) -> dict[str, float]:
-    """Run one configuration in a fresh process (``argv``: this script's flags) and return its measurements.
-
-    The process is forked from a server that imported torch, Lightning, Opacus and the library once per driver, not
-    started afresh: about 10 s of imports less per configuration on 2 CPU cores. It has touched no
-    device and allocated nothing of a loop's, so its memory is measured in isolation as before."""
-    import multiprocessing
-
+    """Run one configuration in a fresh process (``argv``: this script's flags; `forked_workers`) and return its
+    measurements."""
     import dp_overhead  # by name (also where this file runs as the script): the target's module in the worker
 
-    context = multiprocessing.get_context("forkserver")
-    # Read when the server starts (on the first configuration). Modules of the environment, not this folder's: the
-    # server of Python 3.11 imports them without the caller's sys.path, and skips one it cannot find.
-    context.set_forkserver_preload(["lightning_longshield", "opacus"])
     worker_argv = [*argv, "--worker", method, "--micro-batch-size", str(micro_batch_size)]
     with tempfile.TemporaryDirectory() as folder:
         stdout_path, stderr_path = Path(folder, "stdout"), Path(folder, "stderr")
-        process = context.Process(target=dp_overhead.run_forked_worker,
-                                  args=(worker_argv, str(stdout_path), str(stderr_path)))
-        process.start()
-        process.join(WORKER_TIMEOUT_S)
-        timed_out = process.is_alive()
-        if timed_out:
-            process.kill()
-            process.join()
+        exit_code = exit_code_of(dp_overhead.run_forked_worker, (worker_argv, str(stdout_path), str(stderr_path)),
+                                 WORKER_TIMEOUT_S)
         stdout = stdout_path.read_text(errors="replace") if stdout_path.exists() else ""
         stderr = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
-    if timed_out:
+    if exit_code is None:
         raise WorkerFailed(f"{method} (micro_batch_size={micro_batch_size}) ran past {WORKER_TIMEOUT_S} s:\n"
                            f"{stderr[-4000:]}", out_of_memory=False)
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if process.exitcode != 0 or not lines:
+    if exit_code != 0 or not lines:
         raise WorkerFailed(f"{method} (micro_batch_size={micro_batch_size}) failed:\n{stderr[-4000:]}",
                            out_of_memory="OutOfMemoryError" in stderr)
     return json.loads(lines[-1])
 
 
 def run_forked_worker(argv: list[str], stdout_path: str, stderr_path: str) -> None:
-    """A configuration's process: its standard output and error (also what C++ writes) go to the two files."""
-    for descriptor, path in ((1, stdout_path), (2, stderr_path)):
-        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(file, descriptor)
-        os.close(file)
+    """A configuration's process: its standard output and error go to the two files."""
+    redirect_output(stdout_path, stderr_path)
     main(argv)
 
 
