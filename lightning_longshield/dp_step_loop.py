@@ -40,7 +40,7 @@ class DPStepLoop:
         for microbatch in microbatches:
             output = self._microbatch_step(microbatch, rest, kwargs)
         for _ in range(padding):
-            self._padding_step(self._padding.microbatch(batch, self.batch_to_device), rest, kwargs)
+            self._padding_step(self._padding.microbatch(self.batch_to_device), rest, kwargs)
         if not microbatches:
             return torch.zeros((), device=self.root_device)
         self._check_logged_metrics()

@@ -11,8 +11,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_longshield.batching import batch_size_of, samples_of
-
 
 class ZeroWeightPadding:
     """How many padding micro-batches a rank runs after its own, and the one-sample batch they run.
@@ -42,23 +40,25 @@ class ZeroWeightPadding:
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.mesh.get_group())
         return int(most.item()) - own
 
-    def microbatch(self, batch: Any, to_device: Callable[[Any], Any]) -> Any:
-        """The training set's first sample, collated and moved to the device like any batch (kept for the fit), or,
-        for training data that is not a `DataLoader`, the first sample of this step's ``batch``."""
-        if self._batch is not None:
-            return self._batch
-        if self._source is not None:
+    def check_source(self) -> None:
+        """As training starts, on every rank: padding needs training data to take its batch from. Refused where the
+        training data is not a `DataLoader` (then only the ranks that must pad would fail, and the others would wait
+        in a collective until its timeout)."""
+        if self.mesh is not None and self._source is None:
+            raise RuntimeError(
+                "shard_over='all' with data parallelism runs padding micro-batches (every rank runs as many"
+                " micro-batches as the data-parallel group with the most samples), taken from the training data's"
+                " first sample, but the training data is not a torch DataLoader over a map-style dataset. Return"
+                " one from train_dataloader, or use shard_over='context_parallel'."
+            )
+
+    def microbatch(self, to_device: Callable[[Any], Any]) -> Any:
+        """The training set's first sample, collated and moved to the device like any batch (kept for the fit)."""
+        if self._batch is None:
+            assert self._source is not None, "check_source() runs as training starts"
             dataset, collate = self._source
             self._batch = to_device(collate([dataset[0]]))
-            return self._batch
-        if batch_size_of(batch) > 0:
-            return samples_of(batch, 0, 1)
-        raise RuntimeError(
-            "A padding micro-batch is needed (shard_over='all': every rank runs as many micro-batches as the"
-            " data-parallel group with the most samples) but this group's batch is empty and the training data"
-            " is not a DataLoader with a map-style dataset to take its shapes from. Use a DataLoader, or"
-            " shard_over='context_parallel'."
-        )
+        return self._batch
 
 
 @contextmanager

@@ -319,6 +319,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         trainer = self.lightning_module.trainer
         dp_dataloaders.key_poisson_sampling(trainer.train_dataloader, self.privacy.poisson_key, self.accountant.steps,
                                             self.privacy.reproducible)
+        self._padding.check_source()
         planned_steps = trainer.estimated_stepping_batches - trainer.global_step
         if self.privacy.start_training(trainer.global_step, planned_steps, self.data_parallel_size):
             trainer.should_stop = True

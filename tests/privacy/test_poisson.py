@@ -116,8 +116,8 @@ def test_per_sample_strings_follow_their_samples():
 @pytest.mark.parametrize("shape", [(-1,), (1, -1)], ids=["T", "1xT"])
 def test_positions_shared_by_the_samples_follow_them(shape):
     """``position_ids`` (T,) or (1, T) from the collate_fn count as (B, T): in the empty Poisson batch, in the batch
-    size, and in a padding micro-batch taken from a batch."""
-    from lightning_longshield.batching import batch_size_of
+    size, and in a padding micro-batch taken from the dataset."""
+    from lightning_longshield.batching import batch_size_of, samples_of
     from lightning_longshield.padding import ZeroWeightPadding
 
     def collate(samples):
@@ -129,8 +129,33 @@ def test_positions_shared_by_the_samples_follow_them(shape):
     assert collate_or_empty([])["position_ids"].shape == (0, 6)
     batch = collate_or_empty([dataset[i] for i in (0, 1, 2)])
     assert batch_size_of(batch) == 3
-    padding = ZeroWeightPadding().microbatch(batch, lambda batch: batch)
-    assert torch.equal(padding["position_ids"], torch.arange(6)[None])
+    padding = ZeroWeightPadding()
+    padding.use_data(dataset, collate_or_empty)
+    padding_batch = padding.microbatch(lambda batch: batch)
+    assert batch_size_of(padding_batch) == 1 and torch.equal(padding_batch["position_ids"].reshape(1, -1),
+                                                              torch.arange(6)[None])
+    assert torch.equal(samples_of(batch, 1, 2)["position_ids"], torch.arange(6)[None])
+
+
+def test_padding_without_a_dataloader_is_refused_on_every_rank_as_training_starts():
+    """Padding (shard_over="all" with data parallelism) takes its batch from the training DataLoader's dataset. With
+    training data that is not a DataLoader, every rank refuses in ``on_train_start`` with the fix, so no rank waits in
+    a collective for another that failed only when it had to pad. One process: a callback gives the padding the mesh
+    that two data-parallel groups would (nothing reaches a collective before the refusal)."""
+    class TwoGroupsPadding(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            trainer.strategy._padding.mesh = object()
+
+    data = RandomTokens(size=8, seq_len=4)
+    batches = [default_collate([data[i] for i in range(j, j + 2)]) for j in (0, 2)]
+    strategy = LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False, preflight=False)
+    trainer = make_trainer(strategy, max_steps=1, callbacks=[TwoGroupsPadding()])
+    with pytest.raises(RuntimeError, match="not a torch DataLoader.*shard_over='context_parallel'"):
+        trainer.fit(make_module(small_config()), batches)
+    assert trainer.global_step == 0
+    padding = strategy._padding
+    padding.use_data(data, default_collate)
+    padding.check_source()  # a DataLoader's dataset: nothing refused
 
 
 def test_a_collate_error_quotes_nothing_of_the_sampled_records():
