@@ -29,6 +29,7 @@ from lightning_longshield.sharded_checkpoints import (
     is_sharded_checkpoint,
     load_hyperparameters,
     load_sharded,
+    restore_interrupted_swap,
     save_sharded,
 )
 
@@ -197,6 +198,12 @@ class StrategyCheckpoints:
         """A sharded checkpoint folder or one full checkpoint file (not `ModelParallelStrategy`'s loader), and the
         privacy state."""
         path = self.broadcast(checkpoint_path)  # type: ignore[attr-defined]
+        if self.is_global_zero and (restored := restore_interrupted_swap(Path(path))):  # type: ignore[attr-defined]
+            rank_zero_warn(f"Checkpoint {path} was missing: its save was cut off between renaming the previous"
+                           f" checkpoint aside and the new one into place. The"
+                           f" {'previous' if restored.name.endswith('.previous') else 'new'} one, whole, now has its"
+                           " name and is loaded.")
+        self.barrier("restore_interrupted_swap")  # type: ignore[attr-defined]
         self._loaded_sharded = is_sharded_checkpoint(path)
         module = self.lightning_module  # type: ignore[attr-defined]
         if self._loaded_sharded:

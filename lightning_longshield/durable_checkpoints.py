@@ -60,14 +60,12 @@ def remove_stale_partials(folder: Path) -> None:
     """Remove the temporaries of killed saves in ``folder``: those whose newest write is `STALE_PARTIAL_SECONDS`
     old, and any that is a symbolic link, unlinked, never followed (no save writes one; a sharded save swapping out a
     linked ``last.ckpt`` once left one)."""
-    now = time.time()
     for stale in folder.glob(".*.partial"):
         try:
             if stale.is_symlink():
                 stale.unlink()
                 continue
-            entries = [stale, *stale.iterdir()] if stale.is_dir() else [stale]
-            if now - max(entry.stat().st_mtime for entry in entries) < STALE_PARTIAL_SECONDS:
+            if untouched_seconds(stale) < STALE_PARTIAL_SECONDS:
                 continue
             if stale.is_dir():
                 shutil.rmtree(stale)
@@ -75,6 +73,12 @@ def remove_stale_partials(folder: Path) -> None:
                 stale.unlink()
         except OSError:  # gone meanwhile, or not ours to remove
             continue
+
+
+def untouched_seconds(path: Path) -> float:
+    """Seconds since the newest write to the file ``path``, or to the folder ``path`` and its files."""
+    entries = [path, *path.iterdir()] if path.is_dir() else [path]
+    return time.time() - max(entry.stat().st_mtime for entry in entries)
 
 
 def replace_durably(target: Path, write: Callable[[Path], object]) -> None:

@@ -126,6 +126,49 @@ def test_a_folder_of_the_same_name_is_replaced_whole(tmp_path, monkeypatch, atom
     assert (final / "meta.pt").read_text() == "new"
 
 
+def _swap_cut_off_between_renames(trainer, folder, new_whole: bool = True) -> dict[str, int]:
+    """The state a crash leaves between `_replace_folder`'s two renames where folders cannot be swapped atomically:
+    no ``last.ckpt``, the previous checkpoint at ``.last.ckpt.previous``, the new one at ``.last.ckpt.partial`` (its
+    manifest removed unless ``new_whole``). Returns each one's inode, which a rename keeps."""
+    for which in ("previous", "partial"):
+        trainer.save_checkpoint(folder / which)
+    inodes = {which: (folder / which).stat().st_ino for which in ("previous", "partial")}
+    for which in ("previous", "partial"):
+        (folder / which).rename(folder / f".last.ckpt.{which}")
+    if not new_whole:
+        (folder / ".last.ckpt.partial" / "manifest.json").unlink()
+    return inodes
+
+
+@pytest.mark.parametrize("new_whole", [True, False], ids=["new-whole", "new-damaged"])
+def test_a_swap_cut_off_between_its_renames_is_completed_when_its_name_is_loaded(tmp_path, new_whole):
+    """Loading the missing name gives it the new checkpoint if whole (else the previous one), with a warning, and
+    removes the other, as the swap would have; the fit resumes from it."""
+    folder = tmp_path / "ckpt"
+    inodes = _swap_cut_off_between_renames(_sharded_fit(tmp_path, 1), folder, new_whole)
+    with pytest.warns(UserWarning, match=f"was missing.* The {'new' if new_whole else 'previous'} one, whole"):
+        assert _sharded_fit(tmp_path, 2, ckpt_path=folder / "last.ckpt").global_step == 2
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"]
+    assert (folder / "last.ckpt").stat().st_ino == inodes["partial" if new_whole else "previous"]
+
+
+def test_a_save_completes_another_name_s_swap_cut_off_an_hour_before(tmp_path):
+    """A save in the folder completes a swap cut off between its renames once the new checkpoint is an hour old (a
+    younger one may be another run's save under way), before old temporaries are removed."""
+    folder = tmp_path / "ckpt"
+    trainer = _sharded_fit(tmp_path, 1)
+    inodes = _swap_cut_off_between_renames(trainer, folder)
+    trainer.save_checkpoint(folder / "step1.ckpt")
+    assert not (folder / "last.ckpt").exists() and (folder / ".last.ckpt.partial").is_dir()
+    hours_ago = time.time() - 7200
+    for path in [folder / ".last.ckpt.partial", *(folder / ".last.ckpt.partial").iterdir()]:
+        os.utime(path, (hours_ago, hours_ago))
+    trainer.save_checkpoint(folder / "step1.ckpt")
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step1.ckpt"]
+    assert (folder / "last.ckpt").stat().st_ino == inodes["partial"]
+    assert is_whole_sharded_checkpoint(folder / "last.ckpt")
+
+
 @pytest.mark.parametrize("damage", ["truncated shard", "flipped shard", "no engine metadata", "no manifest"])
 def test_a_damaged_sharded_checkpoint_is_refused_with_the_last_good_one(tmp_path, damage):
     """A shard cut short or altered, the engine's metadata missing, or a save that never wrote its manifest: refused
