@@ -10,19 +10,20 @@ Layout, fixed so that the values do not depend on how they are consumed: one dra
 and concatenated in order, in blocks of `BLOCK_VALUES` (which may span tensors: a model's many small tensors share
 blocks, so every op works on a whole block) from one keystream read in order: the AES-256 encryptions of the 128-bit
 big-endian counters ``nonce 2^64``, ``nonce 2^64 + 1``, ... (NIST SP 800-38A's CTR mode), 16 bytes each. A block of
-``m`` values reads ``2 p`` little-endian 32-bit words, ``p = ceil(m / 2)``. The low 31 bits ``k`` of word ``j < p``
-give ``u_j = (fl(k) + 1) 2^-31`` in [2^-31, 1] (``fl``: the fp32 rounding, exact below 2^24, so the small ``u`` that
-make the tails are exact), the low 24 bits ``k`` of word ``p + j`` give ``v_j = k 2^-24`` in [0, 1). Value ``j`` is
-``sqrt(-2 ln u_j) cos(2 pi v_j)`` and value ``p + j`` is ``sqrt(-2 ln u_j) sin(2 pi v_j)`` (the last sine dropped
-when ``m`` is odd).
+``m`` values reads ``3 p`` little-endian 32-bit words, ``p = ceil(m / 2)``. The low 31 bits ``h`` of word ``j < p``
+and ``l`` of word ``2 p + j`` give ``u_j = (fl(h) + (fl(l) + 1) 2^-31) 2^-31`` in [2^-62, 1] (``fl``: the fp32
+rounding, exact below 2^24; the sum rounded to fp32: a 62-bit uniform to fp32's precision, so the small ``u`` that
+make the tails are exact to it), the low 24 bits ``k`` of word ``p + j`` give ``v_j = k 2^-24`` in [0, 1). Value
+``j`` is ``sqrt(-2 ln u_j) cos(2 pi v_j)`` and value ``p + j`` is ``sqrt(-2 ln u_j) sin(2 pi v_j)`` (the last sine
+dropped when ``m`` is odd).
 
-Radii reach ``sqrt(62 ln 2) ~ 6.56``: the noise is a Gaussian cut off there. A cut-off is a privacy cost: where one
-sample's clipped gradient moves a coordinate by ``C``, a released value beyond ``6.56 sigma C - C`` from the sum
-without it could not have come from the data without it. That happens with probability ``P(N(0, 1) > 6.56 - 1 /
-sigma)`` per coordinate and step the sample is in: 1.3e-8 at ``sigma`` 1, 1.4e-7 at 0.7, 2.5e-6 at 0.5, beside the
-run's ``delta`` (the 24-bit uniforms of torch's own ``normal_`` end at 5.77: 9.2e-7, 7.1e-6 and 8.2e-5). Below
-``sigma`` 0.7 prefer ``secure_mode`` (a sum of four normals, no such cut-off within reach). The floating-point
-conversion is the usual one, not hardened against attacks on floating-point samplers (``secure_mode`` hardens it).
+Radii reach ``sqrt(124 ln 2) ~ 9.27``: the noise is a Gaussian cut off there, a privacy cost that
+`privacy.cut_off` bounds and the printed guarantee adds where it matters. Where one sample's clipped gradient moves
+a coordinate by ``C``, a released value beyond ``9.27 sigma C - C`` from the sum without it could not have come from
+the data without it: probability ``P(N(0, 1) > 9.27 - 1 / sigma)`` per step the sample is in, 6.7e-17 at ``sigma``
+1, 7.1e-11 at 0.35, 9.7e-6 at 0.2 (with the 31-bit uniforms used before: 1.4e-8, 1.1e-4, 6.0e-2; torch's 24-bit
+ones end at 5.77). The conversion is the usual one, not hardened against attacks on floating-point samplers
+(``secure_mode`` hardens it).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ BLOCK_VALUES = 2**18
 _MOST_WORDS = 2**36
 #: Draws a key serves: the nonce fills the counter block's high 64 bits.
 _MOST_NONCES = 2**64
-_RADIUS_BITS = 31
+_RADIUS_BITS = 31  # per word: two words a radius
 _ANGLE_BITS = 24
 
 
@@ -69,12 +70,12 @@ def keystream_normals_(
     # The initial counter block; OpenSSL increments all 128 bits, big-endian, one per 16 bytes.
     encryptor = Cipher(algorithms.AES(key), modes.CTR(nonce.to_bytes(8, "big") + bytes(8))).encryptor()
     # 16 spare bytes: some releases of cryptography ask an output buffer up to a cipher block longer than the input.
-    stream = bytearray(4 * 2 * _pairs(min(BLOCK_VALUES, total)) + 16)
+    stream = bytearray(4 * 3 * _pairs(min(BLOCK_VALUES, total)) + 16)
     words, view = torch.frombuffer(stream, dtype=torch.int32), memoryview(stream)
     segments = _Segments(flats)
     for start in range(0, total, BLOCK_VALUES):
         size = min(BLOCK_VALUES, total - start)
-        count = 2 * _pairs(size)
+        count = 3 * _pairs(size)
         words[:count].zero_()
         encryptor.update_into(view[: 4 * count], stream)  # in place: the keystream itself (zeros encrypted)
         values = box_muller(words[:count], std)
@@ -90,25 +91,28 @@ def keystream_normals_(
 
 
 def box_muller(words: torch.Tensor, std: float) -> torch.Tensor:
-    """One block of the layout above from its ``2 p`` int32 ``words`` (the radii's low 31 bits, the angles' low 24):
-    its ``2 p`` fp32 values, ``radius * cos`` then ``radius * sin``, formed in ``words``' memory (an fp32 view of
-    it), so a block holds one temporary beside its keystream, the cosine."""
-    if words.numel() % 2:
-        raise ValueError(f"A block takes an even number of words, not {words.numel()}.")
-    pairs = words.numel() // 2
-    words[:pairs].bitwise_and_((1 << _RADIUS_BITS) - 1)
-    words[pairs:].bitwise_and_((1 << _ANGLE_BITS) - 1)
+    """One block of the layout above from its ``3 p`` int32 ``words`` (the radii's high 31 bits, the angles' low 24,
+    the radii's low 31): its ``2 p`` fp32 values, ``radius * cos`` then ``radius * sin``, formed in ``words``' memory
+    (an fp32 view of it), so a block holds one temporary beside its keystream, the cosine."""
+    if words.numel() % 3:
+        raise ValueError(f"A block takes a multiple of three words, not {words.numel()}.")
+    pairs = words.numel() // 3
+    radius_bits = (1 << _RADIUS_BITS) - 1
+    words[:pairs].bitwise_and_(radius_bits)
+    words[pairs:2 * pairs].bitwise_and_((1 << _ANGLE_BITS) - 1)
+    words[2 * pairs:].bitwise_and_(radius_bits)
     values = words.view(torch.float32)
     values.copy_(words)  # each word's k as fp32, rounded to nearest (at most 2^31), element by element in place
-    radius, angle = values[:pairs], values[pairs:]
-    # u = (fl(k) + 1) 2^-31: at least 2^-31 (k = 0, exact), at most 1 (fl(k) + 1 rounds to at most 2^31), so ln u <= 0
-    # and the square root's argument is never negative.
-    radius.add_(1.0).mul_(2.0**-_RADIUS_BITS).log_().mul_(-2.0 * std * std).sqrt_()
+    radius, angle, low = values[:pairs], values[pairs:2 * pairs], values[2 * pairs:]
+    # u = (fl(h) + (fl(l) + 1) 2^-31) 2^-31: at least 2^-62 (h = l = 0, exact), at most 1 (the sum rounds to at most
+    # 2^31), so ln u <= 0 and the square root's argument is never negative.
+    radius.add_(low.add_(1.0), alpha=2.0**-_RADIUS_BITS)
+    radius.mul_(2.0**-_RADIUS_BITS).log_().mul_(-2.0 * std * std).sqrt_()
     angle.mul_(2 * math.pi * 2.0**-_ANGLE_BITS)
     cosine = torch.cos(angle)
     angle.sin_().mul_(radius)
     radius.mul_(cosine)
-    return values
+    return values[:2 * pairs]
 
 
 class _Segments:

@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_longshield.privacy.chacha20 import secure_gaussians
+from lightning_longshield.privacy.cut_off import KEYSTREAM_TAIL, PHILOX_TAIL, SECURE_TAIL, NoiseTail
 from lightning_longshield.privacy.keystream_normals import keystream_normals_
 from lightning_longshield.privacy.randomness import KEY_BYTES, SecretKey, standard_normal_
 from lightning_longshield.privacy.triton_support import triton_runs_on
@@ -68,6 +69,14 @@ class GaussianNoise:
         """Whether the default draws are AES-256-CTR keystreams (on CPU), not Philox generators or the fused kernel
         (which Triton's interpreter runs on CPU, in tests)."""
         return not self.secure_mode and self._device.type == "cpu" and not self._fused
+
+    @property
+    def tail(self) -> NoiseTail:
+        """How the released normals end (`privacy.cut_off`): the keystream's one normal on CPU, two Philox normals
+        summed elsewhere (the fused kernel, or torch's ``normal_``: cuRAND's on CUDA), four in ``secure_mode``."""
+        if self.secure_mode:
+            return SECURE_TAIL
+        return KEYSTREAM_TAIL if self.keystream else PHILOX_TAIL
 
     def start_step(self, step: int) -> None:
         """Key the draws of DP step ``step`` (secure mode keys each tensor instead)."""

@@ -18,6 +18,7 @@ from typing import Any, Optional, TypeVar
 import torch
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
+from lightning_longshield.privacy.cut_off import cut_off_delta
 from lightning_longshield.privacy.ledger import (
     LedgerEntry,
     PrivacyLedger,
@@ -38,6 +39,11 @@ from simulate.strategy_config import ProjectedNorms
 T = TypeVar("T")
 #: The most steps a budget is searched over when training has no step limit (2^40: far beyond any run).
 MOST_UNPLANNED_STEPS = 2**40
+
+#: Fractions of delta beyond which what the noise's cut-off adds is warned about as training starts, and stated
+#: in the printed guarantee.
+CUT_OFF_WARNING = 0.1
+CUT_OFF_MENTIONED = 1e-3
 
 
 class PrivacySession:
@@ -199,6 +205,7 @@ class PrivacySession:
         rank_zero_info(f"LongShield DP-SGD: {self.plan.describe()}, max_grad_norm={self.max_grad_norm:g}.")
         self._planned_end = global_step + planned_steps
         self.steps_left_in_budget = self._budgeted_steps(planned_steps)
+        self._warn_cut_off(planned_steps if math.isfinite(planned_steps) else self.steps_left_in_budget)
         if self.steps_left_in_budget == 0:
             self._warn_no_step_fits()
             return True
@@ -213,6 +220,26 @@ class PrivacySession:
         elif self.steps_left_in_budget is not None:
             rank_zero_info(f"The privacy budget (target epsilon) covers all {planned_steps} planned steps.")
         return False
+
+    def cut_off_delta(self, steps: float) -> float:
+        """What the noise's floating-point cut-off adds to delta over ``steps`` steps (`privacy.cut_off`); 0 without
+        noise (no guarantee to add to)."""
+        plan = self.plan
+        if plan is None or self.noise is None or plan.noise_multiplier == 0:
+            return 0.0
+        return cut_off_delta(self.noise.tail, plan.noise_multiplier, plan.sample_rate, steps)
+
+    def _warn_cut_off(self, steps: Optional[float]) -> None:
+        plan = self.plan
+        assert plan is not None
+        extra = self.cut_off_delta(self.accountant.steps + (steps or 0))
+        if extra > CUT_OFF_WARNING * plan.delta:
+            rank_zero_warn(
+                f"At noise_multiplier={plan.noise_multiplier:.3g} the noise's floating-point cut-off"
+                f" ({self.noise.tail.cut_off:.2f} standard deviations) adds up to {extra:.2g} to delta={plan.delta:.3g}"
+                " over the run (lightning_longshield.privacy.cut_off): the printed guarantee will include it. Use"
+                " secure_mode=True (four normals summed: nothing to add), or more noise."
+            )
 
     def _warn_no_step_fits(self) -> None:
         """The budget covers not even the next step: say what that step would spend, and, before any step, what to
@@ -402,6 +429,10 @@ class PrivacySession:
                  f"Privacy figure, NOT a guarantee of this run ({fixed_batches}: its fixed batches get no"
                  f" amplification by sampling, which the figure assumes): epsilon={self.get_epsilon():.3f},"
                  f" delta={plan.delta:.3g}")
+        extra = self.cut_off_delta(self.accountant.steps)
+        if extra > CUT_OFF_MENTIONED * plan.delta:
+            claim += (f" (delta plus up to {extra:.2g} for the noise's floating-point cut-off; secure_mode=True removes"
+                      " it)")
         if self.accounting_incomplete:
             claim += (" (a lower bound: at a resume this run's privacy ledger was missing or lacked steps, so steps"
                       " that ran after a checkpoint may be uncounted)")

@@ -45,16 +45,18 @@ def test_the_reference_counter_mode_matches_nist_sp800_38a_ctr_aes256():
 def reference_normals(key: bytes, nonce: int, numel: int, std: float) -> np.ndarray:
     """fp64 values of the layout in `keystream_normals`, written out from its docstring."""
     block_sizes = [min(BLOCK_VALUES, numel - start) for start in range(0, numel, BLOCK_VALUES)]
-    words_needed = sum(2 * ((size + 1) // 2) for size in block_sizes)
+    words_needed = sum(3 * ((size + 1) // 2) for size in block_sizes)
     stream = counter_mode_keystream(key, nonce * 2**64, 4 * words_needed)
     words = np.frombuffer(stream, dtype="<u4").astype(np.uint64)
     values, position = [], 0
     for size in block_sizes:
         pairs = (size + 1) // 2
-        block = words[position:position + 2 * pairs]
-        position += 2 * pairs
-        u = ((block[:pairs] & np.uint64(2**31 - 1)).astype(np.float32).astype(np.float64) + 1.0) * 2.0**-31
-        v = (block[pairs:] & np.uint64(2**24 - 1)).astype(np.float64) * 2.0**-24
+        block = words[position:position + 3 * pairs]
+        position += 3 * pairs
+        high, low = (block[part] & np.uint64(2**31 - 1) for part in (slice(pairs), slice(2 * pairs, None)))
+        fp32 = [part.astype(np.float32).astype(np.float64) for part in (high, low)]
+        u = (fp32[0] + (fp32[1] + 1.0) * 2.0**-31) * 2.0**-31
+        v = (block[pairs:2 * pairs] & np.uint64(2**24 - 1)).astype(np.float64) * 2.0**-24
         radius = np.sqrt(-2.0 * np.log(u)) * std
         sines = (radius * np.sin(2 * np.pi * v))[: size - pairs]
         values.append(np.concatenate([radius * np.cos(2 * np.pi * v), sines]))
@@ -89,20 +91,24 @@ def test_draws_are_standard_normal_and_keyed_by_key_and_nonce():
         assert abs(values.mean()) < 5 / math.sqrt(values.size)
         tail = np.mean(np.abs(values) > 3)  # 0.0027 for a standard normal; its standard error here is 5e-5
         assert abs(tail - 2 * stats.norm.sf(3)) < 5 * math.sqrt(tail / values.size)
-        assert np.abs(values).max() <= math.sqrt(62 * math.log(2)) * (1 + 1e-6)
+        assert np.abs(values).max() <= math.sqrt(124 * math.log(2)) * (1 + 1e-6)
     correlations = torch.corrcoef(torch.stack(draws))
     assert correlations[~torch.eye(3, dtype=torch.bool)].abs().max() < 5 / 2**10
 
 
 def test_the_extreme_words_give_the_largest_radius_and_zero():
-    """A radius word's low 31 bits all zeros: u = 2^-31, the largest radius sqrt(62 ln 2) ~ 6.56, beyond the 5.77 of
-    24-bit uniforms (a shorter cut-off of the noise costs privacy: see `keystream_normals`); all ones: u = 1, radius
-    0. The sign bit is ignored (a negative int32 word masks like any other)."""
-    words = torch.tensor([0, -1, 0, 0], dtype=torch.int32)  # radii from words 0 and 1, angles from words 2 and 3
+    """A radius's two words' low 31 bits all zeros: u = 2^-62, the largest radius sqrt(124 ln 2) ~ 9.27, beyond the
+    6.56 of 31-bit and the 5.77 of 24-bit uniforms (a shorter cut-off of the noise costs privacy: see
+    `keystream_normals`); the high word alone zero: u just above 2^-31, about 6.56; all ones: u = 1, radius 0. The
+    sign bit is ignored (a negative int32 word masks like any other)."""
+    # radii from words 0, 1 (high) and 4, 5 (low), angles from words 2 and 3
+    words = torch.tensor([0, 0, 0, 0, 0, -1], dtype=torch.int32)
     values = box_muller(words, std=1.0)  # r0 cos(0), r1 cos(0), r0 sin(0), r1 sin(0)
-    torch.testing.assert_close(values, torch.tensor([math.sqrt(62 * math.log(2)), 0.0, 0.0, 0.0]))
-    assert box_muller(torch.tensor([2**31 - 1, 0], dtype=torch.int32), std=1.0)[0] == 0.0  # u = 1 exactly
+    torch.testing.assert_close(values, torch.tensor([math.sqrt(124 * math.log(2)), math.sqrt(62 * math.log(2)), 0.0,
+                                                     0.0]))
+    assert box_muller(torch.tensor([2**31 - 1, 0, -1], dtype=torch.int32), std=1.0)[0] == 0.0  # u = 1 exactly
     assert values.data_ptr() == words.data_ptr()  # formed in the keystream's memory
+    assert values.numel() == 4
 
 
 def test_the_release_draws_a_fresh_keystream_per_tensor_and_step():
@@ -136,5 +142,5 @@ def test_refuses_what_it_cannot_fill():
         keystream_normals_([torch.empty(4), torch.empty(4, 4).t()], KEY, 0, 1.0)
     with pytest.raises(ValueError, match="contiguous fp32 CPU"):
         keystream_normals_([torch.empty(4, dtype=torch.float64)], KEY, 0, 1.0)
-    with pytest.raises(ValueError, match="even number of words"):
-        box_muller(torch.zeros(3, dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="multiple of three words"):
+        box_muller(torch.zeros(4, dtype=torch.int32), 1.0)

@@ -205,3 +205,25 @@ def test_fixed_batches_are_not_printed_as_a_guarantee():
     described = privacy.describe_guarantee()
     assert described.startswith("Privacy figure, NOT a guarantee of this run (poisson_sampling=False")
     assert ")-DP" not in described
+
+
+def test_the_noise_cut_off_is_warned_and_added_to_the_printed_delta_where_it_matters():
+    """At noise_multiplier 0.18 the CPU keystream's normals (cut off at 9.27 standard deviations) show a sample with
+    probability 6.6e-4 a step it is in: over 10 steps at q = 0.1 that is 6.6e-4, above a tenth of delta 1e-3, so
+    training starts with a warning and the guarantee states it. ``secure_mode`` (four normals summed) adds 1e-10."""
+    from lightning_longshield.privacy.cut_off import KEYSTREAM_TAIL, per_step_cut_off_delta
+
+    privacy = session(noise_multiplier=0.18)
+    with pytest.warns(UserWarning, match=r"cut-off \(9.27 standard deviations\) adds up to 0.00066 to delta=0.001"):
+        start(privacy)
+    for _ in range(10):
+        privacy.accountant.step(0.18, 0.1)
+    expected = 10 * 0.1 * per_step_cut_off_delta(KEYSTREAM_TAIL, 0.18)
+    assert privacy.cut_off_delta(10) == pytest.approx(expected) and 6e-4 < expected < 7e-4
+    assert "(delta plus up to 0.00066 for the noise's floating-point cut-off" in privacy.describe_guarantee()
+
+    secure = PrivacySession(PrivacyArguments(0.18, None, 1e-3, max_grad_norm=1.0, accountant="rdp"), secure_mode=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        start(secure)
+    assert secure.cut_off_delta(10) < 1e-9 and "cut-off" not in secure.describe_guarantee()
