@@ -8,11 +8,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_longshield.batching import batch_size_of
+from lightning_longshield.privacy.metric_guard import EPSILON_KEY, log_own
 
 
 class PrivacyMonitor(Callback):
     """Logs ``epsilon`` (privacy spent at the run's delta) every ``log_every_n_steps`` and on the run's last step,
-    and writes the epsilon spent by the end of ``fit`` to every logger.
+    and writes the epsilon spent by the end of ``fit`` to every logger. The key is reserved (`EPSILON_KEY`): a
+    user's ``self.log("epsilon", ...)`` is refused.
 
     `LongShieldStrategy` adds one automatically. Computing epsilon with the PRV accountant costs up to about a
     second, and with randomized clipping's accountant 5-20 s (one CPU core, while the other processes wait at the next
@@ -60,7 +62,7 @@ class PrivacyMonitor(Callback):
         )
         every = trainer.log_every_n_steps  # 0: no periodic logging
         if (every and trainer.global_step % every == 0) or is_last or trainer.global_step == 1:
-            pl_module.log("epsilon", strategy.get_epsilon(), prog_bar=True, rank_zero_only=True)
+            log_own(pl_module, EPSILON_KEY, strategy.get_epsilon(), prog_bar=True, rank_zero_only=True)
             if _lightning_writes_this_step(trainer):
                 self._written_step = trainer.global_step
 
@@ -74,7 +76,7 @@ class PrivacyMonitor(Callback):
         if trainer.loggers:
             epsilon = strategy.get_epsilon()
             for logger in trainer.loggers:
-                logger.log_metrics({"epsilon": epsilon}, step=step)
+                logger.log_metrics({EPSILON_KEY: epsilon}, step=step)
                 logger.save()
         self._written_step = step
 

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from lightning_longshield.batching import batch_size_of, split_into_microbatches
 from lightning_longshield.padding import logging_discarded
-from lightning_longshield.privacy.metric_guard import scalar_logging_only
+from lightning_longshield.privacy.metric_guard import guard_logging, unguard_logging
 from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
 
@@ -24,6 +24,18 @@ class DPStepLoop:
 
     _scalar_loss_settled = False  # whether a scalar loss of several samples was checked (and warned about) yet
     _release_pending = False  # a logical batch ran through training_step and was not released yet
+
+    def connect(self, model: pl.LightningModule) -> None:
+        """Attach ``model``, its ``self.log`` guarded until `teardown` (`GuardedLog`): in every training hook it
+        refuses what would quote sampled values, and in the hooks run per micro-batch a per-call sync."""
+        super().connect(model)
+        guard_logging(model, lambda: self.data_parallel_size)
+
+    def teardown(self) -> None:
+        """Give the module its own ``self.log`` back (also after an error: Lightning tears down then too)."""
+        if self.lightning_module is not None:
+            unguard_logging(self.lightning_module)
+        super().teardown()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One DP step's forward and backward: every micro-batch of the logical batch is run and back-propagated here
@@ -74,8 +86,7 @@ class DPStepLoop:
     def _microbatch_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         size = batch_size_of(microbatch)
         self.dp_engine.prepare_microbatch(size)
-        with scalar_logging_only(self.lightning_module, self.data_parallel_size):
-            output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
+        output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):
             # Skipping a sampled micro-batch would be a decision on private data that the accounting does not see.

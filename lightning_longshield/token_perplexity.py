@@ -24,4 +24,5 @@ class TokenPerplexity(Metric):
         self.tokens += tokens.detach().long()
 
     def compute(self) -> torch.Tensor:
-        return torch.exp(self.loss_sum / self.tokens.clamp(min=1))
+        """The perplexity, or nan without a labelled token (no update, or only ignored labels): not a score."""
+        return torch.where(self.tokens > 0, torch.exp(self.loss_sum / self.tokens.clamp(min=1)), torch.nan)

@@ -1,12 +1,12 @@
-"""A warning when the training loop logs values that may be computed from the sampled batch, which the guarantee does
-not cover."""
+"""What the training loop may log: a warning for values that may be computed from the sampled batch, which the
+guarantee does not cover, and refusals (that quote no value) for what would print them, hang the run, or take the
+library's own key."""
 
 from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Generator, Iterable
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -15,8 +15,14 @@ from torchmetrics import Metric
 
 from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
-#: What the strategy itself logs in the training loop (`PrivacyMonitor`): the privacy spent, not a value of the data.
-OWN_KEYS = frozenset({"on_train_batch_end.epsilon"})
+#: The key under which the strategy logs the privacy spent (`PrivacyMonitor`), reserved: a user's is refused.
+EPSILON_KEY = "epsilon"
+#: What the strategy itself logs in the training loop: the privacy spent, not a value of the data. A user's
+#: ``self.log`` of the reserved key is refused (`GuardedLog`), so only the strategy's own call reaches these keys.
+OWN_KEYS = frozenset({f"on_train_batch_end.{EPSILON_KEY}"})
+#: The hooks that run once per micro-batch (`DPStepLoop`): each data-parallel group runs them as often as its Poisson
+#: sample has micro-batches, so a collective in them meets a different collective on another group.
+PER_MICROBATCH_HOOKS = frozenset({"training_step", "on_before_backward", "on_after_backward"})
 
 
 class SampledBatchMetricGuard:
@@ -41,44 +47,79 @@ class SampledBatchMetricGuard:
             )
 
 
-@contextmanager
-def scalar_logging_only(module: nn.Module, data_parallel_groups: int = 1) -> Generator[None, None, None]:
-    """Inside, ``module.log`` (and so ``log_dict``) refuses a tensor of several values before Lightning's own error,
-    which would print them: in ``training_step`` they are values of the sampled records (a per-sample loss vector).
+class GuardedLog:
+    """``module.log`` (and so ``log_dict``) while the strategy runs (`guard_logging`), refusing, before Lightning's own
+    handling, what would quote sampled values, hang the run, or take the reserved key:
 
-    With several ``data_parallel_groups`` it also refuses a value synced at every call (``sync_dist=True`` unless
-    ``on_step=False``): each group runs ``training_step`` once per micro-batch it drew, and under Poisson sampling
-    the groups draw different numbers, so the syncs of different steps would meet (the run hangs, or pairs them)."""
-    saved = module.__dict__.get("log")
-    original = module.log
-    # Only where a sync could hang: each micro-batch's training_step enters this, so nothing more is done per call.
-    signature = inspect.signature(original) if data_parallel_groups > 1 else None
+    - a value of several elements in any training hook (Lightning's own error would print them: a per-sample loss
+      vector, a batch's token counts);
+    - with several data-parallel groups, a value synced at every call (``sync_dist=True`` unless ``on_step=False``)
+      in a hook that runs once per micro-batch (`PER_MICROBATCH_HOOKS`): under Poisson sampling the groups run
+      different numbers of them, so the syncs of different steps would meet (the run hangs, or a metric is paired
+      with the noisy gradient's all-reduce);
+    - the key `EPSILON_KEY`, which the strategy logs itself (`log_own`)."""
 
-    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if not _one_value(value):
+    def __init__(self, module: nn.Module, data_parallel_groups: Callable[[], int]) -> None:
+        self.module = module
+        self.data_parallel_groups = data_parallel_groups  # asked only for a sync in a per-micro-batch hook
+        self.restores = module.__dict__.get("log")  # what `unguard_logging` puts back (an instance's own log)
+        self.original = module.log
+        self.signature = inspect.signature(self.original)
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        hook = getattr(self.module, "_current_fx_name", None) or "the training loop"
+        if name == EPSILON_KEY:
             raise ValueError(
-                f"self.log({name!r}, ...) in training_step got {type(value).__name__} of more than one value: log a"
-                " scalar (for per-sample losses, their mean). Its values are not quoted: they are the sampled"
-                " records'."
+                f"self.log({name!r}, ...) in {hook}: {EPSILON_KEY!r} is reserved for the privacy spent, which"
+                " LongShieldStrategy logs itself. Log your metric under another name."
             )
-        options = signature.bind_partial(name, value, *args, **kwargs).arguments if signature is not None else {}
-        if options.get("sync_dist") and options.get("on_step") is not False:
+        trainer = getattr(self.module, "_trainer", None)  # None: Lightning's log warns and logs nothing
+        if trainer is not None and trainer.training and not _one_value(value):
             raise ValueError(
-                f"self.log({name!r}, ..., sync_dist=True) in training_step syncs across processes at every call, but"
-                f" each of the {data_parallel_groups} data-parallel groups calls training_step once per micro-batch"
-                " of the Poisson sample it drew, and the groups draw different numbers: the syncs of different steps"
-                " would meet, and the run would hang. Log without sync_dist (each process its own value), with"
-                " on_step=False (one sync at the epoch's end), or sync a held-out metric in validation_step."
+                f"self.log({name!r}, ...) in {hook} got {type(value).__name__} of more than one value: log a scalar"
+                " (for per-sample values, their mean). Its values are not quoted: in the training loop they are the"
+                " sampled records'."
             )
-        original(name, value, *args, **kwargs)
+        if hook in PER_MICROBATCH_HOOKS and self._syncs_every_call(name, value, args, kwargs):
+            groups = self.data_parallel_groups()
+            if groups > 1:
+                raise ValueError(
+                    f"self.log({name!r}, ..., sync_dist=True) in {hook} syncs across processes at every call, but"
+                    f" {hook} runs once per micro-batch, and each of the {groups} data-parallel groups runs as many"
+                    " micro-batches as its Poisson sample has: the syncs of different steps would meet, and the run"
+                    " would hang or add the metric to another collective. Log without sync_dist (each process its"
+                    " own value), with on_step=False (one sync at the epoch's end), or sync a held-out metric in"
+                    " validation_step."
+                )
+        self.original(name, value, *args, **kwargs)
 
-    module.__dict__["log"] = log
-    try:
-        yield
-    finally:
-        del module.__dict__["log"]
-        if saved is not None:
-            module.__dict__["log"] = saved
+    def _syncs_every_call(self, name: str, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether this call's options (given by name or position) sync at the call: ``sync_dist`` on a step."""
+        options = self.signature.bind_partial(name, value, *args, **kwargs).arguments
+        return bool(options.get("sync_dist")) and options.get("on_step") is not False
+
+
+def guard_logging(module: nn.Module, data_parallel_groups: Callable[[], int]) -> None:
+    """Route ``module.log`` through a `GuardedLog` (an instance attribute shadowing the method) until
+    `unguard_logging`. ``data_parallel_groups``: the run's number of data-parallel groups, once it is set up."""
+    module.__dict__["log"] = GuardedLog(module, data_parallel_groups)
+
+
+def unguard_logging(module: nn.Module) -> None:
+    """Undo `guard_logging`, if ``module.log`` is still its `GuardedLog`."""
+    guarded = module.__dict__.get("log")
+    if not isinstance(guarded, GuardedLog):
+        return
+    del module.__dict__["log"]
+    if guarded.restores is not None:
+        module.__dict__["log"] = guarded.restores
+
+
+def log_own(module: Any, name: str, value: Any, **options: Any) -> None:
+    """The strategy's own ``self.log`` (`PrivacyMonitor`'s ``epsilon``), past the `GuardedLog` that refuses the
+    reserved key to users."""
+    guarded = module.__dict__.get("log")
+    (guarded.original if isinstance(guarded, GuardedLog) else module.log)(name, value, **options)
 
 
 def _one_value(value: Any) -> bool:

@@ -5,6 +5,7 @@ trainable parameters fixed for the whole fit, and no trainable sparse embedding.
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
@@ -17,7 +18,7 @@ from lightning_longshield import CausalLMModule, LongShieldStrategy, StrategyCon
 from lightning_longshield.loss import loss_divisors
 from lightning_longshield.module import unpack_batch
 from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PerSampleGradCapture, PrivacyAccountant
-from lightning_longshield.privacy.metric_guard import scalar_logging_only
+from lightning_longshield.privacy.metric_guard import guard_logging, unguard_logging
 from lightning_longshield.privacy.randomness import SecretKey
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
@@ -240,12 +241,40 @@ def test_logging_a_per_sample_vector_is_refused_without_its_values(form):
             self.log("per_sample", {"tensor": vector, "dict": {"losses": vector}, "array": vector.numpy()}[form])
             return losses
 
-    with pytest.raises(ValueError, match=r"got \w+ of more than one value") as error:
-        make_trainer(_strategy(), max_steps=1).fit(LogsVector(small_config(n_layers=1)), loader(DATA, 4))
+    refused = LogsVector(small_config(n_layers=1))
+    with pytest.raises(ValueError, match=r"in training_step got \w+ of more than one value") as error:
+        make_trainer(_strategy(), max_steps=1).fit(refused, loader(DATA, 4))
     assert not any(character.isdigit() for character in str(error.value))
     module = make_module(small_config(n_layers=1))
     make_trainer(_strategy(), max_steps=1).fit(module, loader(DATA, 4))
-    assert "log" not in module.__dict__  # the method is the class's again
+    assert "log" not in module.__dict__ and "log" not in refused.__dict__  # the method is the class's again
+
+
+class TokenCounts(Callback):
+    """Logs the sampled records' labelled-token counts from the batch at the end of its step."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.log("tokens_per_sample", (batch["labels"] != -100).sum(dim=1).float())
+
+
+class TokenCountsAtStart(CausalLMModule):
+    """Logs the sampled records' labelled-token counts before the step runs."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.log("tokens_per_sample", (batch["labels"] != -100).sum(dim=1).float())
+
+
+@pytest.mark.parametrize("hook", ["on_train_batch_start", "on_train_batch_end"])
+def test_logging_a_per_sample_vector_in_a_batch_hook_is_refused_without_its_values(hook: str):
+    """Lightning's own error quoted the vector (``self.log(tokens_per_sample, tensor([6., 8.]))``) logged in any
+    training hook but ``training_step``: the batch's hooks (a module's or a callback's) are refused alike."""
+    if hook == "on_train_batch_start":
+        module, callbacks = TokenCountsAtStart(small_config(n_layers=1)), []
+    else:
+        module, callbacks = CausalLMModule(small_config(n_layers=1)), [TokenCounts()]
+    with pytest.raises(ValueError, match=rf"'tokens_per_sample', ...\) in {hook} got Tensor of more than one") as error:
+        make_trainer(_strategy(), max_steps=1, callbacks=callbacks).fit(module, loader(DATA, 4))
+    assert not any(character.isdigit() for character in str(error.value))
 
 
 @pytest.mark.parametrize("config", [
@@ -268,25 +297,60 @@ def test_a_trainable_sparse_embedding_is_refused_on_every_path_with_the_fix(conf
     engine()
 
 
-def test_a_sync_at_every_training_step_log_is_refused_with_several_data_parallel_groups():
-    """Each group runs training_step once per micro-batch of its Poisson draw: a per-call sync across processes
-    (sync_dist=True, on_step) would meet another step's sync and hang the run. One group, or one sync at the epoch's
-    end, is left alone."""
+@pytest.mark.parametrize("hook", ["training_step", "on_before_backward", "on_after_backward"])
+def test_a_sync_at_every_call_in_a_per_microbatch_hook_is_refused_with_several_data_parallel_groups(hook: str):
+    """Each group runs these hooks once per micro-batch of its Poisson draw: a per-call sync across processes
+    (sync_dist=True, on_step) would meet another step's sync, or the noisy gradient's all-reduce. One group, one sync
+    at the epoch's end, or a hook run once per logical batch on every group is left alone."""
     logged = []
 
     class Logging(nn.Module):
+        _trainer = SimpleNamespace(training=True)
+
         def log(self, name, value, prog_bar=False, logger=None, on_step=None, on_epoch=None, reduce_fx="mean",
                 enable_graph=False, sync_dist=False, sync_dist_group=None):
             logged.append((name, sync_dist, on_step))
 
-    module = Logging()
-    with scalar_logging_only(module, data_parallel_groups=2):
-        with pytest.raises(ValueError, match=r"self.log\('loss', ..., sync_dist=True\) .* 2 data-parallel groups"):
-            module.log("loss", 1.0, sync_dist=True)
-        with pytest.raises(ValueError, match="would hang"):
-            module.log("loss", 1.0, False, None, None, None, "mean", False, True)  # sync_dist given positionally
-        module.log("epoch_loss", 1.0, on_step=False, on_epoch=True, sync_dist=True)
-        module.log("own_loss", 1.0)
-    with scalar_logging_only(module, data_parallel_groups=1):
+    module, groups = Logging(), [2]
+    guard_logging(module, lambda: groups[0])
+    module._current_fx_name = hook
+    with pytest.raises(ValueError, match=rf"self.log\('loss', ..., sync_dist=True\) in {hook} .* 2 data-parallel"):
         module.log("loss", 1.0, sync_dist=True)
-    assert logged == [("epoch_loss", True, False), ("own_loss", False, None), ("loss", True, None)]
+    with pytest.raises(ValueError, match="would hang"):
+        module.log("loss", 1.0, False, None, None, None, "mean", False, True)  # sync_dist given positionally
+    module.log("epoch_loss", 1.0, on_step=False, on_epoch=True, sync_dist=True)
+    module.log("own_loss", 1.0)
+    module._current_fx_name = "on_train_batch_end"
+    module.log("batch_loss", 1.0, sync_dist=True)
+    module._current_fx_name, groups[0] = hook, 1
+    module.log("loss", 1.0, sync_dist=True)
+    unguard_logging(module)
+    assert "log" not in module.__dict__
+    assert logged == [("epoch_loss", True, False), ("own_loss", False, None), ("batch_loss", True, None),
+                      ("loss", True, None)]
+
+
+@pytest.mark.parametrize("hook", ["on_before_backward", "on_after_backward"])
+def test_a_sync_at_every_backward_hook_call_is_refused_in_a_fit_with_several_data_parallel_groups(hook: str,
+                                                                                                 monkeypatch):
+    """The backward hooks run per micro-batch from the DP step, outside ``training_step``: in a 2-process run a
+    sync there met the other rank's all-reduce of the noisy gradient, and both died. The group count is made 2 once
+    training runs (one process holds one group; the check asks the strategy at each logged sync)."""
+
+    class SyncsInBackwardHook(CausalLMModule):
+        def on_before_backward(self, loss):
+            if hook == "on_before_backward":
+                self.log("loss_seen", loss.detach(), sync_dist=True, batch_size=1)
+
+        def on_after_backward(self):
+            if hook == "on_after_backward":
+                self.log("backward_calls", 1.0, sync_dist=True, batch_size=1)
+
+    class TwoGroups(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            monkeypatch.setattr(LongShieldStrategy, "data_parallel_size", property(lambda self: 2))
+
+    module = SyncsInBackwardHook(small_config(n_layers=1))
+    with pytest.raises(ValueError, match=rf"sync_dist=True\) in {hook} .* 2 data-parallel groups"):
+        make_trainer(_strategy(), max_steps=1, callbacks=[TwoGroups()]).fit(module, loader(DATA, 4))
+    assert "log" not in module.__dict__  # given back after the error too

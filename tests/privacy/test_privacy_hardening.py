@@ -197,12 +197,29 @@ def test_metrics_a_user_logs_in_other_training_hooks_are_flagged():
     strategy = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3, poisson_sampling=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer(strategy, max_steps=4, log_every_n_steps=1).fit(module, loader(RandomTokens(size=8, seq_len=8),
-                                                                                    2))
+        trainer = make_trainer(strategy, max_steps=4, log_every_n_steps=1)
+        trainer.fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
     flagged = [str(w.message) for w in caught if "NOT covered" in str(w.message)]
     assert any("(on_train_batch_end) logged ['batch_loss', 'batch_tokens']" in m for m in flagged), flagged
     assert any("(on_train_epoch_end) logged ['epoch_loss']" in m for m in flagged), flagged
     assert not any("epsilon" in m for m in flagged)
+    assert "epsilon" in trainer.callback_metrics  # the strategy's own call passes the guard on its reserved key
+
+
+def test_a_users_own_epsilon_is_refused_as_the_reserved_key():
+    """``epsilon`` is the key of the strategy's own metric, exempt from the warning: a user's metric of that name in
+    ``on_train_batch_end`` met Lightning's confusing "twice with different arguments" error, or, logged with the
+    strategy's arguments, took the exempt key unwarned. Refused, naming the fix."""
+    class LogsEpsilon(CausalLMModule):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.log("epsilon", outputs["loss"], prog_bar=True, rank_zero_only=True)
+
+    torch.manual_seed(0)
+    module = LogsEpsilon(small_config(n_layers=1), optimizer="sgd")
+    strategy = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3, poisson_sampling=False)
+    with pytest.raises(ValueError, match=r"self.log\('epsilon', ...\) in on_train_batch_end: 'epsilon' is reserved"
+                                         r".* under another name"):
+        make_trainer(strategy, max_steps=2).fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
 
 
 # ----------------------------------------------------------------------------------------------- sensitivity
