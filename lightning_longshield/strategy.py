@@ -51,6 +51,7 @@ from lightning_longshield.trainer_checks import (
     check_minimums_within_budget,
     check_same_training_data,
     check_trainer_for_dp_sgd,
+    planned_fit_steps,
     warn_micro_batch_above_batch,
     warn_validation_on_training_data,
 )
@@ -320,7 +321,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         dp_dataloaders.key_poisson_sampling(trainer.train_dataloader, self.privacy.poisson_key, self.accountant.steps,
                                             self.privacy.reproducible)
         self._padding.check_source()
-        planned_steps = trainer.estimated_stepping_batches - trainer.global_step
+        planned_steps = planned_fit_steps(trainer, calibrating=self.privacy.arguments.noise_multiplier is None)
         if self.privacy.start_training(trainer.global_step, planned_steps, self.data_parallel_size):
             trainer.should_stop = True
         if self.privacy.steps_left_in_budget is not None:

@@ -68,6 +68,20 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
         )
 
 
+def planned_fit_steps(trainer: pl.Trainer, calibrating: bool) -> float:
+    """The steps this fit plans: ``estimated_stepping_batches`` less the steps already taken. Where ``calibrating``
+    (``target_epsilon`` alone sets the noise) and neither ``max_steps`` nor ``max_epochs`` was given, Lightning plans
+    1000 epochs, and the noise is calibrated to spend the budget over all of them: warned, with the fix."""
+    steps = trainer.estimated_stepping_batches - trainer.global_step
+    if calibrating and trainer.global_step == 0 and trainer.max_steps == -1 and trainer.max_epochs == 1000:
+        rank_zero_warn(
+            f"Neither max_steps nor max_epochs is set: Lightning plans 1000 epochs ({steps:g} steps), and"
+            " target_epsilon calibrates the noise to spend its budget over all of them, far more noise per step than"
+            " a shorter run needs. Set max_steps (or max_epochs) to the run you intend."
+        )
+    return steps
+
+
 def check_minimums_within_budget(trainer: pl.Trainer, steps_left_in_budget: int) -> None:
     """Refuse ``min_steps`` / ``min_epochs`` beyond the steps the privacy budget allows: Lightning keeps training past
     the budget's stop until they are met (or ``max_steps`` is reached), and the strategy refuses every release beyond

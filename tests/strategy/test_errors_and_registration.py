@@ -347,3 +347,25 @@ def test_training_data_that_differs_across_ranks_is_refused(monkeypatch):
         make_trainer(strategy, max_steps=1).fit(make_module(small_config(n_layers=1)),
                                                 loader(RandomTokens(size=16, seq_len=8), 2))
     assert strategy.accountant.steps == 0
+
+
+@pytest.mark.parametrize("limits", [dict(), dict(max_steps=3), dict(noise_multiplier=1.0)], ids=str)
+def test_noise_calibrated_to_lightnings_default_of_1000_epochs_is_warned(limits):
+    """With neither max_steps nor max_epochs Lightning plans 1000 epochs, and target_epsilon alone calibrates the
+    noise to spend the budget over all of them. Warned with the fix; not with a step limit or a given noise."""
+    class StopAtOnce(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.should_stop = True
+
+    noise = {"noise_multiplier": limits.pop("noise_multiplier")} if "noise_multiplier" in limits else {}
+    strategy = LongShieldStrategy(target_epsilon=8.0, **noise)
+    trainer = make_trainer(strategy, max_steps=limits.get("max_steps", -1), callbacks=[StopAtOnce()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(make_module(small_config(n_layers=1)), loader(RandomTokens(size=16, seq_len=8), 4))
+    warned = [str(w.message) for w in caught if "Neither max_steps nor max_epochs is set" in str(w.message)]
+    if limits or noise:
+        assert not warned
+    else:
+        assert len(warned) == 1 and "1000 epochs (4000 steps)" in warned[0] and "Set max_steps" in warned[0]
+    assert trainer.global_step == 0
