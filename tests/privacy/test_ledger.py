@@ -294,6 +294,24 @@ def test_sigterm_saves_at_the_step_boundary_exits_cleanly_and_resumes(tmp_path):
     assert report["steps"] == 6 == len(read_ledger(tmp_path / LEDGER_FILE, report["run"]).entries)  # none rolled back
 
 
+@pytest.mark.slow
+def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step_boundary(tmp_path):
+    """CP 2, SIGTERM to rank 1 alone as its third step starts (Lightning's handler broadcast inside the signal handler
+    while rank 0 went on into the step's all-gather: both ranks timed out, nothing was saved). Both ranks stop at
+    that step's end, ``last.ckpt`` holds its 3 steps as the ledger does, both exit with status 0, and one process
+    resumes from it to the end with every step accounted once."""
+    first = _attempt(tmp_path, 2, "sigterm", processes=2, kill_rank=1, launched_apart=True)
+    assert first.returncode == 0, first.stderr[-2000:]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert is_whole_sharded_checkpoint(last)
+    steps = torch.load(last / "meta.pt", map_location="cpu", weights_only=False)["global_step"]
+    assert steps == 3 == len(read_ledger(tmp_path / LEDGER_FILE, _run_id(tmp_path)).entries)
+    final = _attempt(tmp_path, -1, "none")
+    assert final.returncode == 0, final.stderr[-2000:]
+    report = json.loads(final.stdout.strip().splitlines()[-1])
+    assert report["steps"] == 6 == len(read_ledger(tmp_path / LEDGER_FILE, report["run"]).entries)
+
+
 def test_a_ledger_that_lost_the_runs_steps_is_warned_about(tmp_path):
     """The run's ledger replaced by another run's (a shared folder): it holds none of this run's steps before the
     checkpoint, so steps rolled back by the resume cannot be known. Said as loudly as a missing ledger."""

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
-from lightning_longshield import LongShieldStrategy
+from lightning_longshield import LongShieldStrategy, preemption
 from lightning_longshield.durable_checkpoints import is_whole_checkpoint
 from lightning_longshield.sharded_checkpoints import is_whole_sharded_checkpoint, read_model_state
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
@@ -270,6 +271,23 @@ def test_sigterm_leaves_a_whole_last_checkpoint(tmp_path, during, asynchronous):
     resumed = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
     make_trainer(resumed, max_steps=6).fit(module(), loader(DATA, 4), ckpt_path=last)
     assert resumed.accountant.steps == 6
+
+
+def test_sigterm_names_the_absolute_path_to_resume_from_under_a_versioned_logger(tmp_path, monkeypatch):
+    """A ModelCheckpoint without ``dirpath`` saves in the logger's version folder, which a requeued run's
+    ``ckpt_path="last"`` does not search (it starts afresh in the next version): the message names the file itself,
+    saved under the ModelCheckpoint's own last-checkpoint name."""
+    messages: list[str] = []
+    monkeypatch.setattr(preemption, "rank_zero_info", messages.append)
+    saves = ModelCheckpoint(filename="{step}", every_n_train_steps=100)
+    saves.CHECKPOINT_NAME_LAST = "preempted"
+    trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0), max_steps=4, enable_checkpointing=True,
+                           logger=CSVLogger(tmp_path), callbacks=[saves, _Sigterm("training", 1)])
+    with pytest.raises(SystemExit):
+        trainer.fit(module(), loader(DATA, 4))
+    path = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "preempted.ckpt"
+    assert is_whole_checkpoint(path)
+    assert f"fit(ckpt_path={str(path)!r})" in messages[-1] and "'last'" in messages[-1] and "dirpath" in messages[-1]
 
 
 def test_an_asynchronous_save_removes_the_checkpoint_it_supersedes_once_committed(tmp_path):

@@ -12,8 +12,8 @@ and exits with status 0) or ``none``.
 
 With ``PROCESSES`` 2 (CP 2, sharded checkpoints) the script relaunches itself as rank 1, or, started once per rank
 with torchrun's environment (``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), joins the
-others; rank ``KILL_RANK`` SIGKILLs the whole process group, as a lost node would end the job: run it in a session of
-its own.
+others; rank ``KILL_RANK`` SIGKILLs the whole process group, as a lost node would end the job (run it in a session of
+its own), or, at ``sigterm``, sends SIGTERM to itself alone.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -118,7 +119,8 @@ def _kill_inside_sharded_saves(point: str, kill: KillAt, trainer_of: Callable[[]
 def main(root: Path, max_steps: int, kill_after: int, kill_point: str, processes: int = 1, kill_rank: int = 0) -> None:
     strategy = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=DELTA,
                                   context_parallel_size=processes,
-                                  checkpoint_format="sharded" if processes > 1 else "full")
+                                  checkpoint_format="sharded" if processes > 1 else "full",
+                                  timeout=timedelta(seconds=120))  # a deadlock fails in 2 minutes, not Lightning's 30
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     kill = KillAt(kill_after, kill_point if rank == kill_rank else "none")
     if kill_point == "release" and rank == kill_rank:
