@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lightning_longshield.durable_checkpoints import newer_checkpoint_beside
+from lightning_longshield.durable_checkpoints import is_local, newer_checkpoint_beside
 from lightning_longshield.privacy.ledger import LEDGER_FILE
 from lightning_longshield.sharded_checkpoints import (
     ShardedSave,
@@ -47,7 +47,7 @@ def warn_if_a_newer_checkpoint_is_beside(path: Any) -> None:
     """Warn when a resume from a ``last*`` checkpoint (what ``fit(ckpt_path="last")`` finds) leaves a newer whole
     checkpoint beside it unused: a ``last.ckpt`` saved at SIGTERM is not refreshed by a `ModelCheckpoint` without
     ``save_last``, so after a later crash "last" rolls the run back."""
-    if "://" in os.fspath(path) or not Path(path).name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
+    if not is_local(path) or not Path(path).name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
         return
     try:
         newer = newer_checkpoint_beside(Path(path))

@@ -50,22 +50,46 @@ NOT_PRIVATE = (
 
 
 def is_private_strategy(strategy: Any) -> bool:
-    """Whether a parsed ``trainer.strategy`` (a registry name, a ``class_path`` namespace or an instance) is
-    `LongShieldStrategy` or a subclass."""
+    """Whether a parsed ``trainer.strategy`` (a registry name, a class path, a ``class_path`` namespace or an
+    instance) is `LongShieldStrategy` or a subclass."""
     if isinstance(strategy, LongShieldStrategy):
         return True
+    chosen = strategy_class(strategy)
+    return chosen is not None and issubclass(chosen, LongShieldStrategy)
+
+
+def strategy_class(strategy: Any) -> Optional[type]:
+    """The class that a parsed ``trainer.strategy`` names: a registry name's, a ``class_path`` namespace's, an
+    importable class path's (``lightning_longshield.LongShieldStrategy``) or, by its bare name, `LongShieldStrategy`
+    or a subclass of it; None for anything else."""
     if isinstance(strategy, str):
-        return strategy in StrategyRegistry and issubclass(StrategyRegistry[strategy]["strategy"], LongShieldStrategy)
-    class_path = strategy.get("class_path") if hasattr(strategy, "get") else None
-    if not isinstance(class_path, str):
-        return False
+        if strategy in StrategyRegistry:
+            return StrategyRegistry[strategy]["strategy"]
+        class_path = strategy
+    else:
+        class_path = strategy.get("class_path") if hasattr(strategy, "get") else None
+        if not isinstance(class_path, str):
+            return None
+    if "." not in class_path:
+        return next((c for c in _subclasses(LongShieldStrategy) if c.__name__ == class_path), None)
     from jsonargparse.typing import import_object  # a dependency of LightningCLI
 
     try:
-        strategy_class = import_object(class_path)
+        found = import_object(class_path)
     except (ImportError, AttributeError, ValueError):
-        return False
-    return isinstance(strategy_class, type) and issubclass(strategy_class, LongShieldStrategy)
+        return None
+    return found if isinstance(found, type) else None
+
+
+def private_registry_names() -> list[str]:
+    """The names under which `LongShieldStrategy` (or a subclass) is registered (``longshield``...)."""
+    return [name for name in StrategyRegistry
+            if issubclass(StrategyRegistry[name]["strategy"], LongShieldStrategy)]
+
+
+def _subclasses(cls: type) -> list[type]:
+    """``cls`` and every subclass of it defined so far."""
+    return [cls, *(sub for direct in cls.__subclasses__() for sub in _subclasses(direct))]
 
 
 class SaveConfigToLogDir(SaveConfigCallback):
@@ -109,15 +133,22 @@ class LongShieldCLI(LightningCLI):
             return
         strategy = config.get("trainer", {}).get("strategy")
         if is_private_strategy(strategy):
+            if isinstance(strategy, str) and strategy not in StrategyRegistry:  # a class path, which Trainer refuses
+                from jsonargparse import Namespace
+
+                chosen = strategy_class(strategy)
+                config.trainer.strategy = Namespace(class_path=f"{chosen.__module__}.{chosen.__qualname__}",
+                                                    init_args=Namespace())
             return
         if not config.get("non_private"):
             name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", strategy)
             raise ValueError(
                 f"trainer.strategy={name!r} is not LongShieldStrategy: it would train with no differential privacy"
                 " (no per-sample clipping, no noise, no Poisson sampling) and ignore LongShieldStrategy's arguments."
-                " Remove --trainer.strategy (LongShieldStrategy is the default) or set it to"
-                " lightning_longshield.LongShieldStrategy; to train without privacy on purpose, add --non_private"
-                " true."
+                " Remove --trainer.strategy (LongShieldStrategy is the default) or set it to LongShieldStrategy"
+                " (or lightning_longshield.LongShieldStrategy, or a subclass's class path), or to a registry name of"
+                f" it ({', '.join(private_registry_names())}); to train without privacy on purpose, add"
+                " --non_private true."
             )
         rank_zero_warn(NOT_PRIVATE)
 

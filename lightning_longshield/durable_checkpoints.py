@@ -31,7 +31,7 @@ class DurableCheckpointIO(TorchCheckpointIO):
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
-        if not _is_local(path):
+        if not is_local(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options; pass a CheckpointIO of your own.")
@@ -43,12 +43,34 @@ class DurableCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if _is_local(path) and Path(path).is_file() and not is_whole_checkpoint(path):
-            good = newest_whole_checkpoint(Path(path).parent, exclude=Path(path))
-            fix = (f"the newest whole checkpoint beside it is {good}: resume from it (fit(ckpt_path=...))" if good
-                   else "no whole checkpoint is beside it")
-            raise CorruptCheckpointError(f"Checkpoint {path} is truncated or damaged and was not loaded; {fix}.")
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if not (is_local(path) and Path(path).is_file()):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if not is_whole_checkpoint(path):
+            raise corrupt_checkpoint_error(Path(path), "is truncated or damaged")
+        try:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except RuntimeError as error:  # damage the archive's checksums do not cover, found by torch's zip reader
+            if TORCH_READER_ERROR not in str(error):
+                raise
+            reason = str(error).split(". ", 1)[0]  # the rest is torch's advice on where the damage may come from
+            raise corrupt_checkpoint_error(Path(path), f"is damaged ({reason})") from error
+
+
+#: How torch's zip reader (``torch.load``) begins the errors it raises on an archive it cannot read.
+TORCH_READER_ERROR = "PytorchStreamReader failed"
+#: The MS-DOS directory bit of a zip entry's external attributes: torch's reader (miniz) reads such an entry as empty,
+#: and ``torch.save`` never sets it.
+_ZIP_DIRECTORY_ATTRIBUTE = 0x10
+
+
+def corrupt_checkpoint_error(path: Path, problem: str) -> CorruptCheckpointError:
+    """The error for the checkpoint ``path`` that ``problem`` (e.g. "is truncated or damaged"), naming the newest
+    whole checkpoint beside it to resume from, or what to do when there is none."""
+    good = newest_whole_checkpoint(path.parent, exclude=path)
+    fix = (f"the newest whole checkpoint beside it is {good}: resume from it (fit(ckpt_path=...))" if good
+           else "no whole checkpoint is beside it: pass ckpt_path a whole checkpoint from elsewhere, or start afresh"
+                " without ckpt_path")
+    return CorruptCheckpointError(f"Checkpoint {path} {problem} and was not loaded; {fix}.")
 
 
 #: A checkpoint's temporary (``.<name>[.<pid>].partial``, file or folder) untouched for this long was left by a save
@@ -105,11 +127,14 @@ def write_durably(path: Path, write: Callable[[IO[bytes]], object]) -> None:
 
 
 def is_whole_checkpoint(path: _PATH) -> bool:
-    """Whether ``path`` is a complete ``torch.save`` archive whose every record matches its checksum."""
+    """Whether ``path`` is a complete ``torch.save`` archive whose every record matches its checksum and none is
+    marked as a folder. Whatever a damaged archive makes the zip reader raise (``BadZipFile``, ``EOFError``, a
+    ``UnicodeDecodeError`` from a mangled name, a ``NotImplementedError`` from a mangled method...) means not whole."""
     try:
         with zipfile.ZipFile(path) as archive:
-            return archive.testzip() is None
-    except (zipfile.BadZipFile, OSError, EOFError):
+            return (archive.testzip() is None
+                    and not any(info.external_attr & _ZIP_DIRECTORY_ATTRIBUTE for info in archive.infolist()))
+    except Exception:  # any failure to read it is damage
         return False
 
 
@@ -136,5 +161,6 @@ def newer_checkpoint_beside(path: Path) -> Optional[Path]:
     return found
 
 
-def _is_local(path: _PATH) -> bool:
+def is_local(path: _PATH) -> bool:
+    """Whether ``path`` names a local file or folder, not a remote URL (``s3://``...)."""
     return "://" not in os.fspath(path)

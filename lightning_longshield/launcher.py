@@ -3,9 +3,12 @@ state of the fit."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
@@ -22,20 +25,44 @@ PRIVACY_RESULT_KEY = "longshield_privacy"
 class GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
     """After training in spawned (or forked) workers, hand the main process the full state dict, not rank 0's shards,
     and rank 0's privacy state (plan and accountant history: what a checkpoint keeps, never a secret), so that
-    ``strategy.get_epsilon()`` and the guarantee read there as on rank 0; and close the workers' process group."""
+    ``strategy.get_epsilon()`` and the guarantee read there as on rank 0; and close the workers' process group.
+
+    The main process builds the module's model (``configure_model``, on the CPU) and loads the trained weights into it
+    strictly: a module is never marked as trained with weights that were not loaded."""
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Optional[_WorkerOutput]:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered whole: a collective
-        full_state = get_model_state_dict(self._strategy.lightning_module, options=options)
-        output = super()._collect_rank_zero_results(trainer, results)
-        if output is not None and output.weights_path is not None:
-            self._strategy.checkpoint_io.save_checkpoint(full_state, output.weights_path)
+        """Lightning's, with the weights gathered whole (a collective) and written once by rank 0, after a fit only."""
+        full_state = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            full_state = get_model_state_dict(self._strategy.lightning_module, options=options)
+        output = None
+        if self._strategy.local_rank == 0:
+            weights_path = None
+            if full_state is not None:
+                # A folder of its own: the file system may be shared between nodes.
+                weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+                self._strategy.checkpoint_io.save_checkpoint(full_state, weights_path)
+            callback = trainer.checkpoint_callback
+            best_model_path = getattr(callback, "best_model_path", None) if callback is not None else None
+            output = _WorkerOutput(best_model_path, weights_path, trainer.state, results,
+                                   self.get_extra_results(trainer))
         # Close the process group in the worker, once every rank is done with it, instead of leaving it to
         # interpreter exit (a worker once aborted there: "terminate called without an active exception").
         self._strategy.barrier()
         _destroy_dist_connection()
         return output
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
+        """Load the trained weights strictly (Lightning's load is lenient: into a model that ``configure_model``
+        never built here it dropped every key), then Lightning's and `update_main_process_results`."""
+        if worker_output.weights_path is not None:
+            load_trained_weights(trainer, worker_output.weights_path)
+            self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
+            worker_output = worker_output._replace(weights_path=None)
+        super()._recover_results_in_main_process(worker_output, trainer)
 
     @override
     def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -62,3 +89,22 @@ class GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
     def _privacy_session(self) -> Optional[PrivacySession]:
         session = getattr(self._strategy, "privacy", None)
         return session if isinstance(session, PrivacySession) else None
+
+
+def load_trained_weights(trainer: pl.Trainer, weights_path: str) -> None:
+    """Build the module's model in this process (``configure_model`` on the CPU, in the precision's dtype; a model
+    built already stays) and load the weights the workers trained into it, every key. A mismatch raises, naming the
+    file the weights stay in."""
+    module = trainer.lightning_module
+    state = trainer.strategy.checkpoint_io.load_checkpoint(weights_path)
+    with torch.device("cpu"), trainer.precision_plugin.module_init_context():
+        module.configure_model()
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"The weights trained in the spawned processes do not fit {type(module).__name__} in the main process"
+            f" ({error}); they are kept in {weights_path}. Make configure_model() build the same model in every"
+            " process (here it runs on the CPU before the weights are loaded; it must be idempotent), or launch"
+            " without spawning: LongShieldStrategy(start_method='popen') with torchrun."
+        ) from error

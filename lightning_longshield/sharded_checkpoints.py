@@ -42,7 +42,7 @@ from lightning_longshield.dist_compat import all_gathered, world_size
 from lightning_longshield.durable_checkpoints import (
     STALE_PARTIAL_SECONDS,
     CorruptCheckpointError,
-    newest_whole_checkpoint,
+    corrupt_checkpoint_error,
     remove_stale_partials,
     untouched_seconds,
     write_durably,
@@ -209,13 +209,8 @@ def _manifest_problem(folder: Path, part: int = 0, parts: int = 1) -> Optional[s
 
 
 def _refuse_if_damaged(folder: Path, problem: Optional[str]) -> None:
-    if problem is None:
-        return
-    good = newest_whole_checkpoint(folder.parent, exclude=folder)
-    fix = (f"the newest whole checkpoint beside it is {good}: resume from it (fit(ckpt_path=...))" if good
-           else "no whole checkpoint is beside it")
-    raise CorruptCheckpointError(f"Checkpoint {folder} is incomplete or damaged ({problem}) and was not loaded;"
-                                 f" {fix}.")
+    if problem is not None:
+        raise corrupt_checkpoint_error(folder, f"is incomplete or damaged ({problem})")
 
 
 def is_whole_sharded_checkpoint(folder: Path) -> bool:

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("jsonargparse")
 transformers = pytest.importorskip("transformers")
 
+from lightning_longshield import LongShieldStrategy  # noqa: E402
 from lightning_longshield.cli import run_cli  # noqa: E402
 from lightning_longshield.hf.demo import train_bpe_tokenizer, write_demo_llama  # noqa: E402
 from lightning_longshield.progress import StepProgressBar  # noqa: E402
@@ -79,8 +80,25 @@ def test_the_saved_config_holds_no_noise_seed(tmp_path):
 @pytest.mark.parametrize("strategy", ["auto", "ddp", "lightning.pytorch.strategies.SingleDeviceStrategy"])
 def test_a_strategy_without_dp_is_refused_unless_acknowledged(strategy, tmp_path):
     args = ["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--trainer.strategy", strategy]
-    with pytest.raises(ValueError, match=f"trainer.strategy='{strategy}' is not LongShieldStrategy.*--non_private"):
+    forms = r"LongShieldStrategy \(or lightning_longshield.LongShieldStrategy, .*\(longshield, longshield_spawn\)"
+    with pytest.raises(ValueError, match=f"trainer.strategy='{strategy}' is not LongShieldStrategy.* set it to"
+                                         f" {forms}.*--non_private"):
         run_cli(args, run=False)
+
+
+class SubclassedStrategy(LongShieldStrategy):
+    """A user's subclass, named by its class path on the command line."""
+
+
+@pytest.mark.parametrize("strategy", ["lightning_longshield.LongShieldStrategy", "LongShieldStrategy",
+                                      "lightning_longshield.strategy.LongShieldStrategy", "longshield_spawn",
+                                      f"{__name__}.SubclassedStrategy"])
+def test_every_form_of_the_strategy_the_refusal_names_is_accepted(strategy):
+    """A class path given alone stayed a string, which the check refused as "not LongShieldStrategy" (and Trainer
+    would not take)."""
+    cli = run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--trainer.strategy", strategy], run=False)
+    expected = SubclassedStrategy if strategy.endswith("SubclassedStrategy") else LongShieldStrategy
+    assert type(cli.trainer.strategy) is expected
 
 
 def test_non_private_true_trains_without_dp_warns_and_prints_no_guarantee(capsys, tmp_path):

@@ -1,17 +1,22 @@
-"""Lightning's spawn launcher: a CP 2 run started from this process returns the full trained weights here, and rank
-0's privacy state (plan, accountant history), so that epsilon and the guarantee read here as on rank 0."""
+"""Lightning's spawn launcher: a CP 2 run started from this process returns the full trained weights here (into the
+model that ``configure_model`` builds here, every key loaded), and rank 0's privacy state (plan, accountant history),
+so that epsilon and the guarantee read here as on rank 0. The weights are gathered and written once, after a fit
+only."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerStatus
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from lightning_longshield import LongShieldStrategy
+from lightning_longshield import CausalLMModule, LongShieldStrategy, launcher
+from lightning_longshield.models import Llama
 from tests.support.helpers import (
     RandomTokens,
     loader,
@@ -23,36 +28,47 @@ from tests.support.helpers import (
 )
 
 
-class RecordRankZeroPrivacy(L.Callback):
-    """Writes rank 0's privacy plan, history and guarantee at the end of training to ``path`` (a worker's view, for
-    the main process to compare with)."""
+class RecordRankZero(L.Callback):
+    """Writes the full weights at the start of training to ``folder / "initial.pt"``, and rank 0's privacy plan,
+    history and guarantee at its end to ``folder / "rank0.json"`` (a worker's view, for the main process to compare
+    with)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        initial = get_model_state_dict(pl_module, options=options)  # a collective: every rank
+        if trainer.is_global_zero:
+            torch.save(initial, self.folder / "initial.pt")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero:
             privacy = trainer.strategy.privacy
-            self.path.write_text(json.dumps({"plan": privacy.plan.state_dict(), "history": privacy.accountant.history,
-                                             "guarantee": privacy.describe_guarantee()}))
+            (self.folder / "rank0.json").write_text(json.dumps({
+                "plan": privacy.plan.state_dict(), "history": privacy.accountant.history,
+                "guarantee": privacy.describe_guarantee()}))
 
 
 @pytest.mark.slow
 def test_spawned_context_parallel_run_returns_full_weights_and_the_privacy_state(tmp_path):
     dataset = RandomTokens(size=8, seq_len=16)
-    module = make_module(small_config())
-    initial = copy.deepcopy(module.model)
+    # The model is built by configure_model in the workers only: before, Lightning's lenient load dropped every key
+    # here and left `module.model` None, yet marked trained.
+    module = CausalLMModule(small_config(), optimizer="sgd", learning_rate=1.0)
     strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=0.05, micro_batch_size=2,
                                   poisson_sampling=False, seed=0, start_method="spawn")
-    record = tmp_path / "rank0.json"
-    trainer = make_trainer(strategy, max_steps=1, devices=2, callbacks=[RecordRankZeroPrivacy(record)])
+    trainer = make_trainer(strategy, max_steps=1, devices=2, callbacks=[RecordRankZero(tmp_path)])
     trainer.fit(module, loader(dataset, 4))
+    initial = Llama(small_config())
+    initial.load_state_dict({k.removeprefix("model."): v for k, v in torch.load(tmp_path / "initial.pt").items()})
     expected = reference_dp_sgd(initial, [samples(dataset, range(4))], 0.05, 4)
+    assert module.model is not None
     for name, value in expected.state_dict().items():
         torch.testing.assert_close(module.model.state_dict()[name], value, rtol=1e-4, atol=1e-6)
 
     # Before, the main process's strategy had no plan (get_epsilon raised "No delta yet") and no step.
-    rank_zero = json.loads(record.read_text())
+    rank_zero = json.loads((tmp_path / "rank0.json").read_text())
     assert strategy.privacy_plan.state_dict() == rank_zero["plan"]
     assert strategy.accountant.history == [tuple(run) for run in rank_zero["history"]] == [(0.0, 4 / 8, 1)]
     assert strategy.get_epsilon() == float("inf")
@@ -61,3 +77,56 @@ def test_spawned_context_parallel_run_returns_full_weights_and_the_privacy_state
     # Lightning refuses a second fit of a spawn Trainer; the strategy's teardown kept that error, not its own
     with pytest.raises(NotImplementedError, match="creating a new Trainer instance"):
         trainer.fit(module, loader(dataset, 4))
+
+
+def _main_process(module: CausalLMModule) -> tuple[L.Trainer, launcher.GatheringMultiProcessingLauncher]:
+    """A spawn trainer in this process (no worker started) holding ``module``, and its launcher."""
+    trainer = make_trainer(LongShieldStrategy(start_method="spawn"), max_steps=1, devices=2)
+    trainer.strategy.connect(module)
+    assert isinstance(trainer.strategy.launcher, launcher.GatheringMultiProcessingLauncher)
+    return trainer, trainer.strategy.launcher
+
+
+def _worker_output(trainer: L.Trainer, weights_path: Path) -> _WorkerOutput:
+    state = TrainerState(fn=TrainerFn.FITTING, status=TrainerStatus.FINISHED)
+    return _WorkerOutput(None, str(weights_path), state, None, trainer.strategy.launcher.get_extra_results(trainer))
+
+
+def test_the_trained_weights_load_into_the_model_configure_model_builds_here(tmp_path):
+    trained = make_module(small_config(), seed=1)
+    weights = tmp_path / "weights.ckpt"
+    torch.save(trained.state_dict(), weights)
+    module = CausalLMModule(small_config(), optimizer="sgd", learning_rate=1.0)  # no model yet, as after a spawn
+    trainer, spawn = _main_process(module)
+    spawn._recover_results_in_main_process(_worker_output(trainer, weights), trainer)
+    assert module.model is not None
+    for name, value in trained.state_dict().items():
+        torch.testing.assert_close(module.state_dict()[name], value, rtol=0, atol=0)
+    assert not weights.exists()
+
+
+def test_weights_that_do_not_fit_the_model_here_are_refused_and_kept(tmp_path):
+    state = make_module(small_config(), seed=1).state_dict()
+    state["model.layer_the_worker_added.weight"] = torch.zeros(1)
+    weights = tmp_path / "weights.ckpt"
+    torch.save(state, weights)
+    trainer, spawn = _main_process(make_module(small_config()))
+    with pytest.raises(RuntimeError, match=rf"(?s)do not fit CausalLMModule .*layer_the_worker_added.* kept in"
+                                           rf" {weights}\. Make configure_model\(\) build the same model"):
+        spawn._recover_results_in_main_process(_worker_output(trainer, weights), trainer)
+    assert weights.exists()
+
+
+@pytest.mark.parametrize("fn", [TrainerFn.FITTING, TrainerFn.VALIDATING])
+def test_the_weights_are_gathered_and_written_once_after_a_fit_only(fn, monkeypatch):
+    gathered, written = [], []
+    full_state = {"model.w": torch.ones(2)}
+    monkeypatch.setattr(launcher, "get_model_state_dict", lambda module, options: gathered.append(1) or full_state)
+    trainer, spawn = _main_process(make_module(small_config()))
+    monkeypatch.setattr(trainer.strategy.checkpoint_io, "save_checkpoint", lambda state, path: written.append(state))
+    trainer.state.fn = fn
+    output = spawn._collect_rank_zero_results(trainer, results=None)
+    fitting = fn == TrainerFn.FITTING
+    assert len(gathered) == len(written) == int(fitting)  # before, a gather after validate too, and two writes
+    assert written == ([full_state] if fitting else [])
+    assert (output.weights_path is not None) == fitting

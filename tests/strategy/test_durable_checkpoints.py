@@ -4,7 +4,10 @@ its name and the newest whole checkpoint beside it, never loaded in part."""
 from __future__ import annotations
 
 import os
+import re
 import time
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +66,55 @@ def test_a_damaged_checkpoint_is_refused_with_the_last_good_one(tmp_path, damage
     bad.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match=rf"{bad} is truncated or damaged .* beside it is {good}"):
         _fit(tmp_path, 2, ckpt_path=bad)
+
+
+#: A small checkpoint, and one byte of its file set to a value (found by a seeded fuzz of it) with the error that the
+#: damage makes zipfile's integrity check, or torch's reader after it, raise when nothing catches it.
+SMALL_CHECKPOINT = {"global_step": 1, "state_dict": {"w": torch.arange(16, dtype=torch.float32)}, "name": "run"}
+DAMAGES = {
+    "name no longer UTF-8": (1266, 128, UnicodeDecodeError),  # zipfile's check
+    "unknown zip version": (1353, 253, NotImplementedError),  # zipfile's check
+    "header only torch checks": (1494, 37, RuntimeError),  # passes zipfile's check; torch's reader refuses it
+    "record marked as a folder": (1385, 127, (ValueError, UnicodeDecodeError)),  # torch's reader reads it as garbage
+}
+
+
+def _damaged(path: Path, offset: int, value: int) -> Path:
+    DurableCheckpointIO().save_checkpoint(SMALL_CHECKPOINT, path)
+    data = bytearray(path.read_bytes())
+    data[offset] = value
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _read_unchecked(path: Path) -> None:
+    """zipfile's integrity check, then torch's reader, with nothing caught."""
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None
+    torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damage_that_breaks_the_zip_readers_is_refused_by_name(tmp_path, damage):
+    """Damage that made zipfile's check or torch's reader raise its own error (a raw traceback, the file unnamed):
+    `CorruptCheckpointError` naming the file and the newest whole checkpoint beside it."""
+    offset, value, raw_error = DAMAGES[damage]
+    good = tmp_path / "good.ckpt"
+    DurableCheckpointIO().save_checkpoint(SMALL_CHECKPOINT, good)
+    bad = _damaged(tmp_path / "bad.ckpt", offset, value)
+    with pytest.raises(raw_error):  # the damage this case is about (else torch.save's layout changed: fuzz again)
+        _read_unchecked(bad)
+    with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(str(bad))} is .*damaged.* beside it is"
+                                                     rf" {re.escape(str(good))}"):
+        DurableCheckpointIO().load_checkpoint(bad)
+
+
+def test_a_damaged_checkpoint_with_none_whole_beside_it_names_what_to_do(tmp_path):
+    offset, value, _ = DAMAGES["header only torch checks"]
+    bad = _damaged(tmp_path / "last.ckpt", offset, value)
+    with pytest.raises(CorruptCheckpointError, match="no whole checkpoint is beside it: pass ckpt_path a whole"
+                                                     " checkpoint from elsewhere, or start afresh without ckpt_path"):
+        DurableCheckpointIO().load_checkpoint(bad)
 
 
 def _sharded_fit(tmp_path, max_steps: int, ckpt_path=None):
