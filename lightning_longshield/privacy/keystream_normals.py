@@ -10,12 +10,13 @@ Layout, fixed so that the values do not depend on how they are consumed: one dra
 and concatenated in order, in blocks of `BLOCK_VALUES` (which may span tensors: a model's many small tensors share
 blocks, so every op works on a whole block) from one keystream read in order: the AES-256 encryptions of the 128-bit
 big-endian counters ``nonce 2^64``, ``nonce 2^64 + 1``, ... (NIST SP 800-38A's CTR mode), 16 bytes each. A block of
-``m`` values reads ``3 p`` little-endian 32-bit words, ``p = ceil(m / 2)``. The low 31 bits ``h`` of word ``j < p``
-and ``l`` of word ``2 p + j`` give ``u_j = (fl(h) + (fl(l) + 1) 2^-31) 2^-31`` in [2^-62, 1] (``fl``: the fp32
-rounding, exact below 2^24; the sum rounded to fp32: a 62-bit uniform to fp32's precision, so the small ``u`` that
-make the tails are exact to it), the low 24 bits ``k`` of word ``p + j`` give ``v_j = k 2^-24`` in [0, 1). Value
-``j`` is ``sqrt(-2 ln u_j) cos(2 pi v_j)`` and value ``p + j`` is ``sqrt(-2 ln u_j) sin(2 pi v_j)`` (the last sine
-dropped when ``m`` is odd).
+``m`` values reads ``2 p`` little-endian 32-bit words, ``p = ceil(m / 2)``. The low 31 bits ``h`` of word ``j < p``
+give the radius's uniform ``u_j = (fl(h) + 1) 2^-31`` (``fl``: the fp32 rounding, exact below 2^24); where ``h <
+2^8`` (``u < 2^-23``: the radii beyond 5.65, about one draw in 2^23) the low 31 bits ``l`` of the draw's next fine
+word refine it to ``u_j = (h + (fl(l) + 1) 2^-31) 2^-31`` in [2^-62, 2^-23], a 62-bit uniform to fp32's precision.
+Fine words are the keystream from counter ``nonce 2^64 + 2^63`` on, taken in order of the values that need one. The
+low 24 bits ``k`` of word ``p + j`` give ``v_j = k 2^-24`` in [0, 1). Value ``j`` is ``sqrt(-2 ln u_j) cos(2 pi
+v_j)`` and value ``p + j`` is ``sqrt(-2 ln u_j) sin(2 pi v_j)`` (the last sine dropped when ``m`` is odd).
 
 Radii reach ``sqrt(124 ln 2) ~ 9.27``: the noise is a Gaussian cut off there, a privacy cost that
 `privacy.cut_off` bounds and the printed guarantee adds where it matters. Where one sample's clipped gradient moves
@@ -29,7 +30,7 @@ ones end at 5.77). The conversion is the usual one, not hardened against attacks
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -44,7 +45,11 @@ BLOCK_VALUES = 2**18
 _MOST_WORDS = 2**36
 #: Draws a key serves: the nonce fills the counter block's high 64 bits.
 _MOST_NONCES = 2**64
-_RADIUS_BITS = 31  # per word: two words a radius
+_RADIUS_BITS = 31
+#: Radius words below this take a fine word (`keystream_normals`' layout): below 2^8 fp32 holds 16 or more bits of it.
+_FINE_BELOW = 2**8
+#: The counter block, past the nonce's, where a draw's fine words start: far beyond its 2^34 main blocks.
+_FINE_COUNTER = 2**63
 _ANGLE_BITS = 24
 
 
@@ -70,15 +75,15 @@ def keystream_normals_(
     # The initial counter block; OpenSSL increments all 128 bits, big-endian, one per 16 bytes.
     encryptor = Cipher(algorithms.AES(key), modes.CTR(nonce.to_bytes(8, "big") + bytes(8))).encryptor()
     # 16 spare bytes: some releases of cryptography ask an output buffer up to a cipher block longer than the input.
-    stream = bytearray(4 * 3 * _pairs(min(BLOCK_VALUES, total)) + 16)
+    stream = bytearray(4 * 2 * _pairs(min(BLOCK_VALUES, total)) + 16)
     words, view = torch.frombuffer(stream, dtype=torch.int32), memoryview(stream)
-    segments = _Segments(flats)
+    segments, fine = _Segments(flats), _FineWords(key, nonce)
     for start in range(0, total, BLOCK_VALUES):
         size = min(BLOCK_VALUES, total - start)
-        count = 3 * _pairs(size)
+        count = 2 * _pairs(size)
         words[:count].zero_()
         encryptor.update_into(view[: 4 * count], stream)  # in place: the keystream itself (zeros encrypted)
-        values = box_muller(words[:count], std)
+        values = box_muller(words[:count], std, fine.words)
         filled = 0
         while filled < size:
             segment = segments.take(size - filled)
@@ -90,29 +95,50 @@ def keystream_normals_(
             filled += segment.numel()
 
 
-def box_muller(words: torch.Tensor, std: float) -> torch.Tensor:
-    """One block of the layout above from its ``3 p`` int32 ``words`` (the radii's high 31 bits, the angles' low 24,
-    the radii's low 31): its ``2 p`` fp32 values, ``radius * cos`` then ``radius * sin``, formed in ``words``' memory
-    (an fp32 view of it), so a block holds one temporary beside its keystream, the cosine."""
-    if words.numel() % 3:
-        raise ValueError(f"A block takes a multiple of three words, not {words.numel()}.")
-    pairs = words.numel() // 3
-    radius_bits = (1 << _RADIUS_BITS) - 1
-    words[:pairs].bitwise_and_(radius_bits)
-    words[pairs:2 * pairs].bitwise_and_((1 << _ANGLE_BITS) - 1)
-    words[2 * pairs:].bitwise_and_(radius_bits)
+def box_muller(words: torch.Tensor, std: float, fine_words: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """One block of the layout above from its ``2 p`` int32 ``words`` (the radii's 31 bits, the angles' 24) and
+    ``fine_words(n)``, the draw's next ``n`` fine words (int32): its ``2 p`` fp32 values, ``radius * cos`` then
+    ``radius * sin``, formed in ``words``' memory (an fp32 view of it), so a block holds one temporary beside its
+    keystream, the cosine."""
+    if words.numel() % 2:
+        raise ValueError(f"A block takes an even number of words, not {words.numel()}.")
+    pairs = words.numel() // 2
+    words[:pairs].bitwise_and_((1 << _RADIUS_BITS) - 1)
+    words[pairs:].bitwise_and_((1 << _ANGLE_BITS) - 1)
+    fine = None
+    if pairs and int(words[:pairs].min()) < _FINE_BELOW:  # about one block in 2^6 at 2^17 pairs
+        fine = torch.nonzero(words[:pairs] < _FINE_BELOW).flatten()
+        low = fine_words(fine.numel()).bitwise_and_((1 << _RADIUS_BITS) - 1).float()
+        fine_u = words[:pairs][fine].float().add_(low.add_(1.0), alpha=2.0**-_RADIUS_BITS)
     values = words.view(torch.float32)
     values.copy_(words)  # each word's k as fp32, rounded to nearest (at most 2^31), element by element in place
-    radius, angle, low = values[:pairs], values[pairs:2 * pairs], values[2 * pairs:]
-    # u = (fl(h) + (fl(l) + 1) 2^-31) 2^-31: at least 2^-62 (h = l = 0, exact), at most 1 (the sum rounds to at most
+    radius, angle = values[:pairs], values[pairs:]
+    # u = (fl(h) + 1) 2^-31, or (h + (fl(l) + 1) 2^-31) 2^-31: at least 2^-62, at most 1 (fl(h) + 1 rounds to at most
     # 2^31), so ln u <= 0 and the square root's argument is never negative.
-    radius.add_(low.add_(1.0), alpha=2.0**-_RADIUS_BITS)
+    radius.add_(1.0)
+    if fine is not None:
+        radius[fine] = fine_u
     radius.mul_(2.0**-_RADIUS_BITS).log_().mul_(-2.0 * std * std).sqrt_()
     angle.mul_(2 * math.pi * 2.0**-_ANGLE_BITS)
     cosine = torch.cos(angle)
     angle.sin_().mul_(radius)
     radius.mul_(cosine)
-    return values[:2 * pairs]
+    return values
+
+
+class _FineWords:
+    """A draw's fine words: the AES-256-CTR keystream from counter ``nonce 2^64 + 2^63`` on, in order, read only
+    when a block needs some (its encryptor made then)."""
+
+    def __init__(self, key: bytes, nonce: int) -> None:
+        self._key, self._nonce, self._encryptor = key, nonce, None
+
+    def words(self, count: int) -> torch.Tensor:
+        """The next ``count`` (at least one) fine words."""
+        if self._encryptor is None:
+            counter = (self._nonce * 2**64 + _FINE_COUNTER).to_bytes(16, "big")
+            self._encryptor = Cipher(algorithms.AES(self._key), modes.CTR(counter)).encryptor()
+        return torch.frombuffer(bytearray(self._encryptor.update(bytes(4 * count))), dtype=torch.int32)
 
 
 class _Segments:

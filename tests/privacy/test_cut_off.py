@@ -25,8 +25,9 @@ from lightning_longshield.privacy.keystream_normals import box_muller
 
 
 def test_the_keystream_tail_is_the_largest_value_its_sampler_forms():
-    """Both radius words zero: u = 2^-62, the largest radius, on the cosine of angle 0."""
-    largest = box_muller(torch.tensor([0, 0, 0], dtype=torch.int32), std=1.0)[0].item()
+    """The radius word and its fine word zero: u = 2^-62, the largest radius, on the cosine of angle 0."""
+    zeros = torch.zeros(1, dtype=torch.int32)
+    largest = box_muller(torch.tensor([0, 0], dtype=torch.int32), 1.0, lambda count: zeros)[0].item()
     assert largest == pytest.approx(KEYSTREAM_TAIL.cut_off, rel=1e-6)
     assert PHILOX_TAIL.cut_off == pytest.approx(math.sqrt(-2 * math.log(2.0**-33)))  # cuRAND's (0 + 1/2) 2^-32
 

@@ -45,18 +45,21 @@ def test_the_reference_counter_mode_matches_nist_sp800_38a_ctr_aes256():
 def reference_normals(key: bytes, nonce: int, numel: int, std: float) -> np.ndarray:
     """fp64 values of the layout in `keystream_normals`, written out from its docstring."""
     block_sizes = [min(BLOCK_VALUES, numel - start) for start in range(0, numel, BLOCK_VALUES)]
-    words_needed = sum(3 * ((size + 1) // 2) for size in block_sizes)
+    words_needed = sum(2 * ((size + 1) // 2) for size in block_sizes)
     stream = counter_mode_keystream(key, nonce * 2**64, 4 * words_needed)
     words = np.frombuffer(stream, dtype="<u4").astype(np.uint64)
+    fine_stream = np.frombuffer(counter_mode_keystream(key, nonce * 2**64 + 2**63, 4 * 64), dtype="<u4")
+    fine = iter((fine_stream & np.uint32(2**31 - 1)).astype(np.float32).astype(np.float64))
     values, position = [], 0
     for size in block_sizes:
         pairs = (size + 1) // 2
-        block = words[position:position + 3 * pairs]
-        position += 3 * pairs
-        high, low = (block[part] & np.uint64(2**31 - 1) for part in (slice(pairs), slice(2 * pairs, None)))
-        fp32 = [part.astype(np.float32).astype(np.float64) for part in (high, low)]
-        u = (fp32[0] + (fp32[1] + 1.0) * 2.0**-31) * 2.0**-31
-        v = (block[pairs:2 * pairs] & np.uint64(2**24 - 1)).astype(np.float64) * 2.0**-24
+        block = words[position:position + 2 * pairs]
+        position += 2 * pairs
+        high = block[:pairs] & np.uint64(2**31 - 1)
+        u = (high.astype(np.float32).astype(np.float64) + 1.0) * 2.0**-31
+        for index in np.flatnonzero(high < 2**8):  # in order: the draw's fine words, one each
+            u[index] = (float(high[index]) + (next(fine) + 1.0) * 2.0**-31) * 2.0**-31
+        v = (block[pairs:] & np.uint64(2**24 - 1)).astype(np.float64) * 2.0**-24
         radius = np.sqrt(-2.0 * np.log(u)) * std
         sines = (radius * np.sin(2 * np.pi * v))[: size - pairs]
         values.append(np.concatenate([radius * np.cos(2 * np.pi * v), sines]))
@@ -79,6 +82,21 @@ def test_normals_equal_the_reference_keystream_and_box_muller(sizes, nonce):
         torch.testing.assert_close(result, total * 0.25 + values, rtol=1e-5, atol=1e-5)
 
 
+def test_radius_words_below_2_to_the_8_take_the_draws_fine_words_as_the_reference_does():
+    """Nonce 3444's first block has two radius words below 2^8 (positions 22808 and 125897: 163 and 64), about one
+    block in 2^6: the values there come from fine words and reach beyond 5.65 sigma, equal to the reference's."""
+    words = np.frombuffer(counter_mode_keystream(KEY, 3444 * 2**64, 4 * BLOCK_VALUES // 2), dtype="<u4")
+    assert np.flatnonzero((words & (2**31 - 1)) < 2**8).tolist() == [22808, 125897]
+    out = torch.empty(BLOCK_VALUES)
+    keystream_normals_([out], KEY, 3444, 1.0)
+    expected = torch.from_numpy(reference_normals(KEY, 3444, BLOCK_VALUES, 1.0)).float()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    pairs = BLOCK_VALUES // 2
+    radii = torch.hypot(out[:pairs], out[pairs:])
+    assert (radii[[22808, 125897]] > 5.65).all() and (radii.topk(2).indices.sort().values == torch.tensor([22808,
+                                                                                                    125897])).all()
+
+
 def test_draws_are_standard_normal_and_keyed_by_key_and_nonce():
     draws = []
     for key, nonce in ((KEY, 0), (KEY, 1), (bytes(32), 0)):
@@ -97,18 +115,25 @@ def test_draws_are_standard_normal_and_keyed_by_key_and_nonce():
 
 
 def test_the_extreme_words_give_the_largest_radius_and_zero():
-    """A radius's two words' low 31 bits all zeros: u = 2^-62, the largest radius sqrt(124 ln 2) ~ 9.27, beyond the
-    6.56 of 31-bit and the 5.77 of 24-bit uniforms (a shorter cut-off of the noise costs privacy: see
-    `keystream_normals`); the high word alone zero: u just above 2^-31, about 6.56; all ones: u = 1, radius 0. The
-    sign bit is ignored (a negative int32 word masks like any other)."""
-    # radii from words 0, 1 (high) and 4, 5 (low), angles from words 2 and 3
-    words = torch.tensor([0, 0, 0, 0, 0, -1], dtype=torch.int32)
-    values = box_muller(words, std=1.0)  # r0 cos(0), r1 cos(0), r0 sin(0), r1 sin(0)
+    """A radius word's low 31 bits all zeros and its fine word's too: u = 2^-62, the largest radius sqrt(124 ln 2) ~
+    9.27, beyond the 6.56 of 31-bit and the 5.77 of 24-bit uniforms (a shorter cut-off of the noise costs privacy:
+    `privacy.cut_off`); a fine word of all ones: u = 2^-31, radius 6.56; a radius word of all ones: u = 1, radius 0.
+    Only radius words below 2^8 take fine words, in order. The sign bit is ignored (a negative int32 word masks like
+    any other)."""
+    asked = []
+
+    def fine_words(count):
+        asked.append(count)
+        return torch.tensor([0, -1][:count], dtype=torch.int32)
+
+    words = torch.tensor([0, 0, -1, 0, 0, 0], dtype=torch.int32)  # radii from words 0-2, angles from words 3-5
+    values = box_muller(words, 1.0, fine_words)  # r0 cos(0), r1 cos(0), r2 cos(0), then the sines
     torch.testing.assert_close(values, torch.tensor([math.sqrt(124 * math.log(2)), math.sqrt(62 * math.log(2)), 0.0,
-                                                     0.0]))
-    assert box_muller(torch.tensor([2**31 - 1, 0, -1], dtype=torch.int32), std=1.0)[0] == 0.0  # u = 1 exactly
-    assert values.data_ptr() == words.data_ptr()  # formed in the keystream's memory
-    assert values.numel() == 4
+                                                     0.0, 0.0, 0.0]))
+    assert asked == [2] and values.data_ptr() == words.data_ptr()  # formed in the keystream's memory
+    coarse = torch.tensor([2**8, 0], dtype=torch.int32)
+    assert box_muller(coarse, 1.0, fine_words).tolist()[0] == pytest.approx(math.sqrt(-2 * math.log(257 / 2**31)))
+    assert asked == [2]  # 2^8 takes no fine word
 
 
 def test_the_release_draws_a_fresh_keystream_per_tensor_and_step():
@@ -142,5 +167,5 @@ def test_refuses_what_it_cannot_fill():
         keystream_normals_([torch.empty(4), torch.empty(4, 4).t()], KEY, 0, 1.0)
     with pytest.raises(ValueError, match="contiguous fp32 CPU"):
         keystream_normals_([torch.empty(4, dtype=torch.float64)], KEY, 0, 1.0)
-    with pytest.raises(ValueError, match="multiple of three words"):
-        box_muller(torch.zeros(4, dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="even number of words"):
+        box_muller(torch.zeros(3, dtype=torch.int32), 1.0, lambda count: torch.zeros(count, dtype=torch.int32))
