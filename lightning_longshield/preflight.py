@@ -5,9 +5,9 @@ nothing has run forward yet). On CUDA, a run the planner predicts will not fit s
 :class:`PreflightMemoryError` naming the predicted peak, its breakdown and the best configuration that does fit; on
 CPU the prediction is only logged. ``predict(...).check()`` is the same decision as a pure function.
 
-The estimate models one context-parallel group: the strategy FSDP2-shards parameters, optimizer state and the
-clipped-gradient accumulator over that group only (data-parallel groups are replicas), so the planner is given
-``gpus = cp`` GPUs, whatever the world size.
+The estimate is of the world's GPUs with the strategy's ``shard_over``: parameters, optimizer state and the
+clipped-gradient accumulator FSDP2-sharded over each context-parallel group (data-parallel groups are replicas; at
+CP 1 each GPU holds them whole) or, with ``shard_over="all"``, over every GPU (`simulate.plan_strategy`).
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ class Alternative:
 
 @dataclass(frozen=True)
 class PreflightResult:
-    """The planner's prediction for one run (``config`` models one context-parallel group of it, or every GPU where
-    model states are sharded over all of them)."""
+    """The planner's prediction for one run (``config``: its GPUs, with the strategy's ``shard_over``)."""
 
     config: RunConfig
     memory: MemoryBreakdown

@@ -40,12 +40,13 @@ from simulate.config import (
     as_run_by_strategy,
     method_for,
     parse_gpus,
+    zero_dp_layout,
 )
 from simulate.loss_chunks import LossChunking
 from simulate.memory import estimate_memory
-from simulate.run_file import read_run_file
+from simulate.run_file import PlannedRun, read_run_file
 from simulate.specs import GPU_PRESETS, MODEL_PRESETS, get_model_spec
-from simulate.strategy_config import describe_arguments
+from simulate.strategy_config import SHARD_OVER, describe_arguments
 
 BREAKDOWN_ROWS = (
     ("model_states", "model states (params, grads/accumulator, AdamW)"),
@@ -61,6 +62,29 @@ Handler = Callable[[argparse.Namespace, Console], dict]
 PLUGIN_GROUP = "longshield_plan.commands"  # entry points: subcommand name -> register(add_command)
 MAX_ADVISED_GPUS = 1024  # `max-seq` suggests at most this many GPUs when nothing fits
 EXIT_DOES_NOT_FIT = 1  # when nothing asked about fits (argparse's usage errors exit with 2)
+#: Where a run file's value of each option comes from: (the flag, the file's key).
+RUN_FILE_KEYS = {
+    "model": ("--model", "model.init_args.config"),
+    "gpus": ("--gpus", "trainer.devices x trainer.num_nodes"),
+    "precision": ("--precision", "trainer.precision"),
+    "seq_len": ("--seq-len", "data.init_args.seq_len"),
+    "method": ("--method", "trainer.strategy.init_args"),
+    "mbs": ("--mbs", "trainer.strategy.init_args.micro_batch_size"),
+    "cp": ("--cp", "trainer.strategy.init_args.context_parallel_size"),
+    "shard_over": ("--shard-over", "trainer.strategy.init_args.shard_over"),
+    "lora_rank": ("--lora-rank", "model.init_args.lora.rank"),
+    "clipping": ("--clipping", "trainer.strategy.init_args.clipping"),
+    "per_layer_kernel": ("--per-layer-kernel", "trainer.strategy.init_args.clipping.kernel"),
+    "loss_chunk_tokens": ("--loss-chunk-tokens", "model.init_args.loss_chunk_tokens"),
+}
+V1_PROTOTYPE_NOTE = (
+    "Note: --method v1 plans the paper's V1 prototype: every CP rank keeps whole per-sample gradients (at any"
+    " micro-batch size) and the whole clipped sum. LongShieldStrategy(exchange='all_reduce') keeps only its shard of"
+    " the clipped sum and takes V2's path at micro-batch 1; plan that with `fit --config` (a run file).")
+ZERO_DP_PROTOTYPE_NOTE = (
+    "Note: --method zero-dp plans the paper's ZeRO-DP+ prototype (a norm pass that retains the graph);"
+    " LongShieldStrategy(norms='mixed', context_parallel_size=1, shard_over='all') runs one backward with"
+    " book-keeping; plan that with `fit --config` (a run file).")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -76,13 +100,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = args.handler(args, console)
     except (ValueError, ImportError) as err:
-        args.parser.error(str(err))  # exits with status 2 and the command's usage line
+        args.parser.error(_with_sources(str(err), args))  # exits with status 2 and the command's usage line
+    result["notes"] = [*getattr(args, "run_file_notes", ()), *result.get("notes", ())]
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:
-        for note in getattr(args, "run_file_notes", ()):
+        for note in result["notes"]:
             console.print(note)
     return getattr(args, "exit_status", 0)  # a handler may set it (`fit`: EXIT_DOES_NOT_FIT)
+
+
+def _with_sources(text: str, args: argparse.Namespace) -> str:
+    """``text`` plus, for each flag it names whose value came from the run file, the file's key."""
+    sources = [f"{flag} is {args.config}'s {key}" for dest, (flag, key) in RUN_FILE_KEYS.items()
+               if flag in text and getattr(args, "run_file_values", {}).get(dest, ...) == getattr(args, dest, None)]
+    return f"{text} ({'; '.join(sources)})" if sources else text
 
 
 # --- commands -------------------------------------------------------------------------------------------------
@@ -90,49 +122,65 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """``--config run.yaml``: the ``longshield-train`` file's run becomes the command's defaults (flags given on the
     command line still win): model, LoRA rank, GPUs, precision, sequence length, the loss chunking and the strategy's
-    arguments, as the planner's method (`method_for`), micro-batch size, CP size and clipping, where the command
-    takes them (``recommend`` chooses method, MBS and CP itself, over all the file's GPUs)."""
-    path = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"), None)
-    path = path or next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")), None)
+    arguments, as the planner's method (`method_for`), micro-batch size, CP size, ``shard_over`` and clipping, where
+    the command takes them (``recommend`` chooses method, MBS and CP itself, over all the file's GPUs)."""
+    paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
+    paths += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
     command = parser.subcommands.get(argv[0]) if argv else None  # type: ignore[attr-defined]
-    if path is None or command is None:
+    if len(paths) > 1:
+        raise ValueError(f"--config given {len(paths)} times ({', '.join(paths)}); plan one run file at a time.")
+    if not paths or command is None:
         return
+    path = paths[0]
     run = read_run_file(path)
     known = {action.dest: action for action in command._actions if action.nargs not in ("+", "*")}  # not lists
-    method, method_notes = method_for(run.strategy)
-    notes = method_notes if "method" in known else ()  # where the estimate of the file's own method is approximate
-    per_layer = run.strategy.per_layer
-    gpus, cp = run.gpus, run.strategy.context_parallel_size
-    if gpus is None:
+    values = _run_file_values(run, path)
+    method_notes = method_for(run.strategy)[1] if "method" in known else ()  # the file's own method approximated
+    notes = (*run.notes, *method_notes)
+    if run.gpus is None:
         notes += ("Note: the run file does not set trainer.devices (Lightning then takes every visible GPU): planned"
                   " on --gpus.",)
-    if method == "zero-dp":  # estimated as ZeRO-DP+, which runs at CP 1 (`method_for`'s note says so)
-        cp = 1  # with LoRA, planning refuses it and names --lora-rank 0, which then overrides the file
-    elif "cp" in known and gpus is not None and cp is not None and gpus > cp and gpus % cp == 0 \
-            and run.strategy.shard_over == "context_parallel":
-        notes += (f"Note: planned per context-parallel group of {cp} GPUs: with shard_over='context_parallel'"
-                  f" each of the {gpus // cp} data-parallel groups holds its own copy of the model states;"
-                  f" shard_over='all' shards them over all {gpus} (plan that with --gpus {gpus} --cp {cp}).",)
-        gpus = cp
-    defaults: dict[str, object] = dict(
-        model=run.model, gpus=None if gpus is None else float(gpus), precision=run.precision,
-        seq_len=run.seq_len, method=method, mbs=run.strategy.micro_batch_size, cp=cp,
-        lora_rank=run.lora_rank, clipping="flat" if per_layer is None else "per_layer",
-        loss_chunk_tokens=run.loss_chunk_tokens,
-        per_layer_kernel="torch" if per_layer is not None and per_layer.kernel == "torch" else "auto",
-        as_run=True,  # the strategy's own variant of the method, not the paper's prototype
-        run_file_notes=notes,  # where the estimate is approximate, printed with the result
-    )
-    defaults = {name: value for name, value in defaults.items() if (value is not None or name == "loss_chunk_tokens")
-                and (name in known or name in ("as_run", "run_file_notes"))}
-    command.set_defaults(**defaults)
-    if "seq_len" in defaults:
+    values = {name: value for name, value in values.items() if (value is not None or name == "loss_chunk_tokens")
+              and name in known}
+    command.set_defaults(**values, as_run=True,  # the strategy's own variant of each method, not the prototype
+                         norms=run.strategy.per_sample, run_file_notes=notes, run_file_values=values)
+    if "seq_len" in values:
         known["seq_len"].required = False
+
+
+def _run_file_values(run: PlannedRun, path: str) -> dict[str, object]:
+    """The options a run file gives, by ``dest`` (``None``: not in the file). Book-kept norms are planned as ZeRO-DP+
+    at CP 1 on the GPUs `zero_dp_layout` names."""
+    if run.model is not None:
+        try:
+            get_model_spec(run.model)
+        except ValueError as err:
+            raise ValueError(f"{path}: model.init_args.config={run.model!r}: {err}") from None
+    strategy, per_layer = run.strategy, run.strategy.per_layer
+    method = method_for(strategy)[0]
+    gpus, cp, shard_over = run.gpus, strategy.context_parallel_size, strategy.shard_over
+    if method == "zero-dp" and gpus is not None:
+        gpus, shard_over = zero_dp_layout(shard_over, cp or gpus, gpus)
+    return dict(
+        model=run.model, gpus=None if gpus is None else float(gpus), precision=run.precision, seq_len=run.seq_len,
+        method=method, mbs=strategy.micro_batch_size, cp=1 if method == "zero-dp" else cp, shard_over=shard_over,
+        lora_rank=run.lora_rank, clipping="flat" if per_layer is None else "per_layer",
+        per_layer_kernel="torch" if per_layer is None else per_layer.kernel, loss_chunk_tokens=run.loss_chunk_tokens,
+    )
 
 
 def _method(args: argparse.Namespace) -> str | MethodSpec:
     """``--method`` as the planner's name, or, for a ``--config`` run, as `LongShieldStrategy` runs it."""
-    return as_run_by_strategy(args.method, args.mbs) if getattr(args, "as_run", False) else args.method
+    if getattr(args, "as_run", False):
+        return as_run_by_strategy(args.method, args.mbs, getattr(args, "norms", "mixed"))
+    return args.method
+
+
+def _prototype_notes(args: argparse.Namespace) -> tuple[str, ...]:
+    """Where ``--method`` plans a paper prototype rather than what the strategy runs with its preset's arguments."""
+    if getattr(args, "as_run", False):
+        return ()
+    return {"v1": (V1_PROTOTYPE_NOTE,), "zero-dp": (ZERO_DP_PROTOTYPE_NOTE,)}.get(args.method, ())
 
 
 def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
@@ -140,13 +188,29 @@ def _fit(args: argparse.Namespace, console: Console) -> dict[str, object]:
     p = planner.plan(model=args.model, gpus=args.gpus, method=_method(args), mbs=args.mbs, seq_len=args.seq_len,
                      cp=args.cp, gpu=args.gpu, precision=args.precision, lora_rank=args.lora_rank,
                      clipping=args.clipping, per_layer_kernel=args.per_layer_kernel,
-                     loss_chunk_tokens=args.loss_chunk_tokens)
+                     loss_chunk_tokens=args.loss_chunk_tokens, shard_over=args.shard_over)
     args.exit_status = 0 if p.fits else EXIT_DOES_NOT_FIT
     if not args.json:
         _print_plan(console, p)
+        console.print(_strategy_line(p.config))
         if not p.fits:
             console.print(_does_not_fit_advice(p, args))
-    return p.to_dict()
+    return {**p.to_dict(), "strategy_arguments": strategy_arguments(p.config),
+            "notes": [*_prototype_notes(args), *planner.plan_notes(p)]}
+
+
+def strategy_arguments(cfg: RunConfig) -> dict[str, object]:
+    """`LongShieldStrategy`'s arguments that run ``cfg`` as a run file's ``init_args``, the context-parallel size
+    and ``shard_over`` always named."""
+    return {"context_parallel_size": cfg.cp_size, "shard_over": cfg.shard_over, **cfg.strategy.as_init_args()}
+
+
+def _strategy_line(cfg: RunConfig) -> str:
+    arguments = describe_arguments({"context_parallel_size": cfg.cp_size, "shard_over": cfg.shard_over,
+                                    **cfg.strategy.as_arguments()})
+    if cfg.method.private:
+        return f"Planned as LongShieldStrategy({arguments}) on {_gpus_text(cfg.num_gpus)} GPUs."
+    return f"Non-private baseline, laid out as LongShieldStrategy({arguments}) on {_gpus_text(cfg.num_gpus)} GPUs."
 
 
 def _does_not_fit_advice(p: planner.Plan, args: argparse.Namespace) -> str:
@@ -165,13 +229,18 @@ def _does_not_fit_advice(p: planner.Plan, args: argparse.Namespace) -> str:
     advice = f"Does not fit (exit status {EXIT_DOES_NOT_FIT}). For configurations that fit, run `{recommend}`"
     if not cfg.method.activation_checkpointing:
         ac = "v3" if cfg.method.private else "nondp-cp-ac"
+        flags = f"--method {ac}"
         try:
-            with_ac = estimate_memory(cfg.replace(method=ac, cp=cfg.cp_size if cfg.method.context_parallel else None))
+            ac_cfg = cfg.replace(method=ac, cp=cfg.cp_size if cfg.method.context_parallel else None,
+                                 shard_over=args.shard_over)  # as `fit ... --method v3` would plan it
+            if args.cp is not None and args.cp != ac_cfg.cp_size:
+                flags += f" --cp {ac_cfg.cp_size}"
+            with_ac = estimate_memory(ac_cfg)
             verdict = (f"fits ({with_ac.peak_gib:.1f} GiB)" if with_ac.fits
                        else f"does not fit either ({with_ac.peak_gib:.1f} GiB)")
         except ValueError as err:
             verdict = f"is not valid here: {err}"
-        advice += f"; with --method {ac} (activation checkpointing) this run {verdict}"
+        advice += f"; with {flags} (activation checkpointing) this run {verdict}"
     return advice + "."
 
 
@@ -193,27 +262,30 @@ def _check_cp_splits(method: str, gpus: float, cp: int | None, seq_len: int | No
     size = cp if cp is not None else int(gpus)
     if int(gpus) % size:
         return  # make_config names that error
-    splits = (lambda n: seq_len % (2 * n) == 0) if seq_len is not None else (lambda n: n & (n - 1) == 0)
-    if splits(size):
+    if seq_len is None and not size & (size - 1) or seq_len is not None and seq_len % (2 * size) == 0:
         return
-    options = [n for n in range(1, int(gpus) + 1) if int(gpus) % n == 0 and splits(n)]
+    options = planner.cp_sizes(int(gpus), seq_len)
     length = f"Sequence length {seq_len}" if seq_len is not None else "A power-of-two sequence length"
     source = "--cp" if cp is not None else f"all {int(gpus)} GPUs in one context-parallel group, the default --cp"
     fix = (f"use {' or '.join(f'--cp {n}' for n in reversed(options))} (CP divides --gpus {int(gpus)}; the"
-           f" {int(gpus)} / CP groups run data-parallel)" if options else "change --gpus")
+           f" {int(gpus)} / CP groups run data-parallel)" if options
+           else f"use a longer --seq-len, a multiple of {2 * size}")
     raise ValueError(f"{length} cannot be cut into 2 x CP = {2 * size} equal chunks (CP {size}: {source}); {fix}.")
 
 
 def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:
     inputs = dict(model=args.model, gpus=args.gpus, method=_method(args), mbs=args.mbs, cp=args.cp, gpu=args.gpu,
                   precision=args.precision, lora_rank=args.lora_rank, clipping=args.clipping,
-                  per_layer_kernel=args.per_layer_kernel, loss_chunk_tokens=args.loss_chunk_tokens)
+                  per_layer_kernel=args.per_layer_kernel, loss_chunk_tokens=args.loss_chunk_tokens,
+                  shard_over=args.shard_over)
     _check_cp_splits(args.method, args.gpus, args.cp, None)
     best = planner.max_seq_len(**inputs)
     args.exit_status = 0 if best is not None else EXIT_DOES_NOT_FIT
     probe = planner.probe_config(**inputs)
+    at_limit = best is not None and best.config.seq_len == planner.SEARCH_LIMIT
     out = {k: v for k, v in probe.inputs().items() if k != "seq_len"}
-    out.update(max_seq_len=None, fits=False, peak_memory_gib=None, tokens_per_second_per_gpu=None)
+    out.update(max_seq_len=None, fits=False, peak_memory_gib=None, tokens_per_second_per_gpu=None,
+               at_search_limit=at_limit, notes=list(_prototype_notes(args)))
     if best is not None:
         summary = best.to_dict()
         out.update(max_seq_len=best.config.seq_len, fits=True, peak_memory_gib=summary["peak_memory_gib"],
@@ -226,7 +298,9 @@ def _max_seq(args: argparse.Namespace, console: Console) -> dict[str, object]:
                           f"{smallest.peak_memory_gib:.1f} GiB per GPU of {probe.gpu.memory_gib:.1f} GiB; "
                           f"{_nothing_fits_advice(probe)}.")
         else:
-            console.print(f"Largest power-of-two sequence length that fits: [bold green]{best.config.seq_len:,}[/] "
+            length = (f"at least {best.config.seq_len:,} (the search limit)" if at_limit
+                      else f"{best.config.seq_len:,}")
+            console.print(f"Largest power-of-two sequence length that fits: [bold green]{length}[/] "
                           f"tokens (peak {best.peak_memory_gib:.1f} GiB of {probe.gpu.memory_gib:.1f} GiB, "
                           f"{_tps(best.tokens_per_second_per_gpu)} tokens/s/GPU).")
     return out
@@ -314,7 +388,7 @@ def _recommend(args: argparse.Namespace, console: Console) -> dict[str, object]:
                               clipping=args.clipping, per_layer_kernel=args.per_layer_kernel,
                               loss_chunk_tokens=args.loss_chunk_tokens)
     args.exit_status = 0 if plans else EXIT_DOES_NOT_FIT
-    recommendations = [{**p.to_dict(), "strategy_arguments": p.config.strategy.as_init_args()} for p in plans]
+    recommendations = [{**p.to_dict(), "strategy_arguments": strategy_arguments(p.config)} for p in plans]
     out = {"model": args.model, "gpus": _gpus_json(args.gpus), "gpu": args.gpu, "precision": args.precision,
            "seq_len": args.seq_len, "fits": bool(plans), "recommendations": recommendations}
     if not args.json:
@@ -324,21 +398,24 @@ def _recommend(args: argparse.Namespace, console: Console) -> dict[str, object]:
             return out
         table = Table(title=f"{args.model}, T = {args.seq_len:,} on {_gpus_text(args.gpus)} x {args.gpu}: "
                             "configurations that fit, fastest first")
-        for col in ("#", "method", "MBS", "CP", "AC", "peak GiB", "tokens/s/GPU", "DP gap"):
-            table.add_column(col, justify="left" if col == "method" else "right")
+        for col in ("#", "method", "MBS", "CP", "shard_over", "AC", "peak GiB", "tokens/s/GPU", "DP gap"):
+            table.add_column(col, justify="left" if col in ("method", "shard_over") else "right")
         for i, p in enumerate(plans, 1):
             table.add_row(str(i), p.config.method.name, str(p.config.micro_batch_size), str(p.config.cp_size),
+                          p.config.shard_over,
                           "yes" if p.config.method.activation_checkpointing else "no", f"{p.peak_memory_gib:.1f}",
                           _tps(p.tokens_per_second_per_gpu), _cell(p.dp_gap, "{:.2f}"))
         console.print(table)
         console.print("#1 as the strategy's arguments (`Trainer(strategy=...)`, or trainer.strategy.init_args):\n"
-                      f"  LongShieldStrategy({describe_arguments(plans[0].config.strategy.as_arguments())})")
+                      f"  LongShieldStrategy({describe_arguments(strategy_arguments(plans[0].config))})")
     return out
 
 
 def _plot(args: argparse.Namespace, console: Console) -> dict[str, object]:
     from simulate.plot import plot_memory_vs_seq_len
 
+    if args.min_seq_len > args.max_seq_len:
+        raise ValueError(f"--min-seq-len {args.min_seq_len} is above --max-seq-len {args.max_seq_len}; swap them.")
     for method in args.methods:
         _check_cp_splits(method, args.gpus, args.cp, None)
     path = plot_memory_vs_seq_len(args.out, args.model, args.gpus, tuple(args.methods), mbs=args.mbs, cp=args.cp,
@@ -433,11 +510,17 @@ def _add_config_arg(p: argparse.ArgumentParser) -> None:
 def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
     _add_config_arg(p)
     p.add_argument("--method", choices=list(METHODS), default="v2",
-                   help="a preset of the strategy's arguments: v1 exchange='all_reduce', v2 the defaults, v3"
-                        " activation_checkpointing=True, zero-dp context_parallel_size=1, shard_over='all',"
-                        " norms='mixed'; nondp-* the non-private baselines")
+                   help="v2: the strategy's defaults; v3: activation_checkpointing=True; v1: the paper's V1 prototype"
+                        " (per-sample gradients all-reduced over CP, whole per-sample gradients and clipped sum on"
+                        " every CP rank at any micro-batch size; exchange='all_reduce' in a --config file plans the"
+                        " strategy's V1); zero-dp: the paper's ZeRO-DP+ prototype (context_parallel_size=1,"
+                        " shard_over='all', norms='mixed', with a retained norm pass); nondp-*: non-private baselines")
     p.add_argument("--mbs", type=positive_int, default=1, help="micro-batch size")
     p.add_argument("--cp", type=positive_int, default=None, help="CP size (default: all GPUs for CP methods)")
+    p.add_argument("--shard-over", choices=list(SHARD_OVER), default=None,
+                   help="LongShieldStrategy's shard_over: model states sharded over each CP group (context_parallel,"
+                        " the strategy's default; below --gpus every data-parallel group holds its own copy) or over"
+                        " all GPUs (all); default: context_parallel, all for zero-dp and nondp-fsdp")
     _add_training_args(p)
     if seq_len:
         p.add_argument("--seq-len", type=power_of_two, required=True,
@@ -545,13 +628,17 @@ def _title(cfg: RunConfig, with_seq: bool) -> str:
         parts.append(f"LoRA rank {cfg.lora_rank}")
     if cfg.clipping != "flat":
         parts.append(f"{cfg.clipping} clipping{' (fused kernels)' if cfg.fused_linear_weights else ''}")
+    parts.append(cfg.precision.name)
     if with_seq:
         parts.append(f"T {cfg.seq_len:,}")
     return " | ".join(parts)
 
 
 def _tps(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:,.0f}"
+    """Tokens/s: whole numbers from 100 up, three significant figures below."""
+    if x is None:
+        return "n/a"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def _cell(x: float | None, fmt: str = "{}") -> str:

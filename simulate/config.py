@@ -21,6 +21,7 @@ from simulate.strategy_config import (
     CLIPPING_MODES,
     METHOD_PRESETS,
     PER_LAYER_KERNELS,
+    SHARD_OVER,
     PerLayerClipping,
     StrategyConfig,
 )
@@ -37,7 +38,9 @@ class MethodSpec:
     LongShield's V1 keeps only its shard of each clipped gradient (`longshield_config`). ``retained_norm_pass``: the
     paper's ZeRO-DP+ prototype (Opacus FSDP ghost clipping): a norm pass with ``retain_graph=True`` that frees no
     activation, every linear layer's output gradient book-kept; LongShield's ZeRO-DP+ runs one backward in which each
-    weight keeps either ``(G, A)`` or its per-sample gradient, whichever is smaller (`longshield_config`).
+    weight keeps either ``(G, A)`` or its per-sample gradient, whichever is smaller (`longshield_config`), or, with
+    ``book_keep_all`` (``norms="ghost"``), ``(G, A)`` for every weight. ``shard_over``: the layout the method plans
+    by default (`RunConfig.shard_over`).
     """
 
     name: str
@@ -50,6 +53,8 @@ class MethodSpec:
     overlap_grad_comm: bool = False
     whole_clipped_sum: bool = False
     retained_norm_pass: bool = False
+    book_keep_all: bool = False
+    shard_over: str = "context_parallel"
 
     @property
     def private(self) -> bool:
@@ -59,9 +64,9 @@ class MethodSpec:
 METHODS: dict[str, MethodSpec] = {
     m.name: m
     for m in (
-        MethodSpec("nondp-fsdp", "non-private FSDP (TorchTitan baseline)", False, False, "none"),
+        MethodSpec("nondp-fsdp", "non-private FSDP (TorchTitan baseline)", False, False, "none", shard_over="all"),
         MethodSpec("zero-dp", "FSDP + mixed ghost clipping + book-keeping (ZeRO-DP+)", False, False, "ghost",
-                   preset="zero-dp", retained_norm_pass=True),
+                   preset="zero-dp", retained_norm_pass=True, shard_over="all"),
         MethodSpec("nondp-cp", "non-private FSDP + context parallelism", True, False, "none"),
         MethodSpec("nondp-cp-ac", "non-private CP + block activation checkpointing", True, True, "none", preset="v3"),
         MethodSpec("v1", "LongShield-V1: CP + per-sample grads all-reduced over CP", True, False, "full",
@@ -113,6 +118,17 @@ class RunConfig:
     clipping: str = "flat"  # "per_layer": each layer's per-sample gradients clipped and freed as they complete
     per_layer_kernel: str = "torch"  # the strategy's PerLayerClipping.kernel: "auto"/"triton" fused where it runs
     loss_chunk_tokens: LossChunking = "auto"  # CausalLMModule's: "auto", None (the whole logits) or positions
+    shard_over: str = "context_parallel"  # LongShieldStrategy's: model states over each CP group, or over all GPUs
+
+    @property
+    def shard_size(self) -> float:
+        """GPUs the model states are FSDP2-sharded over: all of them (``shard_over="all"``), else one CP group."""
+        return self.num_gpus if self.shard_over == "all" else self.cp_size
+
+    @property
+    def data_parallel_size(self) -> float:
+        """Data-parallel groups: each draws its own samples and accumulates its own clipped sum."""
+        return self.num_gpus / self.cp_size
 
     @property
     def loss_chunk(self) -> int | None:
@@ -132,17 +148,31 @@ class RunConfig:
         """`LongShieldStrategy`'s arguments that run this point (for a LongShield method; the non-DP baselines as
         the layout they share with V2 / V3)."""
         clipping = PerLayerClipping(kernel=self.per_layer_kernel) if self.clipping == "per_layer" else "flat"
-        arguments = {**METHOD_PRESETS[self.method.preset], "context_parallel_size": self.cp_size}
-        if self.num_gpus > self.cp_size:  # model states planned as sharded over every GPU, not each CP group
-            arguments["shard_over"] = "all"
+        arguments = {**METHOD_PRESETS[self.method.preset], "context_parallel_size": self.cp_size,
+                     "shard_over": self.shard_over}
+        if self.method.book_keep_all:
+            arguments["norms"] = "ghost"
         return StrategyConfig(**arguments, micro_batch_size=self.micro_batch_size, clipping=clipping)
+
+    @property
+    def sample_gradient_is_fsdps(self) -> bool:
+        """LongShield V2 / V3 at micro-batch 1: the sample's gradient is FSDP's reduce-scattered ``.grad`` (every
+        micro-batch, as without DP); not where model states are sharded over data-parallel replicas, whose ``.grad``
+        would sum their samples (the per-sample path runs instead)."""
+        return (self.method.per_sample_grads == "sharded" and self.micro_batch_size == 1
+                and self.shard_size == self.cp_size)
 
     @property
     def fused_linear_weights(self) -> bool:
         """Whether per-layer clipping takes linear weights through the fused kernels (`PER_LAYER_KERNELS`). Not at
         micro-batch 1: there the summed gradient is the sample's, and the strategy clips it after backward."""
-        return (self.clipping == "per_layer" and self.per_layer_kernel != "torch" and self.cp_size == 1
-                and self.num_gpus == 1 and self.micro_batch_size > 1)
+        return self.fused_kernel_runs and self.per_layer_kernel != "torch" and self.micro_batch_size > 1
+
+    @property
+    def fused_kernel_runs(self) -> bool:
+        """Whether the strategy can run the fused per-layer kernels here (`use_fused_kernel`): per-layer clipping,
+        CP 1 and the model whole on each GPU (not sharded over data-parallel replicas)."""
+        return self.clipping == "per_layer" and self.cp_size == 1 and self.shard_size == 1
 
     @property
     def trainable(self) -> TrainableParams:
@@ -178,6 +208,7 @@ class RunConfig:
             "clipping": self.clipping,
             "per_layer_kernel": self.per_layer_kernel,
             "loss_chunk_tokens": self.loss_chunk_tokens,
+            "shard_over": self.shard_over,
         }
 
 
@@ -192,8 +223,12 @@ def precision_of(lightning_precision: object) -> str | None:
     return None
 
 
+#: The most GPUs the planner plans for (a larger count is refused; ``inf`` is the FSDP ceiling).
+MAX_GPUS = 2**20
+
+
 def parse_gpus(value: int | float | str) -> float:
-    """GPU count from ``4``, ``"4"`` or ``"inf"``; anything else is a clear error."""
+    """GPU count from ``4``, ``"4"`` or ``"inf"``, at most `MAX_GPUS`; anything else is a clear error."""
     if isinstance(value, str):
         text = value.strip().lower()
         if text in ("inf", "infinite", "infinity"):
@@ -203,6 +238,9 @@ def parse_gpus(value: int | float | str) -> float:
         value = int(text)
     if value != math.inf and (value != int(value) or value < 1):
         raise ValueError(f"--gpus must be a positive integer or 'inf', got {value!r}.")
+    if value != math.inf and value > MAX_GPUS:
+        raise ValueError(f"--gpus {value} is above the {MAX_GPUS:,} GPUs the planner plans for; give at most"
+                         f" {MAX_GPUS} (or 'inf' for the FSDP ceiling).")
     return float(value)
 
 
@@ -219,6 +257,7 @@ def make_config(
     clipping: str = "flat",
     per_layer_kernel: str = "torch",
     loss_chunk_tokens: LossChunking = "auto",
+    shard_over: str | None = None,
 ) -> RunConfig:
     """Validate raw inputs into a :class:`RunConfig`; every error says how to fix the input.
 
@@ -226,6 +265,8 @@ def make_config(
     LongShield's variant of a method from `longshield_config`).
     ``cp=None`` means: all GPUs form one CP group for CP methods, and 1 for FSDP methods.
     ``loss_chunk_tokens`` is `CausalLMModule`'s (``"auto"``: its default rule; ``None``: the whole logits at once).
+    ``shard_over`` is `LongShieldStrategy`'s (``None``: the method's own, ``"all"`` for ``nondp-fsdp`` and
+    ``zero-dp``, else the strategy's default ``"context_parallel"``).
     """
     spec = model if isinstance(model, ModelSpec) else get_model_spec(model)
     gpu_spec = gpu if isinstance(gpu, GPUSpec) else get_gpu_spec(gpu)
@@ -257,14 +298,22 @@ def make_config(
     if per_layer_kernel not in PER_LAYER_KERNELS:
         raise ValueError(f"Unknown per-layer kernel {per_layer_kernel!r}; choose one of {list(PER_LAYER_KERNELS)}.")
     check_loss_chunking(loss_chunk_tokens)
+    shard_over = method_spec.shard_over if shard_over is None else shard_over
+    if shard_over not in SHARD_OVER:
+        raise ValueError(f"Unknown shard_over {shard_over!r}; choose one of {list(SHARD_OVER)}.")
     cp_size = _resolve_cp(method_spec, num_gpus, cp)
     if method_spec.context_parallel and seq_len % (2 * cp_size):
         raise ValueError(
             f"Sequence length {seq_len} must be divisible by 2 x CP size = {2 * cp_size} "
             "(load-balanced sharding cuts it into 2N chunks); pick a multiple of it."
         )
-    return RunConfig(model_name, spec, gpu_name, gpu_spec, num_gpus, method_spec, int(mbs), int(seq_len), cp_size,
-                     PRECISIONS[precision], int(lora_rank), clipping, per_layer_kernel, loss_chunk_tokens)
+    cfg = RunConfig(model_name, spec, gpu_name, gpu_spec, num_gpus, method_spec, int(mbs), int(seq_len), cp_size,
+                    PRECISIONS[precision], int(lora_rank), clipping, per_layer_kernel, loss_chunk_tokens, shard_over)
+    if clipping == "per_layer" and per_layer_kernel == "triton" and not cfg.fused_kernel_runs:
+        raise ValueError("PerLayerClipping(kernel='triton') needs CP 1 and the model whole on each GPU (not sharded"
+                         " over data-parallel replicas), or the strategy refuses it; use kernel='auto' (fused where"
+                         " it runs: --per-layer-kernel auto) or 'torch'.")
+    return cfg
 
 
 def as_run_by_longshield(method: str, mbs: int) -> str:
@@ -274,12 +323,13 @@ def as_run_by_longshield(method: str, mbs: int) -> str:
     return "v2" if method == "v1" and mbs == 1 else method
 
 
-def as_run_by_strategy(method: str, mbs: int) -> MethodSpec:
+def as_run_by_strategy(method: str, mbs: int, norms: str = "mixed") -> MethodSpec:
     """The spec of ``method`` as `LongShieldStrategy` runs it (`as_run_by_longshield`): its V1 keeps only its shard of
     each clipped gradient (not the whole clipped sum), its ZeRO-DP+ runs one backward with book-keeping (no retained
-    norm pass); the non-DP baselines and V2 / V3 are as they are."""
+    norm pass; with ``norms="ghost"`` every weight book-kept); the non-DP baselines and V2 / V3 are as they are."""
     spec = METHODS[as_run_by_longshield(method, mbs)]
-    return replace(spec, whole_clipped_sum=False, retained_norm_pass=False)
+    return replace(spec, whole_clipped_sum=False, retained_norm_pass=False,
+                   book_keep_all=spec.per_sample_grads == "ghost" and norms == "ghost")
 
 
 def longshield_config(
@@ -295,22 +345,23 @@ def longshield_config(
     clipping: str = "flat",
     per_layer_kernel: str = "torch",
     loss_chunk_tokens: LossChunking = "auto",
-    shard_over: str = "context_parallel",
+    shard_over: str | None = None,
+    norms: str = "mixed",
 ) -> RunConfig:
     """`LongShieldStrategy` as the planner sees it, with the method the strategy really runs (`as_run_by_longshield`;
-    its V1 keeps only its shard of each clipped gradient, not the whole clipped sum): one context-parallel group of
-    ``cp`` GPUs where model states are sharded over the CP group (``shard_over="context_parallel"``, the default;
-    data-parallel groups are replicas), else all ``cp x data_parallel`` GPUs (``"all"``), each DP group still
-    accumulating its own clipped sum over its CP group.
+    its V1 keeps only its shard of each clipped gradient, not the whole clipped sum), on ``cp x data_parallel`` GPUs:
+    model states sharded over each context-parallel group (``shard_over="context_parallel"``, the default for CP
+    methods; data-parallel groups are replicas) or over all of them (``"all"``), each DP group accumulating its own
+    clipped sum over its CP group.
 
-    ``"zero-dp"`` is the strategy's ZeRO-DP+ (``context_parallel_size=1, shard_over="all", per_sample="mixed"``):
-    model states sharded over all ``data_parallel`` GPUs, one backward with book-keeping (no retained norm pass).
+    ``"zero-dp"`` is the strategy's ZeRO-DP+ (``context_parallel_size=1, shard_over="all", norms="mixed"``, or
+    ``norms="ghost"``): model states sharded over all ``data_parallel`` GPUs (with ``shard_over="context_parallel"``:
+    whole on each), one backward with book-keeping (no retained norm pass).
     ``loss_chunk_tokens`` is `CausalLMModule`'s setting.
     """
-    gpus = data_parallel if method == "zero-dp" else cp * (data_parallel if shard_over == "all" else 1)
-    return make_config(model=model, gpus=gpus, method=as_run_by_strategy(method, mbs), mbs=mbs, seq_len=seq_len,
-                       cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank, clipping=clipping,
-                       per_layer_kernel=per_layer_kernel, loss_chunk_tokens=loss_chunk_tokens)
+    return make_config(model=model, gpus=cp * data_parallel, method=as_run_by_strategy(method, mbs, norms), mbs=mbs,
+                       seq_len=seq_len, cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank, clipping=clipping,
+                       per_layer_kernel=per_layer_kernel, loss_chunk_tokens=loss_chunk_tokens, shard_over=shard_over)
 
 
 def method_for(strategy: StrategyConfig) -> tuple[str, tuple[str, ...]]:
@@ -320,11 +371,15 @@ def method_for(strategy: StrategyConfig) -> tuple[str, tuple[str, ...]]:
     if strategy.projected_norms is not None:
         notes.append(RANDOMIZED_CLIPPING_NOTE)
     if strategy.per_sample != "materialize":
-        if (strategy.context_parallel_size or 1) > 1 or strategy.shard_over != "all" \
-                or strategy.activation_checkpointing is not False:
-            notes.append("Note: estimated as ZeRO-DP+ (book-keeping, FSDP over all ranks, CP 1, no checkpointing);"
-                         " this run's layout differs, so the estimate is approximate.")
+        if (strategy.context_parallel_size or 1) > 1 or strategy.activation_checkpointing is not False:
+            notes.append(f"Note: norms={strategy.per_sample!r} is estimated as ZeRO-DP+ (book-keeping, CP 1, no"
+                         " checkpointing, the full sequence on each GPU, model states over one context-parallel group"
+                         " unless shard_over='all'); this run's context parallelism or checkpointing differs, so the"
+                         " estimate is approximate.")
         return "zero-dp", tuple(notes)
+    if strategy.output_stationary:
+        notes.append("Note: exchange='output_stationary' is planned as V2's reduce-scatter of per-sample gradients;"
+                     " its all-to-alls and re-gathered linear inputs are not modelled, so the estimate is approximate.")
     if strategy.activation_checkpointing is False:
         return ("v2" if strategy.shards_per_sample_grads else "v1"), tuple(notes)
     if not strategy.checkpoints_every_block:
@@ -348,21 +403,33 @@ def plan_strategy(
 ) -> tuple[RunConfig, tuple[str, ...]]:
     """The planner's point for `LongShieldStrategy` with ``strategy`` on ``gpus`` processes, and notes where the
     estimate is approximate: the one place where the strategy's arguments meet the planner's cost model
-    (`method_for`). A context-parallel group of ``strategy.context_parallel_size`` (``None``: all ``gpus``) is
-    planned (data-parallel groups are replicas; with ``shard_over="all"``, and in ZeRO-DP+'s layout, model states
-    are sharded over all ``gpus``); ``seq_len`` is rounded up to a multiple of ``2 x CP`` (the load-balanced
-    sharding needs it). ``lora_rank``: the LoRA adapters' rank (0: full fine-tuning)."""
+    (`method_for`). All ``gpus`` are planned in context-parallel groups of ``strategy.context_parallel_size``
+    (``None``: all ``gpus``), with model states sharded over each group or, with ``shard_over="all"``, over all
+    ``gpus``; ZeRO-DP+ as `zero_dp_layout` says. ``seq_len`` is rounded up to a multiple of ``2 x CP`` (the
+    load-balanced sharding needs it). ``lora_rank``: the LoRA adapters' rank (0: full fine-tuning)."""
     cp = strategy.context_parallel_size or gpus
     method, notes = method_for(strategy.replace(context_parallel_size=cp))
     mbs = strategy.micro_batch_size
     if method == "zero-dp":
+        world, shard_over = zero_dp_layout(strategy.shard_over, cp, gpus)
         return longshield_config(model, method, 1, mbs, seq_len, precision, gpu, lora_rank=lora_rank,
-                                 data_parallel=gpus, loss_chunk_tokens=loss_chunk_tokens), notes
+                                 data_parallel=world, loss_chunk_tokens=loss_chunk_tokens, shard_over=shard_over,
+                                 norms=strategy.per_sample), notes
     padded = -(-seq_len // (2 * cp)) * (2 * cp)
     clipping = "flat" if strategy.per_layer is None else "per_layer"
     return longshield_config(model, method, cp, mbs, padded, precision, gpu, lora_rank=lora_rank,
                              data_parallel=gpus // cp, clipping=clipping, per_layer_kernel=per_layer_kernel,
                              loss_chunk_tokens=loss_chunk_tokens, shard_over=strategy.shard_over), notes
+
+
+def zero_dp_layout(shard_over: str, cp: int, gpus: int) -> tuple[int, str]:
+    """(GPUs, shard_over) on which book-kept norms (ZeRO-DP+, planned at CP 1) are planned for ``gpus`` processes in
+    context-parallel groups of ``cp``: all of them as the run shards them (over all; or, at CP 1, whole on each
+    replica), else, above CP 1 with ``"context_parallel"``, one group with its model states sharded over it
+    (approximate: `method_for`'s note)."""
+    if shard_over == "all" or cp == 1:
+        return gpus, shard_over
+    return cp, "all"
 
 
 def planned_as_run(cfg: RunConfig) -> RunConfig:

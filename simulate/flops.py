@@ -9,7 +9,8 @@
 * ZeRO-DP+ (book-keeping): the weight gradient becomes the clipped-sum einsum over book-kept tensors (same cost);
   ghost layers add the two Gram matrices ``2 B T^2 (p + d)``. In the paper's prototype (``retained_norm_pass``,
   Bu et al.'s rule ``2 T^2 < p d``) grad-sample layers add their per-sample einsum (formed for the norm, then
-  book-kept); in LongShield's (rule ``T (p + d) < p d``) their per-sample gradient replaces the weight gradient.
+  book-kept); in LongShield's (rule ``T (p + d) < p d``; every layer under ``norms="ghost"``) their per-sample
+  gradient replaces the weight gradient.
   The embedding is a lookup and is left out.
 * Fused per-layer clipping (`RunConfig.fused_linear_weights`): a linear weight's per-sample gradient is formed twice,
   tile by tile in registers (once for the norm, once for the clipped sum, as in FlashDP), so its ``2 p d`` per token
@@ -21,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simulate.config import RunConfig
-from simulate.memory import uses_ghost_norm
+from simulate.memory import book_keeps, uses_ghost_norm
 
 ATTENTION_BACKWARD_RATIO = 2.5
 
@@ -68,7 +69,7 @@ def microbatch_flops(cfg: RunConfig) -> Flops:
     if cfg.method.per_sample_grads == "ghost":
         prototype = cfg.method.retained_norm_pass
         for numel, fan_sum in _ghost_layers(cfg):
-            if uses_ghost_norm(cfg.seq_len, numel) if prototype else cfg.seq_len * fan_sum < numel:
+            if uses_ghost_norm(cfg.seq_len, numel) if prototype else book_keeps(cfg, fan_sum, numel):
                 ghost += 2 * cfg.micro_batch_size * cfg.seq_len**2 * fan_sum
             elif prototype:
                 matmul += 2 * numel * t
@@ -85,7 +86,7 @@ def book_keeping_materialized_numel(cfg: RunConfig) -> int:
     the layers whose per-sample gradient is cheaper than their Gram matrices); 0 for other methods."""
     if cfg.method.per_sample_grads != "ghost" or cfg.method.retained_norm_pass:
         return 0
-    return sum(numel for numel, fan_sum in _ghost_layers(cfg) if not cfg.seq_len * fan_sum < numel)
+    return sum(numel for numel, fan_sum in _ghost_layers(cfg) if not book_keeps(cfg, fan_sum, numel))
 
 
 def _ghost_layers(cfg: RunConfig) -> list[tuple[int, int]]:

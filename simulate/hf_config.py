@@ -22,6 +22,10 @@ HF_LLAMA_DEFAULTS: dict[str, Any] = dict(
     hidden_act="silu", attention_bias=False, mlp_bias=False,
 )
 
+#: The sizes of a ``config.json`` that must be positive integers.
+HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings")
+
 Spec = TypeVar("Spec", bound=ModelSpec)
 
 
@@ -49,6 +53,7 @@ def spec_from_hf_config(hf_config: Mapping[str, Any], spec_class: type[Spec] = M
             " model."
         )
     hf = {**HF_LLAMA_DEFAULTS, **{key: value for key, value in hf_config.items() if value is not None}}
+    _check_sizes(hf)
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim", dim // heads) != dim // heads:
         raise ValueError(
@@ -67,6 +72,18 @@ def spec_from_hf_config(hf_config: Mapping[str, Any], spec_class: type[Spec] = M
         max_seq_len=hf["max_position_embeddings"], rope_theta=float(rope_theta), norm_eps=float(hf["rms_norm_eps"]),
         tie_embeddings=bool(hf["tie_word_embeddings"]), rope_scaling=rope_scaling,
     )
+
+
+def _check_sizes(hf: Mapping[str, Any]) -> None:
+    """Every size a positive integer, ``rope_scaling`` / ``rope_parameters`` a mapping or null: ValueError naming the
+    key otherwise."""
+    for key in HF_SIZES:
+        value = hf.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r}: must be a positive integer.")
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(hf.get(key) or {}, Mapping):
+            raise ValueError(f"{key}={hf[key]!r}: must be a mapping (e.g. {{\"rope_type\": \"llama3\", ...}}) or null.")
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
@@ -91,8 +108,14 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
 
 
 def read_hf_config(directory: Union[str, Path], spec_class: type[Spec] = ModelSpec) -> Spec:  # type: ignore[assignment]
-    """The `ModelSpec` (or ``spec_class``) of the Hugging Face Llama checkpoint folder ``directory``."""
-    return spec_from_hf_config(read_config_json(directory), spec_class)
+    """The `ModelSpec` (or ``spec_class``) of the Hugging Face Llama checkpoint folder ``directory``; a ValueError
+    names the file."""
+    try:
+        return spec_from_hf_config(read_config_json(directory), spec_class)
+    except ValueError as err:
+        path = Path(directory) / CONFIG_FILE
+        message = str(err)
+        raise ValueError(message if message.startswith(str(path)) else f"{path}: {message}") from None
 
 
 def read_config_json(directory: Union[str, Path]) -> dict[str, Any]:

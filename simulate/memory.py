@@ -120,19 +120,22 @@ def model_state_bytes(cfg: RunConfig) -> float:
     """fp32 master parameters, gradients (or the DP clipped-sum accumulator) and AdamW moments per rank (the last
     two of the trainable parameters only: under LoRA, of the adapters).
 
-    Parameters, moments and FSDP gradients are sharded over every GPU. LongShield's accumulator follows its
+    Parameters, moments and FSDP gradients are sharded over the GPUs that share them (`RunConfig.shard_size`: every
+    GPU, or one context-parallel group; at CP 1 with ``shard_over="context_parallel"``, whole on each GPU). LongShield's
+    accumulator follows its
     per-sample gradients: each data-parallel group accumulates its own clipped sum (summed over groups once per
     logical batch), sharded over the CP group, or whole on every CP rank in the paper's V1 (``whole_clipped_sum``);
     LongShield's ZeRO-DP+ (CP 1) keeps the whole clipped sum on every rank and reduce-scatters it once per step.
     """
-    if math.isinf(cfg.num_gpus):
+    shards = cfg.shard_size
+    if math.isinf(shards):
         return 0.0
     params, trainable, master = cfg.model.num_parameters, cfg.trainable.total, cfg.precision.master_bytes
-    accumulator_shards = cfg.num_gpus
+    accumulator_shards = shards
     book_kept = cfg.method.per_sample_grads == "ghost" and not cfg.method.retained_norm_pass
     if cfg.method.per_sample_grads in ("full", "sharded") or book_kept:
         accumulator_shards = 1 if cfg.method.whole_clipped_sum else cfg.cp_size
-    return (params * master + trainable * 2 * FP32) / cfg.num_gpus + trainable * master / accumulator_shards
+    return (params * master + trainable * 2 * FP32) / shards + trainable * master / accumulator_shards
 
 
 def _phases(cfg: RunConfig) -> list[tuple[str, dict[str, float]]]:
@@ -269,6 +272,7 @@ class _BookKept:
     def __init__(self, cfg: RunConfig) -> None:
         m, a = cfg.model, cfg.precision.activation_bytes
         self.b, self.seq, self.t, self.a = cfg.micro_batch_size, cfg.seq_len, cfg.tokens_per_rank, a
+        self.cfg = cfg
         linears = m.block_linears()
         ghost = {lin.name: self.ghost(lin.in_features, lin.out_features) for lin in linears}
         self.block_grads = sum(self.b * lin.numel * a for lin in linears if not ghost[lin.name])
@@ -285,7 +289,7 @@ class _BookKept:
         self.head_grad = 0.0 if self.head_ghost else self.b * vd * a
         # The logits gradient and the head's input, kept past the output projection's backward.
         self.head_kept = (m.vocab_size + m.dim) * a * self.t if self.head_ghost else 0.0
-        embedding_ghost = self.head_ghost if m.tie_embeddings else self.seq * (m.dim + 1) < vd
+        embedding_ghost = self.head_ghost if m.tie_embeddings else book_keeps(cfg, m.dim + 1, vd)
         self.embedding_kept = m.dim * a * self.t if embedding_ghost else 0.0
         # Materialised: the embedding's per-sample gradient; tied, also the sum with the head's.
         self.embedding_grads = 0.0 if embedding_ghost else self.b * vd * a * (2 if m.tie_embeddings else 1)
@@ -295,8 +299,8 @@ class _BookKept:
         self.largest_clipped_sum_transient = max((self.clipped_sum_transient(d, p) for d, p in sums), default=0.0)
 
     def ghost(self, in_features: int, out_features: int) -> bool:
-        """The strategy's mixed rule (`ghost_norm_is_cheaper`) for a linear weight over the whole sequence."""
-        return self.seq * (in_features + out_features) < in_features * out_features
+        """Whether a linear weight is book-kept (`book_keeps`)."""
+        return book_keeps(self.cfg, in_features + out_features, in_features * out_features)
 
     def norm_transient(self, in_features: int, out_features: int) -> float:
         """A ghost norm's fp64 working set (`bookkeeping.cross_squared_norm`): Gram blocks of ``step`` x ``step``
@@ -353,7 +357,7 @@ class _PerSampleGrads:
         kind = cfg.method.per_sample_grads
         self.active = kind in ("full", "sharded")
         # V2/V3 at micro-batch 1: the sample's gradient is FSDP's fp32 shard; its unreduced form is FSDP's buffer.
-        self.fsdp_gradient = kind == "sharded" and cfg.micro_batch_size == 1
+        self.fsdp_gradient = cfg.sample_gradient_is_fsdps
         if self.fsdp_gradient:
             self.unit = cfg.precision.reduce_bytes
         else:
@@ -451,6 +455,12 @@ class _GhostClipping:
 
     def embedding_transient(self) -> float:
         return self.head_transient()
+
+
+def book_keeps(cfg: RunConfig, fan_sum: int, numel: int) -> bool:
+    """Whether LongShield's ZeRO-DP+ book-keeps a weight (``(G, A)`` instead of its per-sample gradient): every one
+    under ``norms="ghost"``, else by the mixed rule (`ghost_norm_is_cheaper`) ``T (p + d) < p d``."""
+    return cfg.method.book_keep_all or cfg.seq_len * fan_sum < numel
 
 
 def uses_ghost_norm(seq_len: int, numel: int) -> bool:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 from simulate.config import METHODS, MethodSpec, RunConfig, make_config, parse_gpus, planned_as_run
 from simulate.loss_chunks import LossChunking
 from simulate.memory import GIB, MemoryBreakdown, estimate_memory
+from simulate.strategy_config import SHARD_OVER
 from simulate.throughput import StepTime, estimate_step_time
 
 DP_METHODS = ("zero-dp", "v1", "v2", "v3")
 MBS_OPTIONS = (1, 2, 4, 8)
 MAX_SEARCH_EXPONENT = 24  # max-seq searches T = 2^0 .. 2^24 (16M tokens)
+SEARCH_LIMIT = 2**MAX_SEARCH_EXPONENT
 
 # The non-private run each DP method is compared with (same parallelism, same checkpointing).
 BASELINES = {"zero-dp": "nondp-fsdp", "v1": "nondp-cp", "v2": "nondp-cp", "v3": "nondp-cp-ac"}
@@ -63,8 +66,26 @@ class Plan:
             baseline_method=BASELINES.get(self.config.method.name),
             baseline_tokens_per_second_per_gpu=_round(self.baseline_tokens_per_second),
             dp_gap=_round(self.dp_gap, 3),
+            step_end_seconds=_round(self.step.step_end, 4) if self.step else None,
         )
         return out
+
+
+def plan_notes(p: Plan) -> tuple[str, ...]:
+    """Notes on ``p``'s throughput where it leaves something out or DP comes out faster than non-DP."""
+    notes = []
+    step = p.step
+    if step is not None and step.step_end:
+        collective = "reduce-scattered" if p.config.shard_over == "all" else "all-reduced"
+        notes.append(f"Note: once per optimizer step the clipped sums of the {p.config.data_parallel_size:.0f}"
+                     f" data-parallel groups are {collective} ({step.step_end * 1e3:.3g} ms), amortised over the"
+                     " logical batch's micro-batches like the optimizer step, so not in tokens/s.")
+    if p.dp_gap is not None and p.dp_gap < 1:
+        notes.append(f"Note: DP is predicted faster than non-DP ({p.dp_gap:.2f}x): the non-DP baseline reduce-scatters"
+                     " fp32 gradients of the whole model every micro-batch, exposed where that and FSDP's all-gathers"
+                     " exceed compute, while LongShield reduce-scatters each block's per-sample gradients over its CP"
+                     " group behind the next block's backward and reduces its clipped sum once per optimizer step.")
+    return tuple(notes)
 
 
 def evaluate(cfg: RunConfig) -> Plan:
@@ -83,10 +104,14 @@ def plan(**inputs: object) -> Plan:
 
 
 def candidate_seq_lens(cp_size: int) -> list[int]:
-    """Powers of two a CP group of ``cp_size`` can split into ``2 x cp_size`` equal chunks."""
+    """Powers of two up to the search limit that a CP group of ``cp_size`` can split into ``2 x cp_size`` equal
+    chunks; a CP size with none is refused."""
     if cp_size & (cp_size - 1):
         raise ValueError(f"CP size {cp_size} cannot split a power-of-two sequence into 2 x {cp_size} equal chunks; "
                          "use a power-of-two --cp that divides --gpus.")
+    if 2 * cp_size > SEARCH_LIMIT:
+        raise ValueError(f"CP size {cp_size} needs sequences of at least {2 * cp_size:,} tokens, beyond the search"
+                         f" limit of {SEARCH_LIMIT:,}; use a --cp of at most {SEARCH_LIMIT // 2:,}.")
     return [2**k for k in range(MAX_SEARCH_EXPONENT + 1) if 2**k % (2 * cp_size) == 0]
 
 
@@ -124,12 +149,15 @@ def recommend(model: str, gpus: int | float | str, seq_len: int, gpu: str = "h10
     Each LongShield method is planned as the strategy runs its arguments (`planned_as_run`, as the pre-flight
     check plans them), so a recommendation's peak is the one ``fit --config`` and the pre-flight check give;
     candidates that are the same run (V1 and V2 at MBS 1) are listed once. CP methods try every power-of-two CP size
-    that divides the GPU count and splits ``seq_len`` evenly. ``lora_rank``, ``clipping``, ``per_layer_kernel`` and
-    ``loss_chunk_tokens`` are :func:`make_config`'s; a method they do not go with is skipped (an error when no
-    method does).
+    that divides the GPU count and splits ``seq_len`` evenly, below the GPU count with model states sharded over each
+    CP group (the strategy's default) and over all GPUs (``shard_over="all"``). ``lora_rank``, ``clipping``,
+    ``per_layer_kernel`` and ``loss_chunk_tokens`` are :func:`make_config`'s (``"triton"`` is answered as
+    ``"auto"``, which fuses wherever ``"triton"`` would run and is never refused); a method they do not go with is
+    skipped (an error when no method does).
     """
+    kernel = "auto" if per_layer_kernel == "triton" else per_layer_kernel
     probe = make_config(model=model, gpus=gpus, method="nondp-fsdp", seq_len=seq_len, gpu=gpu, precision=precision,
-                        lora_rank=lora_rank, per_layer_kernel=per_layer_kernel, loss_chunk_tokens=loss_chunk_tokens)
+                        lora_rank=lora_rank, per_layer_kernel=kernel, loss_chunk_tokens=loss_chunk_tokens)
     plans: dict[RunConfig, Plan] = {}
     for cfg in _candidates(probe, methods, mbs_options, clipping):
         if cfg not in plans and estimate_memory(cfg).fits:
@@ -139,14 +167,16 @@ def recommend(model: str, gpus: int | float | str, seq_len: int, gpu: str = "h10
 
 def _candidates(probe: RunConfig, methods: tuple[str, ...], mbs_options: tuple[int, ...],
                 clipping: str) -> list[RunConfig]:
-    """``probe`` with every method, CP size and MBS, each as the strategy runs it (`planned_as_run`); those not
-    valid with ``probe``'s inputs are left out, and the first one's error is raised when none is valid."""
+    """``probe`` with every method, CP size, layout and MBS, each as the strategy runs it (`planned_as_run`); those
+    not valid with ``probe``'s inputs are left out, and the first one's error is raised when none is valid."""
     candidates, errors = [], []
     for name in methods:
         for cp in _cp_sizes(probe, METHODS[name].context_parallel, probe.seq_len):
-            for mbs in mbs_options:
+            layouts = SHARD_OVER if cp is not None and cp < probe.num_gpus else (None,)
+            for shard_over, mbs in itertools.product(layouts, mbs_options):
                 try:
-                    candidates.append(planned_as_run(probe.replace(method=name, mbs=mbs, cp=cp, clipping=clipping)))
+                    candidates.append(planned_as_run(probe.replace(method=name, mbs=mbs, cp=cp, clipping=clipping,
+                                                                   shard_over=shard_over)))
                 except ValueError as err:
                     errors.append(err)
     if errors and not candidates:
@@ -186,13 +216,19 @@ def _cp_of(inputs: dict[str, object]) -> int:
     return 1 if math.isinf(gpus) else int(gpus)
 
 
+def cp_sizes(gpus: int, seq_len: int | None = None) -> list[int]:
+    """The candidate CP sizes on ``gpus`` GPUs: powers of two that divide it and (if given) cut ``seq_len`` into
+    ``2 x CP`` equal chunks."""
+    return [n for n in (2**k for k in range(gpus.bit_length()))
+            if gpus % n == 0 and (seq_len is None or seq_len % (2 * n) == 0)]
+
+
 def _cp_sizes(probe: RunConfig, context_parallel: bool, seq_len: int) -> list[int | None]:
     if not context_parallel:
         return [None]
     if math.isinf(probe.num_gpus):
         raise ValueError("Recommendations for CP methods need a finite --gpus.")
-    g = int(probe.num_gpus)
-    return [n for n in (2**k for k in range(g.bit_length())) if g % n == 0 and seq_len % (2 * n) == 0]
+    return list(cp_sizes(int(probe.num_gpus), seq_len))
 
 
 def _rank_key(p: Plan) -> tuple[float, float, bool]:

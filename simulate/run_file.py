@@ -17,7 +17,7 @@ from typing import Any
 
 from simulate.config import precision_of
 from simulate.loss_chunks import LossChunking, check_loss_chunking
-from simulate.specs import DEFAULT_LORA_RANK
+from simulate.specs import DEFAULT_LORA_RANK, LORA_TARGETS
 from simulate.strategy_config import StrategyConfig
 
 LIGHTNING_DEFAULT_PRECISION = "32-true"
@@ -26,6 +26,8 @@ MODULE_DEFAULT_MODEL = "tiny"
 #: The sequence length of the library's data modules (`LocalTextDataModule`, `StdlibTextDataModule`) when
 #: ``data.init_args.seq_len`` is not given.
 DATA_MODULES_DEFAULT_SEQ_LEN = {"LocalTextDataModule": 1024, "StdlibTextDataModule": 1024}
+#: The library's module, whose chunked loss (``loss_chunk_tokens``) the planner models.
+LIBRARY_MODULE = "CausalLMModule"
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class PlannedRun:
     precision: str
     strategy: StrategyConfig
     loss_chunk_tokens: LossChunking = "auto"
+    #: Where the plan of the file is approximate, to print with the result.
+    notes: tuple[str, ...] = ()
 
 
 def read_run_file(path: str | os.PathLike) -> PlannedRun:
@@ -68,6 +72,7 @@ def planned_run(document: Mapping[str, Any], source: str = "the run file") -> Pl
             raise ValueError(f"{source}: trainer.strategy={strategy!r} is not LongShieldStrategy; the planner plans"
                              " DP runs of LongShieldStrategy.")
         strategy = None
+    library_module = _module_name(document.get("model")) in ("", LIBRARY_MODULE)
     return PlannedRun(
         model=_model(document.get("model"), model, source),
         lora_rank=_lora_rank(model.get("lora"), source),
@@ -75,17 +80,43 @@ def planned_run(document: Mapping[str, Any], source: str = "the run file") -> Pl
         gpus=trainer_processes(trainer, source),
         precision=_precision(trainer.get("precision"), source),
         strategy=_strategy(_init_args(strategy, "trainer.strategy", source), source),
-        loss_chunk_tokens=_loss_chunking(model.get("loss_chunk_tokens", "auto"), source),
+        loss_chunk_tokens=_loss_chunking(model.get("loss_chunk_tokens", "auto"), source) if library_module else None,
+        notes=_notes(document.get("model"), model, trainer, source),
     )
+
+
+def _module_name(section: object) -> str:
+    """The class name of the file's LightningModule (``""`` where it names none: `CausalLMModule`)."""
+    return str(section.get("class_path", "")).split(".")[-1] if isinstance(section, Mapping) else ""
+
+
+def _notes(section: object, model: Mapping[str, Any], trainer: Mapping[str, Any], source: str) -> tuple[str, ...]:
+    """Where the planner approximates the file's run."""
+    notes = []
+    module = _module_name(section)
+    if module not in ("", LIBRARY_MODULE):
+        notes.append(f"Note: {source}'s model.class_path ({module}) is not {LIBRARY_MODULE}: planned with the whole"
+                     " logits at once, as the pre-flight check plans a module of its own (not the chunked loss).")
+    if str(trainer.get("precision")).startswith("bf16-true"):
+        notes.append(f"Note: {source}'s trainer.precision='bf16-true' is planned as bf16-mixed (fp32 master weights,"
+                     " accumulator and AdamW moments); bf16-true keeps them in bf16, so its model states are smaller.")
+    lora = model.get("lora")
+    targets = _init_args(lora, "model.init_args.lora", source).get("target_modules") if lora is not None else None
+    if targets is not None and targets != "all-linear" and set(targets) != set(LORA_TARGETS):
+        notes.append(f"Note: {source}'s model.init_args.lora.target_modules={targets!r} is not modelled: LoRA is"
+                     f" planned on every block projection ({' '.join(LORA_TARGETS)}).")
+    if str(trainer.get("accelerator", "")).lower() == "cpu":
+        notes.append(f"Note: {source}'s trainer.accelerator='cpu': planned as on --gpu (the pre-flight check only logs"
+                     " on CPU, with an H100's capacity).")
+    return tuple(notes)
 
 
 def _model(section: object, model: Mapping[str, Any], source: str) -> str | None:
     """``model.init_args.config`` (a preset or a Hugging Face directory), `CausalLMModule`'s own model where the
     file leaves it unset; ``None`` for another module's model (``--model``'s to say)."""
     config = model.get("config")
-    class_path = str(section.get("class_path", "")) if isinstance(section, Mapping) else ""
     if config is None:
-        return MODULE_DEFAULT_MODEL if class_path.split(".")[-1] in ("", "CausalLMModule") else None
+        return MODULE_DEFAULT_MODEL if _module_name(section) in ("", LIBRARY_MODULE) else None
     if not isinstance(config, str):
         raise ValueError(f"{source}: model.init_args.config={config!r}: the planner reads a model preset name or a"
                          " Hugging Face Llama directory here.")

@@ -61,6 +61,10 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # e.g. from a checkpoint's hyper-parameters
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: every size of a model must be a positive integer.")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}.")
         if self.n_heads % self.n_kv_heads:

@@ -9,6 +9,7 @@ the fix. Each choice is one argument; a choice that carries its own parameters i
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -208,8 +209,11 @@ class StrategyConfig:
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> StrategyConfig:
-        """The configuration among a strategy's keyword arguments (e.g. a YAML ``init_args``): other keys (privacy
-        settings, Lightning plumbing) are ignored; typed choices may be given as ``{class_path, init_args}``."""
+        """The configuration among a strategy's keyword arguments (e.g. a YAML ``init_args``): its other parameters
+        (privacy settings, Lightning plumbing) are ignored, a key that is none of `STRATEGY_PARAMETERS` is refused
+        (a misspelling would otherwise be planned at its default); typed choices may be given as
+        ``{class_path, init_args}``."""
+        check_strategy_parameters(arguments)
         names = {f.name for f in fields(cls) if f.init}
         chosen = {name: value for name, value in arguments.items() if name in names}
         for name, kind in TYPED_CHOICES.items():
@@ -217,6 +221,26 @@ class StrategyConfig:
             if isinstance(value, Mapping):
                 chosen[name] = _typed_choice(name, kind, value)
         return cls(**chosen)
+
+
+#: Every keyword parameter of `LongShieldStrategy.__init__`, in its order (torch-free; a test keeps it in step).
+STRATEGY_PARAMETERS: tuple[str, ...] = (
+    "context_parallel_size", "noise_multiplier", "target_epsilon", "target_delta", "max_grad_norm",
+    "micro_batch_size", "poisson_sampling", "exchange", "overlap_communication", "communication_bucket_mb",
+    "activation_checkpointing", "norms", "clipping", "shard_over", "accountant", "secure_mode", "seed",
+    "noise_seed", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+    "process_group_backend", "timeout", "start_method", "preflight", "privacy_ledger", "checkpoint_format",
+    "async_checkpoints",
+)
+
+
+def check_strategy_parameters(arguments: Mapping[str, Any]) -> None:
+    """Refuse a key that is no parameter of `LongShieldStrategy`, naming the closest one."""
+    for key in arguments:
+        if key not in STRATEGY_PARAMETERS:
+            close = difflib.get_close_matches(str(key), STRATEGY_PARAMETERS, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "see `LongShieldStrategy`'s arguments."
+            raise ValueError(f"LongShieldStrategy has no parameter {key!r}; {hint}")
 
 
 def describe_arguments(arguments: Mapping[str, Any]) -> str:

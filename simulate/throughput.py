@@ -10,13 +10,17 @@
   zeroes inf and NaN in them, a read and a write, instead of a host sync per layer); linear weights that go through
   the fused per-layer kernels keep no per-sample gradient, and their two passes are compute (``Flops.fused_clip``) at
   ``FUSED_CLIP_MFU`` of the bf16 peak, or of the CUDA cores' fp32 peak for fp32 inputs;
-* communication (:mod:`simulate.comm`): FSDP all-gathers (and, without DP, the gradient reduce-scatter) are
-  prefetched and hidden behind compute except for any excess; ZeRO-DP+'s reduce-scatter of the clipped sum can
-  only hide behind the book-keeping einsums; the CP K/V all-gather (forward, recompute) and dK/dV
-  reduce-scatter (backward) sit on the attention's critical path; V1's per-sample all-reduce is exposed, V2/V3's
-  reduce-scatter of block ``i`` hides behind block ``i-1``'s backward.
+* communication (:mod:`simulate.comm`): FSDP all-gathers over the GPUs that share the model states
+  (`RunConfig.shard_size`), and FSDP's fp32 gradient reduce-scatter every micro-batch (without DP, and for
+  LongShield's one-sample micro-batches, whose sample's gradient is FSDP's reduced ``.grad``), are prefetched and
+  hidden behind compute except for any excess; the paper's ZeRO-DP+ reduce-scatter of the clipped sum can only hide
+  behind the book-keeping einsums; the CP K/V all-gather (forward, recompute) and dK/dV reduce-scatter (backward) sit
+  on the attention's critical path; V1's per-sample all-reduce is exposed, V2/V3's reduce-scatter of block ``i``
+  hides behind block ``i-1``'s backward.
 
-Steady state per microbatch: the optimizer step, once per logical batch, is amortised over gradient accumulation.
+Steady state per microbatch: what happens once per logical batch is amortised over gradient accumulation and left
+out of tokens/s: the optimizer step, and LongShield's reduction of each data-parallel group's fp32 clipped sum over
+the groups (an all-reduce, a reduce-scatter with ``shard_over="all"``), reported apart as `StepTime.step_end`.
 All constants: :mod:`simulate.calibration`.
 """
 
@@ -44,6 +48,8 @@ class StepTime:
     tokens_per_rank: float
     flops: Flops
     peak_flops: float
+    #: Seconds once per optimizer step, not per microbatch: the clipped sum reduced over data-parallel groups.
+    step_end: float = 0.0
 
     @property
     def total(self) -> float:
@@ -80,6 +86,7 @@ def estimate_step_time(cfg: RunConfig) -> StepTime | None:
         tokens_per_rank=cfg.tokens_per_rank,
         flops=f,
         peak_flops=peak,
+        step_end=_step_end_reduction(cfg),
     )
 
 
@@ -109,7 +116,7 @@ def _dp_memory_bound(cfg: RunConfig) -> float:
 
 def _exposed_fsdp(cfg: RunConfig, compute: float) -> float:
     """FSDP parameter all-gathers (and gradient reduce-scatter) not hidden behind compute."""
-    g = cfg.num_gpus
+    g = cfg.shard_size
     if g <= 1:
         return 0.0
     m, a = cfg.model, cfg.precision.activation_bytes
@@ -118,13 +125,26 @@ def _exposed_fsdp(cfg: RunConfig, compute: float) -> float:
     gathers = 2 * blocks * a + m.root_numel * a  # blocks re-gathered for backward, root kept
     gather_time = comm.all_gather(gathers, g, link)
     reduce_time = comm.reduce_scatter(m.num_parameters * cfg.precision.reduce_bytes, g, link)
-    kind = cfg.method.per_sample_grads
-    if kind == "none":
+    if not cfg.method.private or cfg.sample_gradient_is_fsdps:
         return max(0.0, gather_time + reduce_time - compute)
-    if kind == "ghost":  # the clipped sum exists only after the norms: its reduce-scatter hides behind BK einsums
+    if cfg.method.retained_norm_pass:  # the clipped sum exists only after the norms: hidden behind BK einsums only
         bk_einsums = 2 * linear_params(cfg) * cfg.tokens_per_rank / (peak_flops(cfg) * calibration.MFU_MATMUL)
         return max(0.0, gather_time - compute) + max(0.0, reduce_time - bk_einsums)
     return max(0.0, gather_time - compute)  # LongShield accumulates locally; no per-microbatch reduce-scatter
+
+
+def _step_end_reduction(cfg: RunConfig) -> float:
+    """LongShield's reduction of the fp32 clipped sums over the data-parallel groups, once per optimizer step: each
+    rank's accumulator (its CP shard; the whole model under its ZeRO-DP+) all-reduced, or reduce-scattered where model
+    states are sharded over all GPUs (`ClippedGradientSum.release`). The paper's prototypes reduce per microbatch."""
+    groups = cfg.data_parallel_size
+    if not cfg.method.private or groups <= 1 or cfg.method.retained_norm_pass:
+        return 0.0
+    accumulator = cfg.trainable.total * FP32 / (1 if cfg.method.whole_clipped_sum else cfg.cp_size)
+    link = comm.link_for(cfg.gpu, cfg.num_gpus)
+    if cfg.shard_over == "all":
+        return comm.reduce_scatter(accumulator, groups, link)
+    return comm.all_reduce(accumulator, groups, link)
 
 
 def _cp_attention_comm(cfg: RunConfig) -> float:
@@ -145,7 +165,7 @@ def _exposed_per_sample_grads(cfg: RunConfig, compute: float) -> float:
     hidden behind the backward of block ``i-1`` (the head's behind the last block); the embedding's (or the tied
     head's, which the embedding completes) comes last and is exposed."""
     kind, n = cfg.method.per_sample_grads, cfg.cp_size
-    if kind not in ("full", "sharded") or n <= 1:
+    if kind not in ("full", "sharded") or n <= 1 or cfg.sample_gradient_is_fsdps:
         return 0.0
     m = cfg.model
     unit = cfg.micro_batch_size * cfg.precision.activation_bytes

@@ -129,7 +129,7 @@ def test_the_module_loss_chunking_is_planned(tmp_path: Path, capsys: pytest.Capt
 
 def test_recommended_arguments_plan_as_recommended(capsys: pytest.CaptureFixture[str]) -> None:
     """Each V2 / V3 recommendation's strategy arguments, planned as the pre-flight plans them, give the recommended
-    peak: a CP group smaller than the GPU count comes with ``shard_over="all"``, which the plan assumed."""
+    peak: a CP group smaller than the GPU count is recommended with the ``shard_over`` the plan assumed, named."""
     from simulate.config import plan_strategy
     from simulate.memory import estimate_memory
 
@@ -138,27 +138,144 @@ def test_recommended_arguments_plan_as_recommended(capsys: pytest.CaptureFixture
     assert any(r["cp"] < 4 for r in checked)
     for recommendation in checked:
         config = StrategyConfig(**recommendation["strategy_arguments"])
-        assert (config.shard_over == "all") == (recommendation["cp"] < 4)
+        assert config.shard_over == recommendation["shard_over"] == recommendation["strategy_arguments"]["shard_over"]
         planned, _ = plan_strategy("llama3.1-8b", config, 4, 16384)
         assert estimate_memory(planned).peak_gib == pytest.approx(recommendation["peak_memory_gib"], abs=1e-3)
 
 
 def test_a_run_file_is_planned_with_the_layout_it_shards_over(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    """4 processes at CP 2: by default each CP group holds its own model states (planned as one group of 2, with a
-    note); ``shard_over: all`` shards them over all 4."""
+    """4 processes at CP 2: by default each CP group holds its own model states; ``shard_over: all`` shards them over
+    all 4. The file's ``shard_over`` survives ``--cp`` and ``--gpus``, and ``--shard-over`` overrides it; the output
+    names the strategy's arguments that were planned."""
     path = tmp_path / "run.yaml"
     run = ("model: {config: llama3.1-8b}\ndata: {init_args: {seq_len: 16384}}\ntrainer:\n  devices: 4\n"
            "  precision: bf16-mixed\n  strategy:\n    init_args: {context_parallel_size: 2, micro_batch_size: 2,"
            " activation_checkpointing: true%s}\n")
     path.write_text(run % "")
     per_group = _json(capsys, "fit", "--config", str(path), status=1)
-    assert (per_group["gpus"], per_group["cp"], per_group["fits"]) == (2, 2, False)
+    assert (per_group["gpus"], per_group["cp"], per_group["shard_over"], per_group["fits"]) == (
+        4, 2, "context_parallel", False)
+    assert per_group["strategy_arguments"]["shard_over"] == "context_parallel"
     assert main(["fit", "--config", str(path)]) == 1
-    assert "planned per context-parallel group of 2 GPUs" in capsys.readouterr().out
+    assert "shard_over='context_parallel'" in capsys.readouterr().out
+    assert _json(capsys, "fit", "--config", str(path), "--shard-over", "all")["fits"]
     path.write_text(run % ", shard_over: all")
     over_all = _json(capsys, "fit", "--config", str(path))
-    assert (over_all["gpus"], over_all["cp"], over_all["fits"]) == (4, 2, True)
+    assert (over_all["gpus"], over_all["cp"], over_all["shard_over"], over_all["fits"]) == (4, 2, "all", True)
+    assert _json(capsys, "fit", "--config", str(path), "--gpus", "8")["shard_over"] == "all"
+    assert _json(capsys, "fit", "--config", str(path), "--cp", "4")["shard_over"] == "all"
+
+
+def test_book_kept_norms_are_planned_over_the_gpus_that_share_the_model_states(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``norms: mixed`` at CP 1 with the default ``shard_over``: every GPU holds the 8B model's states whole (about
+    120 GiB): OOM, where ``shard_over: all`` shards them over the 4 GPUs and fits (the file and the pre-flight
+    agree)."""
+    from simulate.config import plan_strategy
+    from simulate.memory import estimate_memory
+
+    path = tmp_path / "run.yaml"
+    run = ("model: {config: llama3.1-8b}\ndata: {init_args: {seq_len: 2048}}\ntrainer:\n  devices: 4\n"
+           "  precision: bf16-mixed\n  strategy:\n    init_args: {context_parallel_size: 1, norms: mixed%s}\n")
+    path.write_text(run % "")
+    replicas = _json(capsys, "fit", "--config", str(path), status=1)
+    assert (replicas["method"], replicas["gpus"], replicas["shard_over"]) == ("zero-dp", 4, "context_parallel")
+    assert replicas["breakdown_gib"]["model_states"] > 110
+    config = StrategyConfig(context_parallel_size=1, norms="mixed")
+    assert not estimate_memory(plan_strategy("llama3.1-8b", config, 4, 2048)[0]).fits
+    path.write_text(run % ", shard_over: all")
+    over_all = _json(capsys, "fit", "--config", str(path))
+    assert over_all["breakdown_gib"]["model_states"] < replicas["breakdown_gib"]["model_states"] / 2
+
+
+def test_ghost_norms_book_keep_every_weight(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``norms: ghost`` book-keeps every weight (Gram matrices), where ``mixed`` materialises those whose per-sample
+    gradient is smaller: at T 4096 the 1B model's every weight is materialised under ``mixed``."""
+    path = tmp_path / "run.yaml"
+    run = ("model: {config: llama3.2-1b}\ndata: {init_args: {seq_len: 4096}}\ntrainer:\n  devices: 4\n"
+           "  precision: bf16-mixed\n  strategy:\n    init_args: {context_parallel_size: 1, shard_over: all,"
+           " norms: %s}\n")
+    path.write_text(run % "mixed")
+    mixed = _json(capsys, "fit", "--config", str(path))
+    path.write_text(run % "ghost")
+    ghost = _json(capsys, "fit", "--config", str(path))
+    assert ghost["strategy_arguments"]["norms"] == "ghost" and mixed["strategy_arguments"]["norms"] == "mixed"
+    assert ghost["breakdown_gib"]["per_sample_grads"] < mixed["breakdown_gib"]["per_sample_grads"]
+    assert ghost["breakdown_gib"]["ghost_norm"] > mixed["breakdown_gib"]["ghost_norm"]
+    assert ghost["tokens_per_second_per_gpu"] < mixed["tokens_per_second_per_gpu"]  # T x T Gram matrices
+
+
+def test_misspelled_strategy_arguments_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("data: {init_args: {seq_len: 256}}\n" + STRATEGY % "micro_batch_sise: 2")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and str(path) in err
+    assert "no parameter 'micro_batch_sise'; did you mean 'micro_batch_size'?" in err
+    path.write_text("data: {init_args: {seq_len: 256}}\n" + STRATEGY % "target_epsilon: 3, preflight: false")
+    assert _json(capsys, "fit", "--config", str(path))["mbs"] == 1  # the strategy's other parameters pass
+
+
+def test_the_strategy_parameters_are_the_strategys_signature() -> None:
+    pytest.importorskip("torch")
+    import inspect
+
+    from lightning_longshield.strategy import LongShieldStrategy
+    from simulate.strategy_config import STRATEGY_PARAMETERS
+
+    assert STRATEGY_PARAMETERS == tuple(inspect.signature(LongShieldStrategy.__init__).parameters)[1:]
+
+
+def test_the_triton_kernel_in_a_run_file_is_refused_where_the_strategy_refuses_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(RUN.replace("kernel: torch", "kernel: triton"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path)])
+    assert exit_info.value.code == 2 and "kernel='auto'" in capsys.readouterr().err
+    out = _json(capsys, "recommend", "--config", str(path))
+    assert all(r["strategy_arguments"].get("clipping", {}).get("init_args", {}).get("kernel") != "triton"
+               for r in out["recommendations"])
+
+
+def test_run_file_values_are_named_in_errors_and_advice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad model preset names the file and key; two --config are refused; the does-not-fit advice uses the planned
+    GPUs (all 4, not one CP group's 2); an error about a value from the file names the file's key."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {config: nosuch}\ndata: {init_args: {seq_len: 256}}\ntrainer: {devices: 1}\n")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(path)])
+    assert f"{path}: model.init_args.config='nosuch'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path), "--config", str(path)])
+    assert exit_info.value.code == 2 and "--config given 2 times" in capsys.readouterr().err
+    path.write_text("model: {config: llama3.1-8b}\ndata: {init_args: {seq_len: 65536}}\ntrainer:\n  devices: 4\n"
+                    "  precision: bf16-mixed\n  strategy: {init_args: {context_parallel_size: 2}}\n")
+    assert main(["fit", "--config", str(path)]) == 1
+    advice = capsys.readouterr().out.split("Does not fit")[1]
+    assert "--gpus 4 --seq-len 65536" in advice and "with --method v3 (activation checkpointing)" in advice
+    with_ac = _json(capsys, "fit", "--config", str(path), "--method", "v3", status=1)  # as the advice says
+    assert f"does not fit either ({with_ac['peak_memory_gib']:.1f} GiB)" in advice
+    path.write_text("model: {config: llama3.2-1b, lora: {rank: 8}}\ndata: {init_args: {seq_len: 256}}\n"
+                    "trainer: {devices: 1, strategy: {init_args: {norms: mixed}}}\n")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(path)])
+    assert f"--lora-rank is {path}'s model.init_args.lora.rank" in capsys.readouterr().err
+
+
+def test_a_custom_module_is_planned_with_the_whole_logits(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """As the pre-flight check plans a module of its own; notes (also in --json) say where the plan approximates."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {class_path: my.Module, init_args: {config: llama3.2-1b}}\ndata: {init_args: {seq_len:"
+                    " 4096}}\ntrainer: {devices: 1, precision: bf16-true, accelerator: cpu}\n")
+    assert read_run_file(path).loss_chunk_tokens is None
+    out = _json(capsys, "fit", "--config", str(path))
+    assert out["loss_chunk_tokens"] is None
+    notes = " ".join(out["notes"])
+    assert "not CausalLMModule" in notes and "bf16-true" in notes and "accelerator='cpu'" in notes
 
 
 def test_a_run_file_is_planned_as_longshield_train_reads_it(tmp_path: Path,

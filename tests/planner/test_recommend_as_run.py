@@ -74,12 +74,14 @@ def test_every_recommendation_fits_as_the_preflight_check_plans_it() -> None:
 
 def test_runs_the_strategy_plans_out_of_memory_are_not_recommended() -> None:
     """8B at 1k tokens: ZeRO-DP+ at MBS 1 on 2 GPUs (77 GiB as the paper's prototype, 87 GiB as the strategy runs it)
-    and V1 at MBS 1, CP 1 on 4 GPUs (73 GiB as the prototype; the strategy runs it as V2, 90 GiB)."""
+    and V1 at MBS 1, CP 1 on 4 GPUs with model states sharded over all of them (73 GiB as the prototype; the strategy
+    runs it as V2, whose one-sample gradient is then captured per sample, 73 GiB; whole on each GPU, 150 GiB)."""
     assert not any(p.config.method.name == "zero-dp" for p in recommend("llama3.1-8b", 2, 1024))
-    assert not [p for p in recommend("llama3.1-8b", 4, 1024) if p.config.method.name in ("v1", "v2")
-                and (p.config.micro_batch_size, p.config.cp_size) == (1, 1)]
+    cp1 = [p for p in recommend("llama3.1-8b", 4, 1024) if p.config.method.name in ("v1", "v2")
+           and (p.config.micro_batch_size, p.config.cp_size) == (1, 1)]
+    assert [(p.config.method.name, p.config.shard_over) for p in cp1] == [("v2", "all")]
     one_run = recommend("llama3.2-1b", 4, 4096, methods=("v1", "v2"), mbs_options=(1,))  # V1 at MBS 1 runs as V2
-    assert len(one_run) == len({p.config.cp_size for p in one_run})
+    assert len(one_run) == len({(p.config.cp_size, p.config.shard_over) for p in one_run})
 
 
 def test_recommendations_fed_back_to_fit_config_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -155,3 +155,82 @@ def test_plot_creates_missing_folders(tmp_path, capsys: pytest.CaptureFixture[st
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Cannot write the plot to" in err and "pick another --out" in err and "Traceback" not in err
+
+
+def test_fit_plans_the_strategys_default_shard_over(capsys: pytest.CaptureFixture[str]) -> None:
+    """8 GPUs at CP 2: by default each of the 4 CP groups holds the model states (OOM, as the pre-flight check says
+    for the same strategy); ``--shard-over all`` shards them over all 8. Both name the arguments planned."""
+    argv = ("fit", "--model", "llama3.1-8b", "--gpus", "8", "--cp", "2", "--method", "v3", "--seq-len", "64k")
+    per_group = _json(capsys, *argv, status=1)
+    assert per_group["shard_over"] == "context_parallel" and per_group["peak_memory_gib"] > 85
+    assert per_group["strategy_arguments"] == {"context_parallel_size": 2, "shard_over": "context_parallel",
+                                               "activation_checkpointing": True}
+    over_all = _json(capsys, *argv, "--shard-over", "all")
+    assert over_all["fits"] and over_all["strategy_arguments"]["shard_over"] == "all"
+    assert main([*argv, "--shard-over", "all"]) == 0
+    assert "LongShieldStrategy(context_parallel_size=2, shard_over='all'" in capsys.readouterr().out
+
+
+def test_huge_gpu_counts_are_refused_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (["fit", "--seq-len", "16k"], ["max-seq"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, "--gpus", "100000000000000000000"])
+        assert exit_info.value.code == 2 and "is above the 1,048,576 GPUs" in capsys.readouterr().err
+    assert _json(capsys, "fit", "--seq-len", "16k", "--gpus", "1048576", "--cp", "1024", "--method", "v3",
+                 "--model", "llama3.2-1b")["gpus"] == 1048576
+
+
+def test_max_seq_says_where_the_search_stops(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _json(capsys, "max-seq", "--model", "tiny", "--gpus", "64", "--method", "v3")
+    assert out["max_seq_len"] == 2**24 and out["at_search_limit"]
+    assert main(["max-seq", "--model", "tiny", "--gpus", "64", "--method", "v3"]) == 0
+    assert "at least 16,777,216 (the search limit)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["max-seq", "--gpus", "inf", "--cp", "16777216", "--method", "v3"])
+    assert exit_info.value.code == 2 and "beyond the search limit" in capsys.readouterr().err
+
+
+def test_small_inputs_read_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    """Throughput in significant figures, never "0"; one token cannot be split, so a longer --seq-len is advised;
+    a plot's range the wrong way round names both flags."""
+    from simulate.cli import _tps
+
+    assert (_tps(0.0123), _tps(42.5), _tps(1803.6)) == ("0.0123", "42.5", "1,804")
+    with pytest.raises(SystemExit):
+        main(["fit", "--seq-len", "1", "--gpus", "4"])
+    err = capsys.readouterr().err
+    assert "use a longer --seq-len" in err and "--gpus" not in err.split("; ")[-1]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", "--min-seq-len", "1M", "--max-seq-len", "1k"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--min-seq-len 1048576 is above --max-seq-len 1024" in err
+
+
+def test_v1_is_the_papers_prototype_and_says_so(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--method v1`` plans the paper's prototype (whole clipped sum on each CP rank), with a note; a run file with
+    ``exchange: all_reduce`` plans the strategy's V1 (its shard of the clipped sum)."""
+    pytest.importorskip("yaml")
+    argv = ("fit", "--model", "llama3.2-1b", "--gpus", "4", "--method", "v1", "--mbs", "2", "--seq-len", "16k")
+    prototype = _json(capsys, *argv)
+    assert any("the paper's V1 prototype" in note for note in prototype["notes"])
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {config: llama3.2-1b}\ndata: {init_args: {seq_len: 16384}}\ntrainer:\n  devices: 4\n"
+                    "  precision: bf16-mixed\n  strategy: {init_args: {exchange: all_reduce, micro_batch_size: 2}}\n")
+    as_run = _json(capsys, "fit", "--config", str(path))
+    assert as_run["method"] == "v1" and not as_run["notes"]
+    assert as_run["breakdown_gib"]["model_states"] < prototype["breakdown_gib"]["model_states"]
+
+
+def test_dp_pays_what_the_strategy_communicates(capsys: pytest.CaptureFixture[str]) -> None:
+    """At micro-batch 1 the sample's gradient is FSDP's reduce-scattered ``.grad``, as without DP: DP is no longer
+    predicted faster than non-DP there (it was 0.69x). The clipped sums' reduction over data-parallel groups, once
+    per optimizer step, is reported with a note; where DP still comes out faster a note says why."""
+    out = _json(capsys, "fit", "--model", "llama3.1-8b", "--gpus", "8", "--seq-len", "2048", "--method", "v3")
+    assert out["dp_gap"] >= 1 and out["step_end_seconds"] == 0
+    groups = _json(capsys, "fit", "--model", "llama3.1-8b", "--gpus", "8", "--cp", "2", "--shard-over", "all",
+                   "--seq-len", "2048", "--method", "v3")
+    assert groups["step_end_seconds"] > 0
+    assert any("4 data-parallel groups are reduce-scattered" in note for note in groups["notes"])
+    faster = _json(capsys, "fit", "--model", "llama3.1-8b", "--gpus", "8", "--seq-len", "2048", "--method", "v3",
+                   "--mbs", "2")
+    assert faster["dp_gap"] >= 1 or any("DP is predicted faster" in note for note in faster["notes"])

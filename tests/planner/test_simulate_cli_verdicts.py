@@ -161,6 +161,13 @@ def test_every_preset_round_trips_through_a_config_json(tmp_path: Path) -> None:
     (None, "No config.json"),
     ({"model_type": "gpt2"}, "only Llama"),
     ({**LLAMA_3_2_1B, "head_dim": 128}, "head_dim=128"),
+    ({**LLAMA_3_2_1B, "num_hidden_layers": -4}, "config.json: num_hidden_layers=-4: must be a positive integer"),
+    ({**LLAMA_3_2_1B, "num_attention_heads": 0}, "config.json: num_attention_heads=0: must be a positive integer"),
+    ({**LLAMA_3_2_1B, "num_hidden_layers": 0}, "config.json: num_hidden_layers=0"),
+    ({**LLAMA_3_2_1B, "num_key_value_heads": 0}, "config.json: num_key_value_heads=0"),
+    ({**LLAMA_3_2_1B, "vocab_size": -5}, "config.json: vocab_size=-5"),
+    ({**LLAMA_3_2_1B, "hidden_size": 2048.5}, "config.json: hidden_size=2048.5"),
+    ({**LLAMA_3_2_1B, "rope_scaling": "yes"}, "config.json: rope_scaling='yes': must be a mapping"),
 ])
 def test_a_folder_that_is_not_a_llama_is_refused_clearly(tmp_path: Path, config: dict | None, message: str,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
@@ -170,7 +177,8 @@ def test_a_folder_that_is_not_a_llama_is_refused_clearly(tmp_path: Path, config:
         (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--model", str(folder), "--seq-len", "4096"])
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err
 
 
 def test_unknown_models_name_the_presets_and_folders(capsys: pytest.CaptureFixture[str]) -> None:

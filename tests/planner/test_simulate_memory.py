@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from simulate import calibration, layers, make_config, memory
+from simulate.config import planned_as_run
 from simulate.memory import GIB, estimate_memory, model_state_bytes
 from simulate.specs import get_model_spec, lora_numel
 
@@ -32,15 +33,32 @@ def test_cp_attention_saves_the_gathered_kv() -> None:
 def test_model_states_are_16_bytes_per_parameter_sharded_over_all_gpus() -> None:
     cfg = make_config(model="llama3.1-8b", gpus=4, method="v2", seq_len=4096)
     assert model_state_bytes(cfg) == pytest.approx(16 * cfg.model.num_parameters / 4)
-    assert model_state_bytes(cfg.replace(gpus="inf", cp=4)) == 0.0
+    assert model_state_bytes(cfg.replace(gpus="inf", cp=4, shard_over="all")) == 0.0
+    per_group = cfg.replace(gpus="inf", cp=4)  # the strategy's default: each CP group holds its own copy
+    assert model_state_bytes(per_group) == pytest.approx(model_state_bytes(cfg))
 
 
 def test_dp_accumulator_follows_the_per_sample_gradients() -> None:
     """Per data-parallel group: 1/N of the model under V2, the whole model on every CP rank under V1."""
-    v2 = make_config(model="llama3.2-1b", gpus=8, method="v2", cp=4, seq_len=4096)
+    v2 = make_config(model="llama3.2-1b", gpus=8, method="v2", cp=4, seq_len=4096, shard_over="all")
     p = v2.model.num_parameters
     assert model_state_bytes(v2) == pytest.approx(12 * p / 8 + 4 * p / 4)
     assert model_state_bytes(v2.replace(method="v1")) == pytest.approx(12 * p / 8 + 4 * p)
+
+
+def test_model_states_are_sharded_over_each_cp_group_by_default() -> None:
+    """``shard_over="context_parallel"`` (the strategy's default): every data-parallel group holds the model states
+    of its CP group; at CP 1 each GPU holds them whole, ZeRO-DP+'s book-keeping included (the review's 8B repro:
+    about 120 GiB per GPU, OOM, where sharding over all 4 GPUs fits)."""
+    v3 = make_config(model="llama3.1-8b", gpus=8, method="v3", cp=2, seq_len=65536)
+    p = v3.model.num_parameters
+    assert (v3.shard_over, v3.shard_size, v3.data_parallel_size) == ("context_parallel", 2, 4)
+    assert model_state_bytes(v3) == pytest.approx(16 * p / 2)
+    assert not estimate_memory(v3).fits and estimate_memory(v3.replace(shard_over="all")).fits
+    zero = planned_as_run(make_config(model="llama3.1-8b", gpus=4, method="zero-dp", seq_len=2048))
+    replicas = zero.replace(shard_over="context_parallel")
+    assert model_state_bytes(replicas) == pytest.approx(16 * p) and model_state_bytes(zero) < 16 * p / 2
+    assert not estimate_memory(replicas).fits and estimate_memory(zero).fits
 
 
 def test_reserved_and_fit_arithmetic() -> None:
@@ -86,9 +104,9 @@ def test_zero_dp_peaks_after_backward_with_book_kept_gradients() -> None:
 @pytest.mark.parametrize("method", ["nondp-fsdp", "zero-dp", "nondp-cp", "nondp-cp-ac", "v1", "v2", "v3"])
 def test_memory_grows_with_seq_len_and_shrinks_with_gpus(method: str) -> None:
     # Long enough that activations, not V1's per-sample gradients at the end of backward, bind.
-    cfg = make_config(model="llama3.2-3b", gpus=8, method=method, mbs=1, seq_len=16384)
+    cfg = make_config(model="llama3.2-3b", gpus=8, method=method, mbs=1, seq_len=16384, shard_over="all")
     assert estimate_memory(cfg.replace(seq_len=32768)).reserved > estimate_memory(cfg).reserved
-    more_gpus = cfg.replace(gpus=16, cp=cfg.cp_size)
+    more_gpus = cfg.replace(gpus=16, cp=cfg.cp_size, shard_over="all")
     assert estimate_memory(more_gpus).reserved < estimate_memory(cfg).reserved
 
 
@@ -176,17 +194,30 @@ def test_fused_per_layer_kernels_hold_no_linear_per_sample_gradient(tied) -> Non
 
 
 def test_fused_per_layer_kernels_only_where_the_strategy_runs_them() -> None:
-    """Not under CP, not with the model sharded over several GPUs, not with flat clipping or the PyTorch path."""
+    """Not under CP, not with the model sharded over several GPUs, not with flat clipping or the PyTorch path; on
+    data-parallel replicas that each hold the whole model (CP 1, ``shard_over="context_parallel"``), yes."""
     per_layer = dict(model="tiny", mbs=2, seq_len=256, clipping="per_layer", per_layer_kernel="auto")
     assert make_config(gpus=1, method="v1", **per_layer).fused_linear_weights
     assert not make_config(gpus=2, method="v2", **per_layer).fused_linear_weights  # CP 2
-    assert not make_config(gpus=4, method="v2", cp=1, **per_layer).fused_linear_weights  # FSDP over 4 GPUs
+    assert not make_config(gpus=4, method="v2", cp=1, shard_over="all", **per_layer).fused_linear_weights  # FSDP
+    assert make_config(gpus=4, method="v2", cp=1, **per_layer).fused_linear_weights  # 4 whole replicas
     assert not make_config(gpus=1, method="v2", mbs=2, seq_len=256, model="tiny").fused_linear_weights
     assert not make_config(gpus=1, method="v1", **{**per_layer, "per_layer_kernel": "torch"}).fused_linear_weights
     default = make_config(gpus=1, method="v1", model="tiny", mbs=2, seq_len=256, clipping="per_layer")
     assert default.per_layer_kernel == "torch" and not default.fused_linear_weights  # the strategy's default
     with pytest.raises(ValueError, match="Unknown per-layer kernel"):
         make_config(gpus=1, method="v2", **{**per_layer, "per_layer_kernel": "cuda"})
+
+
+def test_the_triton_kernel_is_refused_where_the_strategy_refuses_it() -> None:
+    """``PerLayerClipping(kernel="triton")`` under CP or with the model sharded over data-parallel replicas: the
+    strategy refuses it (`use_fused_kernel`), and so does the planner, naming ``kernel='auto'``."""
+    triton = dict(model="tiny", mbs=2, seq_len=256, clipping="per_layer", per_layer_kernel="triton")
+    assert make_config(gpus=1, method="v2", **triton).fused_linear_weights
+    assert make_config(gpus=4, method="v2", cp=1, **triton).fused_linear_weights  # whole replicas
+    for layout in (dict(gpus=2), dict(gpus=4, cp=1, shard_over="all")):
+        with pytest.raises(ValueError, match="kernel='auto'"):
+            make_config(method="v2", **layout, **triton)
 
 
 def test_per_layer_clipping_is_refused_where_it_is_not_modelled() -> None:

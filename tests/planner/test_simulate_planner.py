@@ -90,9 +90,11 @@ def test_a100_40gb_fits_less_than_a100_80gb() -> None:
 
 def test_multi_node_70b_fits_only_with_enough_gpus() -> None:
     assert max_seq_len(model="llama3.1-70b", gpus=8, method="v2", mbs=1) is None
-    assert max_seq_len(model="llama3.1-70b", gpus=32, method="v3", mbs=1, cp=8) is None  # 1/8 accumulator
-    big = max_seq_len(model="llama3.1-70b", gpus=32, method="v3", mbs=1, cp=16)
+    over_all = dict(model="llama3.1-70b", gpus=32, method="v3", mbs=1, shard_over="all")
+    assert max_seq_len(**over_all, cp=8) is None  # 1/8 accumulator
+    big = max_seq_len(**over_all, cp=16)
     assert big is not None and big.config.seq_len >= 32768 and big.tokens_per_second_per_gpu > 0
+    assert max_seq_len(**{**over_all, "shard_over": "context_parallel"}, cp=16) is None  # states over 16 GPUs only
 
 
 def test_fsdp_ceiling_with_infinite_gpus_has_no_throughput() -> None:

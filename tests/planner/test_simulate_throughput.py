@@ -136,7 +136,7 @@ def test_the_strategys_zero_dp_pays_the_passes_over_the_gradients_it_materialise
     cfg = make_config(model="llama3.2-1b", gpus=1, method="v2", mbs=1, seq_len=4096)
     zero = planned_as_run(cfg.replace(method="zero-dp"))
     v2, nondp = (estimate_step_time(cfg.replace(method=m)) for m in ("v2", "nondp-fsdp"))
-    assert zero.strategy == StrategyConfig(context_parallel_size=1, norms="mixed", shard_over="all")
+    assert zero.strategy == StrategyConfig(context_parallel_size=1, norms="mixed")  # one GPU: nothing to shard
     assert v2.dp_memory_bound > 0
     assert estimate_step_time(zero).dp_memory_bound == pytest.approx(v2.dp_memory_bound, rel=0.05)
     assert estimate_step_time(zero).total > nondp.total
