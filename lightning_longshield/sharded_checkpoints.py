@@ -117,8 +117,10 @@ def save_sharded(
     temporary = final.with_name(f".{final.name}.partial")
     if rank == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
-        for previous in final.parent.glob(".*.previous"):
-            restore_interrupted_swap(previous.with_name(previous.name[1:-len(".previous")]), STALE_PARTIAL_SECONDS)
+        restore_interrupted_swap(final)  # at once: this save replaces its temporary, maybe the newest checkpoint
+        for hidden in [*final.parent.glob(".*.previous"), *final.parent.glob(".*.partial")]:
+            name = hidden.name[1:].rsplit(".", 1)[0]
+            restore_interrupted_swap(hidden.with_name(name), STALE_PARTIAL_SECONDS)
         remove_stale_partials(final.parent)
         _remove(temporary)  # a killed save of this name
         temporary.mkdir()
@@ -258,15 +260,15 @@ def _replace_folder(temporary: Path, final: Path) -> None:
 
 
 def restore_interrupted_swap(final: Path, min_age_s: float = 0.0) -> Optional[Path]:
-    """Give the name ``final`` back its checkpoint after a crash between `_replace_folder`'s two renames (where folders
-    cannot be swapped atomically), which left the previous checkpoint at ``.<name>.previous`` and the new one at
-    ``.<name>.partial``, whole (its manifest is written before the renames): the new one if whole, else the previous
-    one, and the other removed, as the swap would have. Nothing is done where ``final`` exists, or where the new one
-    was written within ``min_age_s`` seconds (a save under way, of another run sharing the folder). Returns the
-    folder renamed to ``final``, or ``None``."""
+    """Give the name ``final`` back its checkpoint after a crash between `_replace_folder`'s renames (where folders
+    cannot be swapped atomically), which left the previous checkpoint, if any, at ``.<name>.previous`` and the new one
+    at ``.<name>.partial``, whole (its manifest is written before the renames): the new one if whole, else the
+    previous one, and the other removed, as the swap would have. Nothing is done where ``final`` exists, or where the
+    new one was written within ``min_age_s`` seconds (a save under way, of another run sharing the folder). Returns
+    the folder renamed to ``final``, or ``None``."""
     previous = final.with_name(f".{final.name}.previous")
     partial = final.with_name(f".{final.name}.partial")
-    if os.path.lexists(final) or not previous.is_dir() or previous.is_symlink():
+    if os.path.lexists(final):
         return None
     if partial.is_dir() and min_age_s > 0 and untouched_seconds(partial) < min_age_s:
         return None

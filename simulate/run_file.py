@@ -26,6 +26,12 @@ MODULE_DEFAULT_MODEL = "tiny"
 #: The sequence length of the library's data modules (`LocalTextDataModule`, `StdlibTextDataModule`) when
 #: ``data.init_args.seq_len`` is not given.
 DATA_MODULES_DEFAULT_SEQ_LEN = {"LocalTextDataModule": 1024, "StdlibTextDataModule": 1024}
+#: The forms of ``trainer.strategy`` as one string that build `LongShieldStrategy` with its defaults in
+#: ``longshield-train``: its registry names, class paths and bare name.
+STRATEGY_NAMES = frozenset({
+    "longshield", "longshield_spawn", "LongShieldStrategy", "lightning_longshield.LongShieldStrategy",
+    "lightning_longshield.strategy.LongShieldStrategy",
+})
 #: The library's module, whose chunked loss (``loss_chunk_tokens``) the planner models.
 LIBRARY_MODULE = "CausalLMModule"
 
@@ -68,10 +74,10 @@ def planned_run(document: Mapping[str, Any], source: str = "the run file") -> Pl
     trainer = _init_args(document.get("trainer"), "trainer", source)
     strategy = trainer.get("strategy")
     if isinstance(strategy, str):
-        if strategy not in ("longshield", "longshield_spawn"):
+        if strategy not in STRATEGY_NAMES:
             raise ValueError(f"{source}: trainer.strategy={strategy!r} is not LongShieldStrategy; the planner plans"
                              " DP runs of LongShieldStrategy.")
-        strategy = None
+        strategy = None  # its defaults, as longshield-train builds it
     library_module = _module_name(document.get("model")) in ("", LIBRARY_MODULE)
     return PlannedRun(
         model=_model(document.get("model"), model, source),

@@ -11,9 +11,10 @@ noise_multiplier``) that happens in coordinate ``i`` with probability ``f(a_i) =
   at most ``s^2 / t^2`` coordinates have ``a_i > t``, each at most ``Q(cut_off - s)`` (``Q`` the normal tail), and
   the others together at most ``sqrt(d) s phi(cut_off - t)`` (``sum a_i <= sqrt(d) |a|``); the bound is the least over
   thresholds, with ``d = COORDINATES``.
-- Two or four terms (Philox on GPUs, ``secure_mode``): the sum's density falls to zero at ``m``, so ``f(a) / a^2``
-  grows with ``a`` and ``sum f(a_i) <= f(s)``: the whole shift on one coordinate is the worst case, computed by
-  integration (four terms: the two pairs' probabilities multiplied, a bound).
+- Two terms (Philox on GPUs; ``secure_mode``, whose two Box-Muller pairs each give ``r (cos t + sin t) = sqrt(2) r
+  sin(t + pi / 4)``, one normal of radius ``r``): the sum's density falls to zero at ``m``, so ``f(a) / a^2`` grows
+  with ``a`` and ``sum f(a_i) <= f(s)``: the whole shift on one coordinate is the worst case, computed by
+  integration.
 
 Over a run it counts once per step the sample is in: ``steps q`` of them in expectation under Poisson sampling. This
 is the continuous truncated Gaussian's account; the rounding of fp32 values is what ``secure_mode``'s hardening is for.
@@ -42,8 +43,8 @@ class NoiseTail(NamedTuple):
 KEYSTREAM_TAIL = NoiseTail(1, math.sqrt(124 * math.log(2)))
 #: Two keyed Philox streams, the fused kernel's and cuRAND's (torch's CUDA ``normal_``) uniforms ``(x + 1/2) 2^-32``.
 PHILOX_TAIL = NoiseTail(2, math.sqrt(66 * math.log(2)))
-#: ``secure_mode``: four normals from 53-bit uniforms (`chacha20.hardened_gaussians`).
-SECURE_TAIL = NoiseTail(4, math.sqrt(106 * math.log(2)))
+#: ``secure_mode``: two normals from 53-bit uniforms (`chacha20.hardened_gaussians`: four draws, two radii).
+SECURE_TAIL = NoiseTail(2, math.sqrt(106 * math.log(2)))
 
 
 def normal_tail(x: float) -> float:
@@ -65,8 +66,6 @@ def per_step_cut_off_delta(tail: NoiseTail, noise_multiplier: float) -> float:
         return min(1.0, _one_term_bound(tail.cut_off, shift))
     if tail.terms == 2:
         return min(1.0, _pair_tail(tail.cut_off, shift * math.sqrt(2)))
-    if tail.terms == 4:
-        return min(1.0, _pair_tail(tail.cut_off, 2 * shift) ** 2)
     raise ValueError(f"No bound for a sum of {tail.terms} normals.")
 
 

@@ -20,11 +20,11 @@ v_j)`` and value ``p + j`` is ``sqrt(-2 ln u_j) sin(2 pi v_j)`` (the last sine d
 
 Radii reach ``sqrt(124 ln 2) ~ 9.27``: the noise is a Gaussian cut off there, a privacy cost that
 `privacy.cut_off` bounds and the printed guarantee adds where it matters. Where one sample's clipped gradient moves
-a coordinate by ``C``, a released value beyond ``9.27 sigma C - C`` from the sum without it could not have come from
-the data without it: probability ``P(N(0, 1) > 9.27 - 1 / sigma)`` per step the sample is in, 6.7e-17 at ``sigma``
-1, 7.1e-11 at 0.35, 9.7e-6 at 0.2 (with the 31-bit uniforms used before: 1.4e-8, 1.1e-4, 6.0e-2; torch's 24-bit
-ones end at 5.77). The conversion is the usual one, not hardened against attacks on floating-point samplers
-(``secure_mode`` hardens it).
+the sum by ``C``, a released value beyond ``9.27 sigma C`` from the sum without it could not have come from the data
+without it: per step the sample is in, over every spread of the gradient over the coordinates, at most 1.7e-13 at
+``sigma`` 1, 1.8e-8 at 0.3, 6.8e-5 at 0.2 (with the 31-bit uniforms used before: 1.2e-5, 1.3e-2 and 0.85 for 10^9
+coordinates; torch's 24-bit ones end at 5.77). The conversion is the usual one, not hardened against attacks on
+floating-point samplers (``secure_mode`` hardens it).
 """
 
 from __future__ import annotations

@@ -93,10 +93,19 @@ class GuardedLog:
                 )
         self.original(name, value, *args, **kwargs)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A module pickled mid-run (a callback saving it whole) takes its guard along without the strategy's count
+        of data-parallel groups (a closure over the strategy): the copy, outside the run, counts one."""
+        return {**self.__dict__, "data_parallel_groups": _one_group}
+
     def _syncs_every_call(self, name: str, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether this call's options (given by name or position) sync at the call: ``sync_dist`` on a step."""
         options = self.signature.bind_partial(name, value, *args, **kwargs).arguments
         return bool(options.get("sync_dist")) and options.get("on_step") is not False
+
+
+def _one_group() -> int:
+    return 1
 
 
 def guard_logging(module: nn.Module, data_parallel_groups: Callable[[], int]) -> None:

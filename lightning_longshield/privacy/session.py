@@ -221,24 +221,29 @@ class PrivacySession:
             rank_zero_info(f"The privacy budget (target epsilon) covers all {planned_steps} planned steps.")
         return False
 
-    def cut_off_delta(self, steps: float) -> float:
-        """What the noise's floating-point cut-off adds to delta over ``steps`` steps (`privacy.cut_off`); 0 without
-        noise (no guarantee to add to)."""
-        plan = self.plan
-        if plan is None or self.noise is None or plan.noise_multiplier == 0:
+    def cut_off_delta(self, planned_steps: float = 0) -> float:
+        """What the noise's floating-point cut-off adds to delta (`privacy.cut_off`) over the steps taken, each at its
+        own noise multiplier and sampling rate (the accountant's history), and ``planned_steps`` more at the plan's.
+        The steps taken are costed with this fit's noise source (an earlier fit's, on another device, is not
+        recorded)."""
+        if self.noise is None:
             return 0.0
-        return cut_off_delta(self.noise.tail, plan.noise_multiplier, plan.sample_rate, steps)
+        runs = list(self.accountant.history)
+        if planned_steps and self.plan is not None:
+            runs.append((self.plan.noise_multiplier, self.plan.sample_rate, planned_steps))
+        return min(1.0, sum(cut_off_delta(self.noise.tail, sigma, rate, steps) for sigma, rate, steps in runs
+                            if sigma > 0))
 
     def _warn_cut_off(self, steps: Optional[float]) -> None:
         plan = self.plan
-        assert plan is not None
-        extra = self.cut_off_delta(self.accountant.steps + (steps or 0))
+        assert plan is not None and self.noise is not None
+        extra = self.cut_off_delta(steps or 0)
         if extra > CUT_OFF_WARNING * plan.delta:
             rank_zero_warn(
                 f"At noise_multiplier={plan.noise_multiplier:.3g} the noise's floating-point cut-off"
                 f" ({self.noise.tail.cut_off:.2f} standard deviations) adds up to {extra:.2g} to delta={plan.delta:.3g}"
                 " over the run (lightning_longshield.privacy.cut_off): the printed guarantee will include it. Use"
-                " secure_mode=True (four normals summed: nothing to add), or more noise."
+                " more noise, or secure_mode=True (its tails reach 12.1 standard deviations)."
             )
 
     def _warn_no_step_fits(self) -> None:
@@ -429,10 +434,10 @@ class PrivacySession:
                  f"Privacy figure, NOT a guarantee of this run ({fixed_batches}: its fixed batches get no"
                  f" amplification by sampling, which the figure assumes): epsilon={self.get_epsilon():.3f},"
                  f" delta={plan.delta:.3g}")
-        extra = self.cut_off_delta(self.accountant.steps)
+        extra = self.cut_off_delta()
         if extra > CUT_OFF_MENTIONED * plan.delta:
-            claim += (f" (delta plus up to {extra:.2g} for the noise's floating-point cut-off; secure_mode=True removes"
-                      " it)")
+            claim += (f" (delta plus up to {extra:.2g} for the noise's floating-point cut-off: more noise or"
+                      " secure_mode=True shrinks it)")
         if self.accounting_incomplete:
             claim += (" (a lower bound: at a resume this run's privacy ledger was missing or lacked steps, so steps"
                       " that ran after a checkpoint may be uncounted)")

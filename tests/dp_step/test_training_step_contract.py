@@ -354,3 +354,24 @@ def test_a_sync_at_every_backward_hook_call_is_refused_in_a_fit_with_several_dat
     with pytest.raises(ValueError, match=rf"sync_dist=True\) in {hook} .* 2 data-parallel groups"):
         make_trainer(_strategy(), max_steps=1, callbacks=[TwoGroups()]).fit(module, loader(DATA, 4))
     assert "log" not in module.__dict__  # given back after the error too
+
+
+def test_a_module_saved_whole_mid_run_pickles_with_its_logging_guard():
+    """A callback that saves the whole module during a fit (``torch.save(module)``, a logger's model upload): the
+    guard goes along without the strategy's closure, and the copy logs as a plain module outside the run."""
+    import io
+    import pickle
+
+    from lightning_longshield.privacy.metric_guard import GuardedLog
+
+    saved = {}
+
+    class SaveWhole(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            saved["bytes"] = pickle.dumps(pl_module)
+            torch.save(pl_module, io.BytesIO())
+
+    module = make_module(small_config(n_layers=1))
+    make_trainer(_strategy(), max_steps=1, callbacks=[SaveWhole()]).fit(module, loader(DATA, 4))
+    copy = pickle.loads(saved["bytes"])
+    assert isinstance(copy.__dict__["log"], GuardedLog) and copy.__dict__["log"].data_parallel_groups() == 1

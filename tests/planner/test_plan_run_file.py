@@ -386,3 +386,18 @@ def test_a_run_files_gpus_are_its_devices_times_its_nodes_where_it_counts_them(t
 def test_a_run_file_of_no_devices_is_refused():
     with pytest.raises(ValueError, match="run.yaml: trainer.devices must be a positive integer, got 0"):
         trainer_processes(dict(devices=0), "run.yaml")
+
+
+def test_every_one_string_form_of_the_strategy_longshield_train_builds_is_planned():
+    """``trainer.strategy`` as a registry name, a class path or the bare class name: longshield-train builds
+    LongShieldStrategy with its defaults from each, and the planner plans each so."""
+    pytest.importorskip("jsonargparse")
+    from lightning_longshield import LongShieldStrategy
+    from lightning_longshield.cli import strategy_class
+    from simulate.run_file import STRATEGY_NAMES, planned_run
+
+    for name in sorted(STRATEGY_NAMES):
+        assert issubclass(strategy_class(name), LongShieldStrategy)
+        assert planned_run({"model": {"config": "tiny"}, "trainer": {"strategy": name}}).strategy is not None
+    with pytest.raises(ValueError, match="is not LongShieldStrategy"):
+        planned_run({"model": {"config": "tiny"}, "trainer": {"strategy": "ddp"}})

@@ -32,6 +32,17 @@ def test_the_keystream_tail_is_the_largest_value_its_sampler_forms():
     assert PHILOX_TAIL.cut_off == pytest.approx(math.sqrt(-2 * math.log(2.0**-33)))  # cuRAND's (0 + 1/2) 2^-32
 
 
+def test_the_secure_tail_is_two_normals_whose_sum_reaches_its_samplers_largest_value():
+    """``secure_mode``'s four draws are two radii, each pair ``r (cos t + sin t)``: largest at 1 - u = 2^-53 and
+    t = pi / 4 (53-bit v = 2^50), where the coordinate is ``2 sqrt(2) r / 2 = sqrt(2) r``: two normals cut off at r."""
+    from lightning_longshield.privacy.chacha20 import hardened_gaussians
+
+    bits = torch.tensor([2**53 - 1, 2**50, 2**53 - 1, 2**50], dtype=torch.int64)
+    largest = hardened_gaussians(bits).item()
+    assert SECURE_TAIL.terms == 2
+    assert largest == pytest.approx(SECURE_TAIL.cut_off * math.sqrt(SECURE_TAIL.terms), rel=1e-9)
+
+
 def test_the_two_term_tail_matches_monte_carlo():
     """Normals cut off at 2 (where a Monte Carlo estimate is cheap), two summed: P(x + y > 2 c - margin)."""
     rng = np.random.default_rng(0)

@@ -210,7 +210,8 @@ def test_fixed_batches_are_not_printed_as_a_guarantee():
 def test_the_noise_cut_off_is_warned_and_added_to_the_printed_delta_where_it_matters():
     """At noise_multiplier 0.18 the CPU keystream's normals (cut off at 9.27 standard deviations) show a sample with
     probability 6.6e-4 a step it is in: over 10 steps at q = 0.1 that is 6.6e-4, above a tenth of delta 1e-3, so
-    training starts with a warning and the guarantee states it. ``secure_mode`` (four normals summed) adds 1e-10."""
+    training starts with a warning and the guarantee states it. ``secure_mode`` (two normals summed, each cut off at
+    8.57) adds 2.6e-11. Steps taken are costed at their own noise: a resume at sigma 1 keeps the earlier steps'."""
     from lightning_longshield.privacy.cut_off import KEYSTREAM_TAIL, per_step_cut_off_delta
 
     privacy = session(noise_multiplier=0.18)
@@ -219,11 +220,17 @@ def test_the_noise_cut_off_is_warned_and_added_to_the_printed_delta_where_it_mat
     for _ in range(10):
         privacy.accountant.step(0.18, 0.1)
     expected = 10 * 0.1 * per_step_cut_off_delta(KEYSTREAM_TAIL, 0.18)
-    assert privacy.cut_off_delta(10) == pytest.approx(expected) and 6e-4 < expected < 7e-4
+    assert privacy.cut_off_delta() == pytest.approx(expected) and 6e-4 < expected < 7e-4
     assert "(delta plus up to 0.00066 for the noise's floating-point cut-off" in privacy.describe_guarantee()
+    for _ in range(10):
+        privacy.accountant.step(1.0, 0.1)
+    assert privacy.cut_off_delta() == pytest.approx(expected, rel=1e-6)  # sigma 1 adds 1.7e-13 a step
+    assert privacy.cut_off_delta(planned_steps=5) > privacy.cut_off_delta()  # the plan's steps, at sigma 0.18
 
     secure = PrivacySession(PrivacyArguments(0.18, None, 1e-3, max_grad_norm=1.0, accountant="rdp"), secure_mode=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         start(secure)
-    assert secure.cut_off_delta(10) < 1e-9 and "cut-off" not in secure.describe_guarantee()
+    for _ in range(10):
+        secure.accountant.step(0.18, 0.1)
+    assert 1e-11 < secure.cut_off_delta() < 1e-10 and "cut-off" not in secure.describe_guarantee()

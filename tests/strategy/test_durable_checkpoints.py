@@ -178,30 +178,53 @@ def test_a_folder_of_the_same_name_is_replaced_whole(tmp_path, monkeypatch, atom
     assert (final / "meta.pt").read_text() == "new"
 
 
-def _swap_cut_off_between_renames(trainer, folder, new_whole: bool = True) -> dict[str, int]:
-    """The state a crash leaves between `_replace_folder`'s two renames where folders cannot be swapped atomically:
-    no ``last.ckpt``, the previous checkpoint at ``.last.ckpt.previous``, the new one at ``.last.ckpt.partial`` (its
-    manifest removed unless ``new_whole``). Returns each one's inode, which a rename keeps."""
-    for which in ("previous", "partial"):
+def _swap_cut_off_between_renames(trainer, folder, new_whole: bool = True,
+                                  previous: bool = True) -> dict[str, int]:
+    """The state a crash leaves between `_replace_folder`'s renames where folders cannot be swapped atomically: no
+    ``last.ckpt``, the previous checkpoint at ``.last.ckpt.previous`` (unless not ``previous``: a first save of the
+    name), the new one at ``.last.ckpt.partial`` (its manifest removed unless ``new_whole``). Returns each one's inode,
+    which a rename keeps."""
+    kept = ("previous", "partial") if previous else ("partial",)
+    for which in kept:
         trainer.save_checkpoint(folder / which)
-    inodes = {which: (folder / which).stat().st_ino for which in ("previous", "partial")}
-    for which in ("previous", "partial"):
+    inodes = {which: (folder / which).stat().st_ino for which in kept}
+    for which in kept:
         (folder / which).rename(folder / f".last.ckpt.{which}")
     if not new_whole:
         (folder / ".last.ckpt.partial" / "manifest.json").unlink()
     return inodes
 
 
-@pytest.mark.parametrize("new_whole", [True, False], ids=["new-whole", "new-damaged"])
-def test_a_swap_cut_off_between_its_renames_is_completed_when_its_name_is_loaded(tmp_path, new_whole):
+@pytest.mark.parametrize(("new_whole", "previous"), [(True, True), (False, True), (True, False)],
+                         ids=["new-whole", "new-damaged", "first-save"])
+def test_a_swap_cut_off_between_its_renames_is_completed_when_its_name_is_loaded(tmp_path, new_whole, previous):
     """Loading the missing name gives it the new checkpoint if whole (else the previous one), with a warning, and
-    removes the other, as the swap would have; the fit resumes from it."""
+    removes the other, as the swap would have; the fit resumes from it. A first save of the name has no previous."""
     folder = tmp_path / "ckpt"
-    inodes = _swap_cut_off_between_renames(_sharded_fit(tmp_path, 1), folder, new_whole)
+    inodes = _swap_cut_off_between_renames(_sharded_fit(tmp_path, 1), folder, new_whole, previous)
     with pytest.warns(UserWarning, match=f"was missing.* The {'new' if new_whole else 'previous'} one, whole"):
         assert _sharded_fit(tmp_path, 2, ckpt_path=folder / "last.ckpt").global_step == 2
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"]
     assert (folder / "last.ckpt").stat().st_ino == inodes["partial" if new_whole else "previous"]
+
+
+def test_a_save_of_the_same_name_completes_its_cut_off_swap_before_replacing_its_temporary(tmp_path, monkeypatch):
+    """A new save of the name replaces ``.last.ckpt.partial``, the newest whole checkpoint: the swap is completed first,
+    so a crash during the new save (the engine's write fails here) leaves ``last.ckpt`` whole."""
+    from lightning_longshield import sharded_checkpoints
+
+    folder = tmp_path / "ckpt"
+    trainer = _sharded_fit(tmp_path, 1)
+    inodes = _swap_cut_off_between_renames(trainer, folder)
+
+    def crash(*args, **kwargs):
+        raise OSError("the process died while writing shards")
+
+    monkeypatch.setattr(sharded_checkpoints.dcp, "save", crash)
+    with pytest.raises(OSError, match="died"):
+        trainer.save_checkpoint(folder / "last.ckpt")
+    assert (folder / "last.ckpt").stat().st_ino == inodes["partial"]
+    assert is_whole_sharded_checkpoint(folder / "last.ckpt") and not (folder / ".last.ckpt.previous").exists()
 
 
 def test_a_save_completes_another_name_s_swap_cut_off_an_hour_before(tmp_path):
