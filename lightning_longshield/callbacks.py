@@ -1,4 +1,4 @@
-"""`PrivacyMonitor`: epsilon in the progress bar and the logger."""
+"""`PrivacyMonitor`: epsilon in the progress bar and the logger; the callbacks the strategy adds to a fit."""
 
 from __future__ import annotations
 
@@ -8,7 +8,20 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_longshield.batching import batch_size_of
+from lightning_longshield.preemption import PreemptionCheckpoint
 from lightning_longshield.privacy.metric_guard import EPSILON_KEY, log_own
+
+
+def add_training_callbacks(trainer: pl.Trainer) -> None:
+    """What every fit of the strategy runs with, unless the Trainer has its own: `PrivacyMonitor` (first: it declares
+    the batch size to later hooks), and `PreemptionCheckpoint` where a SIGTERM must save (the Trainer checkpoints) or
+    stop every process at one step (several processes: Lightning's own handler deadlocks there)."""
+    callbacks = trainer.callbacks
+    if not any(isinstance(cb, PrivacyMonitor) for cb in callbacks):
+        callbacks.insert(0, PrivacyMonitor())
+    needed = trainer.checkpoint_callbacks or trainer.world_size > 1
+    if needed and not any(isinstance(cb, PreemptionCheckpoint) for cb in callbacks):
+        callbacks.append(PreemptionCheckpoint())
 
 
 class PrivacyMonitor(Callback):

@@ -27,7 +27,8 @@ class PreemptionCheckpoint(Callback):
     signal, and at each step's end the ranks agree (an all-reduce MAX of their flags: any rank's signal counts) and
     stop together, after that step (or the first batch of the validation that follows it). Any other exception saves
     nothing: mid-step state is not a checkpoint. The DP steps run until then are in the privacy ledger before the
-    checkpoint is written. `LongShieldStrategy` adds one to a Trainer that checkpoints.
+    checkpoint is written. `LongShieldStrategy` adds one to a Trainer that checkpoints, and to every fit of several
+    processes, where without checkpointing it only stops them together (no save).
     """
 
     def __init__(self, dirpath: Optional[str | os.PathLike] = None) -> None:
@@ -63,6 +64,10 @@ class PreemptionCheckpoint(Callback):
         # Inside a fit, training or validating (a validation's batches come after a finished step).
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING \
                 or trainer.sanity_checking:
+            return
+        if not trainer.checkpoint_callbacks and self.dirpath is None:  # added only to stop every process together
+            rank_zero_info(f"SIGTERM: stopped at step {trainer.global_step} on every process; the Trainer saves no"
+                           " checkpoint (enable_checkpointing=False), so none is written.")
             return
         path = self._path(trainer)
         trainer.save_checkpoint(path)

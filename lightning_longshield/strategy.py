@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_longshield import dp_dataloaders
 from lightning_longshield import preflight as _preflight
-from lightning_longshield.callbacks import PrivacyMonitor
+from lightning_longshield.callbacks import add_training_callbacks
 from lightning_longshield.checkpoints import StrategyCheckpoints, check_checkpoint_options, mark_trained
 from lightning_longshield.context_parallel import (
     CONTEXT_PARALLEL,
@@ -42,7 +42,6 @@ from lightning_longshield.durable_checkpoints import DurableCheckpointIO
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
 from lightning_longshield.padding import ZeroWeightPadding
 from lightning_longshield.parallelize import parallelize, sync_data_parallel_replicas
-from lightning_longshield.preemption import PreemptionCheckpoint
 from lightning_longshield.privacy import DPSGDEngine, PrivacyAccountant
 from lightning_longshield.privacy.metric_guard import SampledBatchMetricGuard
 from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
@@ -242,11 +241,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
                 retain_freed_memory()  # per-sample gradients reuse the last micro-batch's pages
             self._engine = self._build_engine()
             self._release_pending = False  # a fresh clipped sum: nothing of an interrupted fit is carried over
-            callbacks = trainer.callbacks
-            if not any(isinstance(cb, PrivacyMonitor) for cb in callbacks):
-                callbacks.insert(0, PrivacyMonitor())  # first: it declares the batch size to later hooks
-            if trainer.checkpoint_callbacks and not any(isinstance(cb, PreemptionCheckpoint) for cb in callbacks):
-                callbacks.append(PreemptionCheckpoint())
+            add_training_callbacks(trainer)
             self.setup_optimizers(trainer)
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()

@@ -308,3 +308,31 @@ def test_an_asynchronous_save_removes_the_checkpoint_it_supersedes_once_committe
                                                                                               loader(DATA, 4))
     assert len(seen) == 3 and all(seen[1:]), seen  # before step 2 the first save may still be under way
     assert sorted(p.name for p in folder.iterdir()) == ["step=4.ckpt"]
+
+
+def test_several_processes_stop_together_on_sigterm_even_without_checkpointing():
+    """Lightning's SIGTERM handler deadlocks several processes signalled apart: every fit of several processes gets a
+    `PreemptionCheckpoint`, which without checkpointing stops them together and saves nothing; one process without
+    checkpointing keeps Lightning's own (no collective there)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_longshield.callbacks import PrivacyMonitor, add_training_callbacks
+
+    def added(world_size: int, checkpointing: bool) -> list[type]:
+        trainer = SimpleNamespace(callbacks=[], world_size=world_size,
+                                  checkpoint_callbacks=[ModelCheckpoint()] if checkpointing else [])
+        add_training_callbacks(trainer)
+        return [type(callback) for callback in trainer.callbacks]
+
+    assert added(2, checkpointing=False) == [PrivacyMonitor, preemption.PreemptionCheckpoint]
+    assert added(1, checkpointing=True) == [PrivacyMonitor, preemption.PreemptionCheckpoint]
+    assert added(1, checkpointing=False) == [PrivacyMonitor]
+
+    saved = []
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), sanity_checking=False, global_step=3,
+                              checkpoint_callbacks=[], save_checkpoint=saved.append)
+    preemption.PreemptionCheckpoint().on_exception(trainer, None, SIGTERMException())
+    assert saved == []
