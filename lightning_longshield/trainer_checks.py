@@ -75,9 +75,9 @@ def planned_fit_steps(trainer: pl.Trainer, calibrating: bool) -> float:
     steps = trainer.estimated_stepping_batches - trainer.global_step
     if calibrating and trainer.global_step == 0 and trainer.max_steps == -1 and trainer.max_epochs == 1000:
         rank_zero_warn(
-            f"Neither max_steps nor max_epochs is set: Lightning plans 1000 epochs ({steps:g} steps), and"
-            " target_epsilon calibrates the noise to spend its budget over all of them, far more noise per step than"
-            " a shorter run needs. Set max_steps (or max_epochs) to the run you intend."
+            f"Neither max_steps nor max_epochs is set (max_epochs is 1000, Lightning's default then): the fit plans"
+            f" {steps:g} steps, and target_epsilon calibrates the noise to spend its budget over all of them, far more"
+            " noise per step than a shorter run needs. Set max_steps (or max_epochs) to the run you intend."
         )
     return steps
 

@@ -367,5 +367,5 @@ def test_noise_calibrated_to_lightnings_default_of_1000_epochs_is_warned(limits)
     if limits or noise:
         assert not warned
     else:
-        assert len(warned) == 1 and "1000 epochs (4000 steps)" in warned[0] and "Set max_steps" in warned[0]
+        assert len(warned) == 1 and "plans 4000 steps" in warned[0] and "Set max_steps" in warned[0]
     assert trainer.global_step == 0
