@@ -390,14 +390,17 @@ def test_a_run_file_of_no_devices_is_refused():
 
 def test_every_one_string_form_of_the_strategy_longshield_train_builds_is_planned():
     """``trainer.strategy`` as a registry name, a class path or the bare class name: longshield-train builds
-    LongShieldStrategy with its defaults from each, and the planner plans each so."""
-    pytest.importorskip("jsonargparse")
-    from lightning_longshield import LongShieldStrategy
-    from lightning_longshield.cli import strategy_class
+    LongShieldStrategy with its defaults from each (checked where torch is installed), and the planner plans each
+    so."""
     from simulate.run_file import STRATEGY_NAMES, planned_run
 
     for name in sorted(STRATEGY_NAMES):
-        assert issubclass(strategy_class(name), LongShieldStrategy)
         assert planned_run({"model": {"config": "tiny"}, "trainer": {"strategy": name}}).strategy is not None
     with pytest.raises(ValueError, match="is not LongShieldStrategy"):
         planned_run({"model": {"config": "tiny"}, "trainer": {"strategy": "ddp"}})
+    pytest.importorskip("torch")
+    pytest.importorskip("jsonargparse")
+    from lightning_longshield import LongShieldStrategy
+    from lightning_longshield.cli import strategy_class
+
+    assert all(issubclass(strategy_class(name), LongShieldStrategy) for name in STRATEGY_NAMES)
