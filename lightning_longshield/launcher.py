@@ -56,13 +56,18 @@ class GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
-        """Load the trained weights strictly (Lightning's load is lenient: into a model that ``configure_model``
-        never built here it dropped every key), then Lightning's and `update_main_process_results`."""
-        if worker_output.weights_path is not None:
-            load_trained_weights(trainer, worker_output.weights_path)
-            self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
-            worker_output = worker_output._replace(weights_path=None)
-        super()._recover_results_in_main_process(worker_output, trainer)
+        """Lightning's results and `update_main_process_results` (the privacy state: the guarantee reads here even if
+        the weights do not load), then the trained weights, loaded strictly (Lightning's load is lenient: into a model
+        that ``configure_model`` never built here it dropped every key); only then is the module marked trained."""
+        weights_path = worker_output.weights_path
+        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
+        if weights_path is None:
+            return
+        load_trained_weights(trainer, weights_path)
+        self._strategy.checkpoint_io.remove_checkpoint(weights_path)
+        session = self._privacy_session()
+        if session is not None and session.plan is not None:
+            mark_trained(trainer.lightning_module, session)
 
     @override
     def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -77,14 +82,13 @@ class GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
-        """Restore Lightning's results, load rank 0's privacy state into this process's session, and mark the module
-        as trained by it (`mark_trained`)."""
+        """Restore Lightning's results and load rank 0's privacy state into this process's session (the module is
+        marked trained by it, `mark_trained`, once its weights have loaded)."""
         super().update_main_process_results(trainer, extra)
         result = extra.get(PRIVACY_RESULT_KEY)
         session = self._privacy_session()
         if result is not None and session is not None:
             session.load_finished_fit(result["state"], result["noise_device"])
-            mark_trained(trainer.lightning_module, session)
 
     def _privacy_session(self) -> Optional[PrivacySession]:
         session = getattr(self._strategy, "privacy", None)

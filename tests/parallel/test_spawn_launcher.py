@@ -105,16 +105,32 @@ def test_the_trained_weights_load_into_the_model_configure_model_builds_here(tmp
     assert not weights.exists()
 
 
-def test_weights_that_do_not_fit_the_model_here_are_refused_and_kept(tmp_path):
+@pytest.mark.parametrize("fits", [True, False], ids=["fits", "does-not-fit"])
+def test_the_privacy_state_is_recovered_and_the_module_marked_trained_only_by_weights_that_load(tmp_path, fits):
+    """The fit's privacy state (epsilon, the guarantee) reads in the main process whether or not the weights load;
+    the module is marked as trained by the fit only once they have. Weights that do not fit are refused and kept."""
+    from lightning_longshield.checkpoints import _TRAINED_BY
+
+    fitted = make_trainer(LongShieldStrategy(noise_multiplier=1.0, target_delta=1e-3), max_steps=1)
+    fitted.fit(make_module(small_config(n_layers=1)), loader(RandomTokens(size=8), 4))
+    privacy = {launcher.PRIVACY_RESULT_KEY: {"state": fitted.strategy.privacy.state_dict(), "noise_device": "cpu"}}
     state = make_module(small_config(), seed=1).state_dict()
-    state["model.layer_the_worker_added.weight"] = torch.zeros(1)
+    if not fits:
+        state["model.layer_the_worker_added.weight"] = torch.zeros(1)
     weights = tmp_path / "weights.ckpt"
     torch.save(state, weights)
-    trainer, spawn = _main_process(make_module(small_config()))
-    with pytest.raises(RuntimeError, match=rf"(?s)do not fit CausalLMModule .*layer_the_worker_added.* kept in"
-                                           rf" {weights}\. Make configure_model\(\) build the same model"):
-        spawn._recover_results_in_main_process(_worker_output(trainer, weights), trainer)
-    assert weights.exists()
+    module = CausalLMModule(small_config(), optimizer="sgd", learning_rate=1.0)
+    trainer, spawn = _main_process(module)
+    output = _worker_output(trainer, weights)
+    output = output._replace(extra={**output.extra, **privacy})
+    if fits:
+        spawn._recover_results_in_main_process(output, trainer)
+    else:
+        with pytest.raises(RuntimeError, match=rf"(?s)do not fit CausalLMModule .*layer_the_worker_added.* kept in"
+                                               rf" {weights}\. Make configure_model\(\) build the same model"):
+            spawn._recover_results_in_main_process(output, trainer)
+    assert trainer.strategy.accountant.steps == 1 and trainer.strategy.get_epsilon() > 0
+    assert (_TRAINED_BY in module.__dict__) == fits and weights.exists() == (not fits)
 
 
 @pytest.mark.parametrize("fn", [TrainerFn.FITTING, TrainerFn.VALIDATING])
