@@ -73,7 +73,8 @@ class GaussianNoise:
     @property
     def tail(self) -> NoiseTail:
         """How the released normals end (`privacy.cut_off`): the keystream's one normal on CPU, two Philox normals
-        summed elsewhere (the fused kernel, or torch's ``normal_``: cuRAND's on CUDA), four in ``secure_mode``."""
+        summed elsewhere (the fused kernel, or torch's ``normal_``: cuRAND's on CUDA), and in ``secure_mode`` two
+        (its four draws are two radii)."""
         if self.secure_mode:
             return SECURE_TAIL
         return KEYSTREAM_TAIL if self.keystream else PHILOX_TAIL
