@@ -8,18 +8,19 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_longshield.batching import batch_size_of
-from lightning_longshield.preemption import PreemptionCheckpoint
+from lightning_longshield.preemption import PreemptionCheckpoint, requeues_on_slurm
 from lightning_longshield.privacy.metric_guard import EPSILON_KEY, log_own
 
 
 def add_training_callbacks(trainer: pl.Trainer) -> None:
     """What every fit of the strategy runs with, unless the Trainer has its own: `PrivacyMonitor` (first: it declares
     the batch size to later hooks), and `PreemptionCheckpoint` where a SIGTERM must save (the Trainer checkpoints) or
-    stop every process at one step (several processes: Lightning's own handler deadlocks there)."""
+    stop every process at one step (several processes: Lightning's own handler deadlocks there), and where SLURM's
+    requeue signal must save at a step boundary (Lightning's handler saves mid-step)."""
     callbacks = trainer.callbacks
     if not any(isinstance(cb, PrivacyMonitor) for cb in callbacks):
         callbacks.insert(0, PrivacyMonitor())
-    needed = trainer.checkpoint_callbacks or trainer.world_size > 1
+    needed = trainer.checkpoint_callbacks or trainer.world_size > 1 or requeues_on_slurm(trainer)
     if needed and not any(isinstance(cb, PreemptionCheckpoint) for cb in callbacks):
         callbacks.append(PreemptionCheckpoint())
 

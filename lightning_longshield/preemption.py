@@ -1,23 +1,37 @@
 """`PreemptionCheckpoint`: on SIGTERM (what schedulers send before they preempt a job), a checkpoint at the next step
-boundary and a clean exit, so that a requeued job resumes from it."""
+boundary and a clean exit, so that a requeued job resumes from it; on SLURM's requeue signal, the same checkpoint
+under Lightning's HPC name and the job requeued."""
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import subprocess
 from types import FrameType
-from typing import Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+#: The signal connector's handlers replaced for the fit (Lightning composes its handlers from these attributes).
+_SIGTERM_NOTIFIER, _SLURM_REQUEUE_HANDLER = "_sigterm_notifier_fn", "_slurm_sigusr_handler_fn"
+
+
+def requeues_on_slurm(trainer: Any) -> bool:
+    """Whether the Trainer runs under SLURM with automatic requeueing (Lightning's requeue signal handler)."""
+    environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+    return isinstance(environment, SLURMEnvironment) and environment.auto_requeue
 
 
 class PreemptionCheckpoint(Callback):
-    """Save the last checkpoint when a fit stops for SIGTERM.
+    """Save a checkpoint at a step boundary when a fit stops for SIGTERM or SLURM's requeue signal.
 
     Lightning stops a fit for SIGTERM by raising `SIGTERMException` (a ``SystemExit`` of status 0) at the end of a
     step, or in one process also after a validation batch; this callback then saves the checkpoint, in the
@@ -29,34 +43,58 @@ class PreemptionCheckpoint(Callback):
     nothing: mid-step state is not a checkpoint. The DP steps run until then are in the privacy ledger before the
     checkpoint is written. `LongShieldStrategy` adds one to a Trainer that checkpoints, and to every fit of several
     processes, where without checkpointing it only stops them together (no save).
+
+    Under SLURM with ``auto_requeue`` (Lightning's default there), Lightning's requeue-signal handler saved a
+    checkpoint from inside the signal handler, mid-step: weights, optimizer and privacy state from different points of
+    a step (and, with several processes, collectives interleaved with the step's). Here that signal stops the fit the
+    same way; the checkpoint is saved at the step boundary as ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir`` (the name
+    Lightning resumes from by itself when the requeued job calls ``fit`` without ``ckpt_path``), whether or not the
+    Trainer checkpoints, and global rank 0 then requeues the job with ``scontrol requeue``. The strategy adds one to
+    every such fit.
     """
 
     def __init__(self, dirpath: Optional[str | os.PathLike] = None) -> None:
         self.dirpath = dirpath
         self._signalled = False
+        self._requeue = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._signalled = False
-        if trainer.world_size > 1:
-            connector = trainer._signal_connector
-            if not callable(getattr(connector, "_sigterm_notifier_fn", None)):
-                raise RuntimeError("PreemptionCheckpoint: this Lightning version's signal connector has no"
-                                   " `_sigterm_notifier_fn` to replace; use the Lightning version the project pins.")
-            # Lightning composes its SIGTERM handler from this attribute after `on_fit_start` (and keeps any handler
-            # installed before the fit in it).
-            connector._sigterm_notifier_fn = self._note_sigterm
+        self._signalled = self._requeue = False
+        connector = trainer._signal_connector
+        replaced = [(_SIGTERM_NOTIFIER, self._note_sigterm)] if trainer.world_size > 1 else []
+        if requeues_on_slurm(trainer):
+            # One process stops as for SIGTERM, on Lightning's own flag (no collective to meet).
+            stops = connector if trainer.world_size == 1 else None
+            replaced.append((_SLURM_REQUEUE_HANDLER, functools.partial(self._note_requeue, stops)))
+        for name, handler in replaced:
+            if not callable(getattr(connector, name, None)):
+                raise RuntimeError(f"PreemptionCheckpoint: this Lightning version's signal connector has no `{name}`"
+                                   " to replace; use the Lightning version the project pins.")
+            # Lightning composes its handlers from these attributes after `on_fit_start` (keeping any SIGTERM handler
+            # installed before the fit).
+            setattr(connector, name, handler)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for name in (_SIGTERM_NOTIFIER, _SLURM_REQUEUE_HANDLER):
+            vars(trainer._signal_connector).pop(name, None)  # Lightning's own again for later runs of the Trainer
 
     def _note_sigterm(self, signum: int, frame: Optional[FrameType]) -> None:
         # Only a flag: a handler runs between any two bytecodes of the step, so a collective here meets another one.
         self._signalled = True
 
+    def _note_requeue(self, stops: Optional[Any], signum: int, frame: Optional[FrameType]) -> None:
+        self._requeue = True
+        if stops is not None:
+            stops.received_sigterm = True
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object, batch: object,
                            batch_idx: int) -> None:
         if trainer.world_size == 1:
             return
-        signalled = torch.tensor([int(self._signalled)], device=trainer.strategy.root_device)
-        dist.all_reduce(signalled, op=dist.ReduceOp.MAX)
-        if signalled.item():
+        flags = torch.tensor([int(self._signalled), int(self._requeue)], device=trainer.strategy.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self._signalled, self._requeue = (bool(flag) for flag in flags.tolist())
+        if self._signalled or self._requeue:
             # Every rank's loop now raises `SIGTERMException` at this step's end (Lightning's check of this flag).
             trainer._signal_connector.received_sigterm = True
 
@@ -64,6 +102,9 @@ class PreemptionCheckpoint(Callback):
         # Inside a fit, training or validating (a validation's batches come after a finished step).
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING \
                 or trainer.sanity_checking:
+            return
+        if self._requeue:
+            self._save_and_requeue(trainer)
             return
         if not trainer.checkpoint_callbacks and self.dirpath is None:  # added only to stop every process together
             rank_zero_info(f"SIGTERM: stopped at step {trainer.global_step} on every process; the Trainer saves no"
@@ -74,6 +115,27 @@ class PreemptionCheckpoint(Callback):
         rank_zero_info(f"SIGTERM: saved {path} at step {trainer.global_step}; resume with fit(ckpt_path={path!r})."
                        " fit(ckpt_path='last') finds it only when the ModelCheckpoint has a fixed dirpath (a"
                        " versioned logger's next run looks in a new version's folder).")
+
+    def _save_and_requeue(self, trainer: pl.Trainer) -> None:
+        """Lightning's requeue, at a step boundary: loggers finalized, the HPC checkpoint saved (its number chosen on
+        rank 0 for every rank), and the job requeued once every rank is past the save."""
+        for logger in trainer.loggers:
+            logger.finalize("finished")
+        connector = trainer._checkpoint_connector
+        path = os.path.abspath(trainer.strategy.broadcast(connector.hpc_save_path(trainer.default_root_dir)))
+        trainer.save_checkpoint(path)
+        trainer.strategy.barrier("PreemptionCheckpoint.requeue")
+        if not trainer.is_global_zero:
+            return
+        job = _slurm_job_id()
+        result = subprocess.call(["scontrol", "requeue", job]) if job is not None else None
+        if result == 0:
+            rank_zero_info(f"SLURM requeue signal: saved {path} at step {trainer.global_step} and requeued job {job};"
+                           " its next fit() without ckpt_path resumes from it.")
+        else:
+            rank_zero_warn(f"SLURM requeue signal: saved {path} at step {trainer.global_step}, but the job was not"
+                           f" requeued ({'no SLURM job id' if job is None else f'scontrol exit status {result}'});"
+                           f" resubmit it, and fit(ckpt_path={path!r}) resumes from that checkpoint.")
 
     def _path(self, trainer: pl.Trainer) -> str:
         """The absolute path of the last checkpoint, named as the Trainer's `ModelCheckpoint` names its own."""
@@ -86,3 +148,11 @@ class PreemptionCheckpoint(Callback):
         else:
             directory = trainer.default_root_dir
         return os.path.abspath(os.path.join(directory, naming.CHECKPOINT_NAME_LAST + naming.FILE_EXTENSION))
+
+
+def _slurm_job_id() -> Optional[str]:
+    """The job to requeue: an array job's ``<array job>_<task>``, else ``SLURM_JOB_ID``; None where neither is a job
+    id."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}" if array_job else os.environ.get("SLURM_JOB_ID")
+    return job if job and re.fullmatch(r"[0-9]+(_[0-9]+)?", job) else None
