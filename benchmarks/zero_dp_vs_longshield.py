@@ -4,7 +4,9 @@ their non-DP loops, side by side in one run. Prints JSON (and, with ``--markdown
     python benchmarks/zero_dp_vs_longshield.py --seq-len 256 --micro-batch-sizes 1 2 4 8 \\
         --budget-mib 600 --budget-seq-lens 256 512 1024 2048 --markdown
 
-Every configuration is one fresh process of ``benchmarks/dp_overhead.py`` (the same loops, data and measurements):
+Every configuration is one fresh process of ``benchmarks/dp_overhead.py`` (the same loops, data and measurements;
+``--repeats`` go round every loop in turn, so a slow spell of the machine does not land on one loop's repeats; with
+``--same-process`` each DP loop's process also times its non-DP loop, alternated, and the table shows that ratio):
 ``zero_dp_plus`` is `LongShieldStrategy(norms="mixed", shard_over="all")` (ZeRO-DP+: FSDP over all ranks, mixed
 ghost norms, book-keeping), ``longshield`` materialises per-sample gradients (V2's path at CP 1), ``longshield_v3``
 adds DP-safe activation checkpointing, ``opacus_ghost`` is Opacus's ``grad_sample_mode="ghost"``; step-time ratios
@@ -45,6 +47,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--budget-mib", type=float, default=None, help="memory budget for the max sequence length")
     parser.add_argument("--budget-seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--budget-micro-batch-size", type=int, default=4)
+    parser.add_argument("--same-process", action="store_true",
+                        help="time each DP loop against its non-DP loop in one process (dp_overhead's --same-process)")
     parser.add_argument("--markdown", action="store_true", help="also print the table of docs/benchmarks.md")
     return parser.parse_args(argv)
 
@@ -52,15 +56,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def _flags(args: argparse.Namespace, seq_len: int, steps: int) -> list[str]:
     return [f"--preset={args.preset}", f"--seq-len={seq_len}", f"--accumulation={args.accumulation}",
             f"--warmup={args.warmup}", f"--steps={steps}", f"--device={args.device}",
-            f"--precision={args.precision}"]
+            f"--precision={args.precision}", *(["--same-process"] if args.same_process else [])]
 
 
 def step_times(args: argparse.Namespace, methods: tuple[str, ...] = METHODS) -> list[dict[str, Any]]:
     rows = []
     for micro_batch_size in args.micro_batch_sizes:
-        runs = {method: _least_disturbed([measure(method, micro_batch_size, _flags(args, args.seq_len, args.steps))
-                                          for _ in range(args.repeats)]) for method in methods}
-        rows.append(_row(micro_batch_size, args.accumulation, runs))
+        runs: dict[str, list[dict[str, float]]] = {method: [] for method in methods}
+        for _ in range(args.repeats):
+            for method in methods:
+                runs[method].append(measure(method, micro_batch_size, _flags(args, args.seq_len, args.steps)))
+        rows.append(_row(micro_batch_size, args.accumulation,
+                         {method: _least_disturbed(measured) for method, measured in runs.items()}))
     return rows
 
 
@@ -77,7 +84,8 @@ def markdown(results: list[dict[str, Any]], budget: dict[str, Any]) -> str:
     header = "| MBS | " + " | ".join(f"{name} step / non-DP" for name in TABLE_COLUMNS.values()) + " |"
     lines = [header, "|" + "---|" * (len(TABLE_COLUMNS) + 1)]
     for row in results:
-        cells = [str(row.get(f"{method}_over_nondp", "-")) for method in TABLE_COLUMNS]
+        cells = [str(row.get(f"{method}_over_nondp_same_process", row.get(f"{method}_over_nondp", "-")))
+                 for method in TABLE_COLUMNS]
         lines.append(f"| {row['micro_batch_size']} | " + " | ".join(cells) + " |")
     if budget:
         cells = [str(budget[method]["max_seq_len"]) for method in TABLE_COLUMNS]
