@@ -21,6 +21,13 @@ def batch_size_of(batch: Any) -> int:
     return sizes.pop()
 
 
+def declare_logged_batch_size(trainer: Any, size: int) -> None:
+    """Give Lightning the logical batch's size for what this batch logs: for a ``self.log`` without ``batch_size`` it
+    would infer the size from the batch and, where the batch's fields disagree (a list of document ids has none),
+    warn quoting the size it found, a value of the data under Poisson sampling."""
+    trainer.fit_loop.epoch_loop._results.batch_size = size
+
+
 def split_into_microbatches(batch: Any, micro_batch_size: int) -> list[Any]:
     """Consecutive slices of at most ``micro_batch_size`` samples (views, no copies)."""
     size = batch_size_of(batch)

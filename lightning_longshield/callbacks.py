@@ -7,7 +7,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lightning_longshield.batching import batch_size_of
+from lightning_longshield.batching import batch_size_of, declare_logged_batch_size
 from lightning_longshield.preemption import PreemptionCheckpoint, requeues_on_slurm
 from lightning_longshield.privacy.metric_guard import EPSILON_KEY, log_own
 
@@ -60,7 +60,7 @@ class PrivacyMonitor(Callback):
             size = batch_size_of(batch)
         except ValueError:  # a batch without one leading dimension: training_step refuses it, quoting nothing
             return
-        trainer.fit_loop.epoch_loop._results.batch_size = size
+        declare_logged_batch_size(trainer, size)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_longshield.batching import batch_size_of, split_into_microbatches
+from lightning_longshield.batching import batch_size_of, declare_logged_batch_size, split_into_microbatches
 from lightning_longshield.padding import logging_discarded
 from lightning_longshield.privacy.metric_guard import guard_logging, unguard_logging
 from lightning_longshield.privacy.rank_zero import rank_zero_warn
@@ -47,7 +47,7 @@ class DPStepLoop:
         self._release_pending = True
         self.dp_engine.begin_logical_batch()
         microbatches = split_into_microbatches(batch, self.config.micro_batch_size)
-        self._declare_batch_size(batch_size_of(batch))
+        declare_logged_batch_size(self.lightning_module.trainer, batch_size_of(batch))
         padding = self._padding.count(len(microbatches), self.root_device)
         for microbatch in microbatches:
             output = self._microbatch_step(microbatch, rest, kwargs)
@@ -57,13 +57,6 @@ class DPStepLoop:
             return torch.zeros((), device=self.root_device)
         self._check_logged_metrics()
         return output
-
-    def _declare_batch_size(self, size: int) -> None:
-        """Give Lightning the logical batch's size for what this batch logs: for a ``self.log`` without
-        ``batch_size`` it would infer the size from the batch and, where the batch's fields disagree (a list of
-        document ids has none), warn quoting the size it found, a value of the data under Poisson sampling."""
-        results = self.lightning_module.trainer.fit_loop.epoch_loop._results
-        results.batch_size = size
 
     def _check_previous_batch_released(self) -> None:
         """Refuse a logical batch while the previous one's clipped sum is unreleased: it would be added to this one's
