@@ -100,11 +100,12 @@ class PreemptionCheckpoint(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Inside a fit, training or validating (a validation's batches come after a finished step).
-        if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING \
-                or trainer.sanity_checking:
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
-        if self._requeue:
-            self._save_and_requeue(trainer)
+        if self._requeue:  # in the sanity check no step has run: nothing to save, the job still to requeue
+            self._save_and_requeue(trainer, save=not trainer.sanity_checking)
+            return
+        if trainer.sanity_checking:
             return
         if not trainer.checkpoint_callbacks and self.dirpath is None:  # added only to stop every process together
             rank_zero_info(f"SIGTERM: stopped at step {trainer.global_step} on every process; the Trainer saves no"
@@ -116,26 +117,32 @@ class PreemptionCheckpoint(Callback):
                        " fit(ckpt_path='last') finds it only when the ModelCheckpoint has a fixed dirpath (a"
                        " versioned logger's next run looks in a new version's folder).")
 
-    def _save_and_requeue(self, trainer: pl.Trainer) -> None:
+    def _save_and_requeue(self, trainer: pl.Trainer, save: bool = True) -> None:
         """Lightning's requeue, at a step boundary: loggers finalized, the HPC checkpoint saved (its number chosen on
         rank 0 for every rank), and the job requeued once every rank is past the save."""
         for logger in trainer.loggers:
             logger.finalize("finished")
-        connector = trainer._checkpoint_connector
-        path = os.path.abspath(trainer.strategy.broadcast(connector.hpc_save_path(trainer.default_root_dir)))
-        trainer.save_checkpoint(path)
+        if save:
+            connector = trainer._checkpoint_connector
+            path = os.path.abspath(trainer.strategy.broadcast(connector.hpc_save_path(trainer.default_root_dir)))
+            trainer.save_checkpoint(path)
+            saved = f"saved {path} at step {trainer.global_step}"
+            resume = f"fit(ckpt_path={path!r}) resumes from that checkpoint"
+        else:
+            saved = "stopped in the sanity check, before any step (nothing to save)"
+            resume = "its fit resumes as this one did"
         trainer.strategy.barrier("PreemptionCheckpoint.requeue")
         if not trainer.is_global_zero:
             return
         job = _slurm_job_id()
         result = subprocess.call(["scontrol", "requeue", job]) if job is not None else None
         if result == 0:
-            rank_zero_info(f"SLURM requeue signal: saved {path} at step {trainer.global_step} and requeued job {job};"
-                           " its next fit() without ckpt_path resumes from it.")
+            rank_zero_info(f"SLURM requeue signal: {saved}; requeued job {job}, whose fit() without ckpt_path resumes"
+                           " from the newest HPC checkpoint.")
         else:
-            rank_zero_warn(f"SLURM requeue signal: saved {path} at step {trainer.global_step}, but the job was not"
-                           f" requeued ({'no SLURM job id' if job is None else f'scontrol exit status {result}'});"
-                           f" resubmit it, and fit(ckpt_path={path!r}) resumes from that checkpoint.")
+            rank_zero_warn(f"SLURM requeue signal: {saved}, but the job was not requeued"
+                           f" ({'no SLURM job id' if job is None else f'scontrol exit status {result}'}); resubmit it:"
+                           f" {resume}.")
 
     def _path(self, trainer: pl.Trainer) -> str:
         """The absolute path of the last checkpoint, named as the Trainer's `ModelCheckpoint` names its own."""

@@ -104,6 +104,9 @@ def test_the_strategy_adds_the_callback_to_every_requeueing_fit_and_a_failed_req
     callback._save_and_requeue(trainer)
     assert saved == [str(tmp_path / "hpc_ckpt_1.ckpt")] and calls.read_text().split() == ["requeue", "77_3"]
 
+    callback._save_and_requeue(trainer, save=False)  # signalled in the sanity check: nothing to save, still requeued
+    assert len(saved) == 1 and calls.read_text().split() == ["requeue", "77_3"] * 2
+
     (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\nexit 1\n")
     with pytest.warns(UserWarning, match=r"not requeued \(scontrol exit status 1\).*resubmit.*hpc_ckpt_1\.ckpt"):
         callback._save_and_requeue(trainer)
