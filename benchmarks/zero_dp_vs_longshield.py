@@ -56,16 +56,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def _flags(args: argparse.Namespace, seq_len: int, steps: int) -> list[str]:
     return [f"--preset={args.preset}", f"--seq-len={seq_len}", f"--accumulation={args.accumulation}",
             f"--warmup={args.warmup}", f"--steps={steps}", f"--device={args.device}",
-            f"--precision={args.precision}", *(["--same-process"] if args.same_process else [])]
+            f"--precision={args.precision}"]
 
 
 def step_times(args: argparse.Namespace, methods: tuple[str, ...] = METHODS) -> list[dict[str, Any]]:
     rows = []
     for micro_batch_size in args.micro_batch_sizes:
+        flags = [*_flags(args, args.seq_len, args.steps), *(["--same-process"] if args.same_process else [])]
         runs: dict[str, list[dict[str, float]]] = {method: [] for method in methods}
         for _ in range(args.repeats):
             for method in methods:
-                runs[method].append(measure(method, micro_batch_size, _flags(args, args.seq_len, args.steps)))
+                runs[method].append(measure(method, micro_batch_size, flags))
         rows.append(_row(micro_batch_size, args.accumulation,
                          {method: _least_disturbed(measured) for method, measured in runs.items()}))
     return rows
