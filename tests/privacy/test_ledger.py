@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from opacus.accountants import RDPAccountant
 
@@ -32,6 +31,7 @@ from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
 from lightning_longshield.privacy.session import PrivacySession
 from lightning_longshield.sharded_checkpoints import is_whole_sharded_checkpoint
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
+from tests.support.process_runner import forkserver_context
 
 DATA = RandomTokens(size=32, seq_len=8)  # batch 4: q = 1/8
 DELTA = 1e-3
@@ -266,8 +266,7 @@ def _attempt_in_a_fork(arguments: list[str], scratch: Path) -> subprocess.Comple
     """A one-process attempt (it kills only itself) in a process forked from this test worker's forkserver."""
     from tests.support import ledger_crash_worker
 
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["lightning_longshield"])  # where this worker has not started the server yet
+    context = forkserver_context()
     stdout, stderr = scratch / "stdout", scratch / "stderr"
     environment = {"TMPDIR": str(scratch), "MASTER_PORT": os.environ["MASTER_PORT"]}  # not the server's
     process = context.Process(target=ledger_crash_worker.run_attempt,

@@ -38,8 +38,16 @@ def run_processes(world_size: int, tmp_path: Path, fn: Callable[..., Any], *args
     """
     method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     if method == "forkserver":
-        mp.get_context("forkserver").set_forkserver_preload(["lightning_longshield"])
+        forkserver_context()
     mp.start_processes(
         _worker, args=(world_size, str(tmp_path / "store"), fn, args, timeout), nprocs=world_size, join=True,
         start_method=method,
     )
+
+
+def forkserver_context() -> Any:
+    """The forkserver start method, its server preloading the library (read when this worker's server starts: at
+    its first process)."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["lightning_longshield"])
+    return context
