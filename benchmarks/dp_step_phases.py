@@ -13,10 +13,10 @@ times, and ``<loop>_over_nondp_quartiles``, the quartiles of the ratios of each 
 rounds scatter). The ``opacus`` loop (Opacus's hooks, `GradSampleModule` and `DPOptimizer`, as its
 ``BatchMemoryManager`` runs micro-batches: ``clip_and_accumulate`` after each backward, then ``add_noise``,
 ``scale_grad`` and the optimizer step) runs in the same rotation, and ``opacus_over_<loop>`` is its median step over
-each LongShield loop's (with ``opacus_over_<loop>_quartiles``): ours against Opacus, side by side. On CUDA every phase
-ends with a synchronisation (the phases then add up to the step). On CPU the process first lets glibc keep freed memory,
-as the strategy does when it fits (`lightning_longshield.cpu_allocator`); all loops run with it. Example (the tiny
-preset, 2 CPU cores: a few minutes):
+each LongShield loop's (with ``opacus_over_<loop>_quartiles``): ours against Opacus, side by side. On CUDA phases are
+timed by events on the stream and the step synchronises once, at its end. On CPU the process first lets glibc keep
+freed memory, as the strategy does when it fits (`lightning_longshield.cpu_allocator`); all loops run with it. Example
+(the tiny preset, 2 CPU cores: a few minutes):
 
     python benchmarks/dp_step_phases.py --micro-batch-size 4 --seq-len 256 --accumulation 4 --steps 16
 """
@@ -75,18 +75,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class PhaseTimer:
-    """Adds the seconds of each named phase of one step (synchronising a CUDA device at every boundary)."""
+    """Adds the seconds of each named phase of one step. On CUDA each phase is timed by two events on the current
+    stream, read once the outermost phase (the step) has ended and its event has been reached: no synchronisation
+    inside the step, whose kernels queue as they do in training."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.seconds: Phases = defaultdict(float)
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._depth = 0
 
     def __call__(self, phase: str, work: Callable[..., object], *args: object) -> object:
-        began = time.perf_counter()
+        if self.device.type != "cuda":
+            began = time.perf_counter()
+            result = work(*args)
+            self.seconds[phase] += time.perf_counter() - began
+            return result
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._depth += 1
+        start.record()
         result = work(*args)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.seconds[phase] += time.perf_counter() - began
+        end.record()
+        self._depth -= 1
+        self._events.append((phase, start, end))
+        if not self._depth:
+            end.synchronize()
+            for name, began_at, ended_at in self._events:
+                self.seconds[name] += began_at.elapsed_time(ended_at) / 1e3  # milliseconds
+            self._events.clear()
         return result
 
 

@@ -230,3 +230,38 @@ def test_no_timed_dp_step_includes_the_epsilon_of_the_last_step(monkeypatch):
     ends = dp_overhead._lightning_step_ends(args, dataset, True, total_steps, {})
     first_timed_start, last_timed_end = ends[args.warmup], ends[total_steps - 1]
     assert computed and not [moment for moment in computed if first_timed_start < moment < last_timed_end]
+
+
+def test_phase_timer_on_cuda_reads_its_events_once_the_step_has_ended(monkeypatch):
+    """CUDA phases are timed by stream events, synchronised once at the step's end (no sync inside the step)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import torch
+    from dp_step_phases import PhaseTimer
+
+    clock, synchronised = [0.0], []
+
+    class FakeEvent:  # a stream's clock that advances by 1 ms per recorded event
+        def __init__(self, enable_timing: bool) -> None:
+            self.at = None
+
+        def record(self) -> None:
+            clock[0] += 1.0
+            self.at = clock[0]
+
+        def synchronize(self) -> None:
+            synchronised.append(self.at)
+
+        def elapsed_time(self, end: FakeEvent) -> float:
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timer = PhaseTimer(torch.device("cuda"))
+
+    def step() -> None:
+        for _ in range(2):
+            timer("forward", lambda: None)
+        assert not timer.seconds and not synchronised  # nothing read, nothing synchronised inside the step
+
+    timer("step", step)
+    assert synchronised == [6.0]  # the step's end event: step start 1, forward 2-3 and 4-5, step end 6
+    assert timer.seconds == {"forward": 2e-3, "step": 5e-3}
