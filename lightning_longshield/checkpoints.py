@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightning_longshield.durable_checkpoints import is_local, newer_checkpoint_beside
+from lightning_longshield.hpc_checkpoints import missing_hpc_checkpoint_replacement
 from lightning_longshield.privacy.ledger import LEDGER_FILE
 from lightning_longshield.sharded_checkpoints import (
     ShardedSave,
@@ -203,7 +204,13 @@ class StrategyCheckpoints:
                            f" checkpoint aside and the new one into place. The"
                            f" {'previous' if restored.name.endswith('.previous') else 'new'} one, whole, now has its"
                            " name and is loaded.")
-        self.barrier("restore_interrupted_swap")  # type: ignore[attr-defined]
+        replacement = (missing_hpc_checkpoint_replacement(Path(path))
+                       if self.is_global_zero and is_local(path) else None)  # type: ignore[attr-defined]
+        if replacement is not None:
+            rank_zero_warn(f"HPC checkpoint {path} does not exist (Lightning numbered it from a save cut off under"
+                           f" its temporary name); resuming from {replacement}, the newest whole one beside it.")
+            path = os.fspath(replacement)
+        path = self.broadcast(path)  # type: ignore[attr-defined]  # also waits for rank 0's repairs above
         self._loaded_sharded = is_sharded_checkpoint(path)
         module = self.lightning_module  # type: ignore[attr-defined]
         if self._loaded_sharded:

@@ -8,6 +8,7 @@ import functools
 import os
 import re
 import subprocess
+from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
@@ -19,6 +20,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_longshield.durable_checkpoints import is_local
+from lightning_longshield.hpc_checkpoints import next_hpc_checkpoint
 
 #: The signal connector's handlers replaced for the fit (Lightning composes its handlers from these attributes).
 _SIGTERM_NOTIFIER, _SLURM_REQUEUE_HANDLER = "_sigterm_notifier_fn", "_slurm_sigusr_handler_fn"
@@ -55,11 +59,10 @@ class PreemptionCheckpoint(Callback):
 
     def __init__(self, dirpath: Optional[str | os.PathLike] = None) -> None:
         self.dirpath = dirpath
-        self._signalled = False
-        self._requeue = False
+        self._signalled = self._requeue = self._agreed_requeue = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._signalled = self._requeue = False
+        self._signalled = self._requeue = self._agreed_requeue = False
         connector = trainer._signal_connector
         replaced = [(_SIGTERM_NOTIFIER, self._note_sigterm)] if trainer.world_size > 1 else []
         if requeues_on_slurm(trainer):
@@ -75,8 +78,7 @@ class PreemptionCheckpoint(Callback):
             setattr(connector, name, handler)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for name in (_SIGTERM_NOTIFIER, _SLURM_REQUEUE_HANDLER):
-            vars(trainer._signal_connector).pop(name, None)  # Lightning's own again for later runs of the Trainer
+        _restore_lightnings_handlers(trainer)
 
     def _note_sigterm(self, signum: int, frame: Optional[FrameType]) -> None:
         # Only a flag: a handler runs between any two bytecodes of the step, so a collective here meets another one.
@@ -93,16 +95,20 @@ class PreemptionCheckpoint(Callback):
             return
         flags = torch.tensor([int(self._signalled), int(self._requeue)], device=trainer.strategy.root_device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self._signalled, self._requeue = (bool(flag) for flag in flags.tolist())
-        if self._signalled or self._requeue:
+        signalled, requeue = (bool(flag) for flag in flags.tolist())
+        if signalled or requeue:
+            # What every rank does, whatever signal reaches it later (its handler writes only the flags above).
+            self._agreed_requeue = requeue
             # Every rank's loop now raises `SIGTERMException` at this step's end (Lightning's check of this flag).
             trainer._signal_connector.received_sigterm = True
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        _restore_lightnings_handlers(trainer)  # `teardown` is not called after an exception
         # Inside a fit, training or validating (a validation's batches come after a finished step).
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
-        if self._requeue:  # in the sanity check no step has run: nothing to save, the job still to requeue
+        requeue = self._agreed_requeue if trainer.world_size > 1 else self._requeue
+        if requeue:  # in the sanity check no step has run: nothing to save, the job still to requeue
             self._save_and_requeue(trainer, save=not trainer.sanity_checking)
             return
         if trainer.sanity_checking:
@@ -123,8 +129,11 @@ class PreemptionCheckpoint(Callback):
         for logger in trainer.loggers:
             logger.finalize("finished")
         if save:
-            connector = trainer._checkpoint_connector
-            path = os.path.abspath(trainer.strategy.broadcast(connector.hpc_save_path(trainer.default_root_dir)))
+            root = trainer.default_root_dir
+            # Numbered from the exact names (Lightning's numbering reads digits of cut-off saves' temporary names).
+            path = os.fspath(next_hpc_checkpoint(Path(root).absolute())) if is_local(root) else \
+                trainer._checkpoint_connector.hpc_save_path(root)
+            path = trainer.strategy.broadcast(path)
             trainer.save_checkpoint(path)
             saved = f"saved {path} at step {trainer.global_step}"
             resume = f"fit(ckpt_path={path!r}) resumes from that checkpoint"
@@ -135,13 +144,21 @@ class PreemptionCheckpoint(Callback):
         if not trainer.is_global_zero:
             return
         job = _slurm_job_id()
-        result = subprocess.call(["scontrol", "requeue", job]) if job is not None else None
-        if result == 0:
+        if trainer.fit_loop.done:  # the signal came with the last step: nothing left to run
+            rank_zero_info(f"SLURM requeue signal: {saved}; training is complete, so job {job} is not requeued.")
+            return
+        failure = "no SLURM job id" if job is None else None
+        if job is not None:
+            try:
+                status = subprocess.call(["scontrol", "requeue", job])
+                failure = None if status == 0 else f"scontrol exit status {status}"
+            except OSError as error:  # no scontrol here (a container without SLURM's tools)
+                failure = f"scontrol could not run: {error}"
+        if failure is None:
             rank_zero_info(f"SLURM requeue signal: {saved}; requeued job {job}, whose fit() without ckpt_path resumes"
                            " from the newest HPC checkpoint.")
         else:
-            rank_zero_warn(f"SLURM requeue signal: {saved}, but the job was not requeued"
-                           f" ({'no SLURM job id' if job is None else f'scontrol exit status {result}'}); resubmit it:"
+            rank_zero_warn(f"SLURM requeue signal: {saved}, but the job was not requeued ({failure}); resubmit it:"
                            f" {resume}.")
 
     def _path(self, trainer: pl.Trainer) -> str:
@@ -155,6 +172,13 @@ class PreemptionCheckpoint(Callback):
         else:
             directory = trainer.default_root_dir
         return os.path.abspath(os.path.join(directory, naming.CHECKPOINT_NAME_LAST + naming.FILE_EXTENSION))
+
+
+def _restore_lightnings_handlers(trainer: pl.Trainer) -> None:
+    """Lightning's own handlers again for the Trainer's later runs (those registered for this fit are already
+    composed, and Lightning restores the signals' previous handlers at its teardown)."""
+    for name in (_SIGTERM_NOTIFIER, _SLURM_REQUEUE_HANDLER):
+        vars(trainer._signal_connector).pop(name, None)
 
 
 def _slurm_job_id() -> Optional[str]:

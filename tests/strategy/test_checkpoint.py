@@ -333,6 +333,7 @@ def test_several_processes_stop_together_on_sigterm_even_without_checkpointing()
 
     saved = []
     trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), sanity_checking=False, global_step=3,
-                              checkpoint_callbacks=[], save_checkpoint=saved.append)
+                              checkpoint_callbacks=[], save_checkpoint=saved.append, world_size=2,
+                              _signal_connector=SimpleNamespace())
     preemption.PreemptionCheckpoint().on_exception(trainer, None, SIGTERMException())
     assert saved == []

@@ -66,10 +66,14 @@ def test_the_requeue_signal_saves_at_the_step_boundary_requeues_and_the_requeued
     saved = torch.load(root / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=False)
     assert saved["global_step"] == 2
     assert calls.read_text().split() == ["requeue", JOB]
+    assert "_slurm_sigusr_handler_fn" not in vars(first._signal_connector)  # Lightning's own for later runs
 
+    # A later save cut off under its temporary name: Lightning reads it as version 248213 and asks for that.
+    (root / ".hpc_ckpt_2.ckpt.48213.partial").write_bytes(b"cut off")
     starts = _FirstStep()
     resumed = make_trainer(_strategy(), max_steps=4, default_root_dir=root, callbacks=[starts])
-    resumed.fit(make_module(small_config(n_layers=1)), loader(DATA, 4))  # no ckpt_path: Lightning's HPC resume
+    with pytest.warns(UserWarning, match=r"hpc_ckpt_248213\.ckpt does not exist.*resuming from .*hpc_ckpt_1\.ckpt"):
+        resumed.fit(make_module(small_config(n_layers=1)), loader(DATA, 4))  # no ckpt_path: Lightning's HPC resume
     assert starts.step == 2 and resumed.global_step == 4
     uninterrupted = make_trainer(_strategy(), max_steps=4)
     uninterrupted.fit(make_module(small_config(n_layers=1)), loader(DATA, 4))
@@ -79,11 +83,11 @@ def test_the_requeue_signal_saves_at_the_step_boundary_requeues_and_the_requeued
 def test_the_strategy_adds_the_callback_to_every_requeueing_fit_and_a_failed_requeue_names_the_checkpoint(
         tmp_path, monkeypatch):
     """Even without checkpointing (Lightning's handler saved regardless); an array task is requeued as
-    ``<array job>_<task>``; where ``scontrol`` fails, the warning says to resubmit and where to resume from."""
+    ``<array job>_<task>``; no requeue after the last step; where ``scontrol`` fails or is missing, the warning says to
+    resubmit and where to resume from."""
     from types import SimpleNamespace
 
     from lightning.fabric.plugins.environments import SLURMEnvironment
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
     from lightning_longshield.callbacks import add_training_callbacks
     from lightning_longshield.preemption import PreemptionCheckpoint
@@ -98,7 +102,7 @@ def test_the_strategy_adds_the_callback_to_every_requeueing_fit_and_a_failed_req
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
     saved = []
-    trainer = SimpleNamespace(loggers=[], _checkpoint_connector=_CheckpointConnector, default_root_dir=str(tmp_path),
+    trainer = SimpleNamespace(loggers=[], default_root_dir=str(tmp_path), fit_loop=SimpleNamespace(done=False),
                               strategy=SimpleNamespace(broadcast=lambda value: value, barrier=lambda name: None),
                               save_checkpoint=saved.append, is_global_zero=True, global_step=5)
     callback._save_and_requeue(trainer)
@@ -107,6 +111,28 @@ def test_the_strategy_adds_the_callback_to_every_requeueing_fit_and_a_failed_req
     callback._save_and_requeue(trainer, save=False)  # signalled in the sanity check: nothing to save, still requeued
     assert len(saved) == 1 and calls.read_text().split() == ["requeue", "77_3"] * 2
 
+    trainer.fit_loop.done = True  # signalled with the last step: saved, nothing left to requeue for
+    callback._save_and_requeue(trainer)
+    assert len(saved) == 2 and calls.read_text().split() == ["requeue", "77_3"] * 2
+    trainer.fit_loop.done = False
+
     (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\nexit 1\n")
     with pytest.warns(UserWarning, match=r"not requeued \(scontrol exit status 1\).*resubmit.*hpc_ckpt_1\.ckpt"):
         callback._save_and_requeue(trainer)
+    (tmp_path / "bin" / "scontrol").unlink()  # a container without SLURM's tools: a warning, not a crash
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    with pytest.warns(UserWarning, match=r"not requeued \(scontrol could not run: .*resubmit"):
+        callback._save_and_requeue(trainer)
+
+
+def test_hpc_checkpoints_are_numbered_from_exact_names_and_a_damaged_one_is_passed_over(tmp_path):
+    from lightning_longshield.hpc_checkpoints import missing_hpc_checkpoint_replacement, next_hpc_checkpoint
+
+    assert next_hpc_checkpoint(tmp_path) == tmp_path / "hpc_ckpt_1.ckpt"
+    torch.save({"step": 1}, tmp_path / "hpc_ckpt_2.ckpt")
+    (tmp_path / "hpc_ckpt_3.ckpt").write_bytes(b"damaged")
+    (tmp_path / ".hpc_ckpt_4.ckpt.48213.partial").write_bytes(b"cut off")
+    assert next_hpc_checkpoint(tmp_path) == tmp_path / "hpc_ckpt_4.ckpt"
+    assert missing_hpc_checkpoint_replacement(tmp_path / "hpc_ckpt_448213.ckpt") == tmp_path / "hpc_ckpt_2.ckpt"
+    assert missing_hpc_checkpoint_replacement(tmp_path / "hpc_ckpt_3.ckpt") is None  # there: loading it says why
+    assert missing_hpc_checkpoint_replacement(tmp_path / "last.ckpt") is None  # not an HPC name
