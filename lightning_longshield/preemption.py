@@ -113,9 +113,10 @@ class PreemptionCheckpoint(Callback):
             return
         if trainer.sanity_checking:
             return
-        if not trainer.checkpoint_callbacks and self.dirpath is None:  # added only to stop every process together
-            rank_zero_info(f"SIGTERM: stopped at step {trainer.global_step} on every process; the Trainer saves no"
-                           " checkpoint (enable_checkpointing=False), so none is written.")
+        if not trainer.checkpoint_callbacks and self.dirpath is None:  # added to stop ranks together, or for SLURM
+            where = " on every process" if trainer.world_size > 1 else ""
+            rank_zero_info(f"SIGTERM: stopped at step {trainer.global_step}{where}; the Trainer saves no checkpoint"
+                           " (enable_checkpointing=False), so none is written.")
             return
         path = self._path(trainer)
         trainer.save_checkpoint(path)
