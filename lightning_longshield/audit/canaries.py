@@ -20,16 +20,21 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
+
+from lightning_longshield.privacy.poisson import CollateAllowingEmpty
 
 CANARY_KEY = "canary"  # index of the canary a record is, -1 for the run's own records
+EXCLUDED = -2  # the index of an excluded canary's filler record (`WithCanaries`)
 
 
 @dataclass
 class Canaries:
     """``m`` canaries, each included in the training data with probability 1/2 (``included``). The inclusion bits
-    must be independent of everything else in the run: ``seed=None`` (the default) draws the seed from OS entropy; a
-    given seed makes the audit reproducible (and its bits known beforehand to whoever knows the seed)."""
+    must be independent of everything else in the run, the canaries themselves included: with ``seed=None`` (the
+    default) they are ``m`` bits of OS entropy, and ``seed`` (then drawn from OS entropy too, and reported) only
+    places the canaries (coordinates, tokens). A given seed makes the whole audit reproducible, its bits included (and
+    known beforehand to whoever knows the seed): for tests and reruns."""
 
     m: int
     seed: Optional[int] = None
@@ -40,8 +45,11 @@ class Canaries:
             raise ValueError(f"m={self.m}: an audit needs canaries to guess about; pass m of a few hundred or more.")
         if self.seed is None:
             self.seed = secrets.randbits(62)
-        generator = torch.Generator().manual_seed(self.seed)
-        self.included = (torch.rand(self.m, generator=generator) < 0.5).tolist()
+            bits = secrets.randbits(self.m)
+            self.included = [bool(bits >> index & 1) for index in range(self.m)]
+        else:
+            generator = torch.Generator().manual_seed(self.seed)
+            self.included = (torch.rand(self.m, generator=generator) < 0.5).tolist()
 
     @property
     def inserted(self) -> list[int]:
@@ -112,7 +120,11 @@ class InputCanaries(Canaries):
 
 
 class WithCanaries(Dataset):
-    """The run's records (their index under `CANARY_KEY` is -1) followed by the included canaries' records."""
+    """The run's ``N`` records (their index under `CANARY_KEY` is -1) followed by one record per canary: canary
+    ``i``'s where it is included, else a filler that trains nothing (its labels all ignored, index `EXCLUDED`). The
+    length, ``N + m``, and with it the sampling rate, the default delta and a calibrated noise multiplier, is then the
+    same whatever the inclusion bits: nothing but the DP mechanism's output depends on them. `WithoutFillers` drops
+    the fillers a batch draws before they cost any compute (they would add exactly zero)."""
 
     def __init__(self, records: Dataset, canaries: Canaries,
                  canary_record: Optional[Callable[[int], dict[str, Any]]] = None) -> None:
@@ -120,26 +132,41 @@ class WithCanaries(Dataset):
         own records whose labels are all ignored (gradient canaries ignore the record; it only has to collate)."""
         self.records, self.canaries = records, canaries
         self.canary_record = canary_record or self.gradient_record
-        self.inserted = canaries.inserted
         first = records[0]
         if not isinstance(first, dict) or "input_ids" not in first:
             raise TypeError("An audit inserts canaries among records that are dicts with 'input_ids' (and 'labels').")
         self._template = first
 
     def __len__(self) -> int:
-        return len(self.records) + len(self.inserted)  # type: ignore[arg-type]
+        return len(self.records) + self.canaries.m  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         own = len(self.records)  # type: ignore[arg-type]
         if index < own:
             return {**self.records[index], CANARY_KEY: torch.tensor(-1)}
-        canary = self.inserted[index - own]
+        canary = index - own
+        if not self.canaries.included[canary]:
+            return {**self.gradient_record(canary), CANARY_KEY: torch.tensor(EXCLUDED)}
         return {**self.canary_record(canary), CANARY_KEY: torch.tensor(canary)}
 
     def gradient_record(self, canary: int) -> dict[str, Any]:
-        """A record shaped like the run's own (so that batches collate), its labels all ignored."""
+        """A record shaped like the run's own (so that batches collate), its labels all ignored: a gradient canary's
+        (the canary term gives its gradient) and an excluded canary's filler (no gradient at all)."""
         return {key: torch.full_like(value, -100) if key == "labels" else torch.zeros_like(value)
                 for key, value in self._template.items() if isinstance(value, torch.Tensor)}
+
+
+class WithoutFillers:
+    """A collate function for `WithCanaries`: the sampled records without excluded canaries' fillers, collated by
+    ``collate_fn``; none left, a batch of no records. Each record is still sampled on its own at the rate over all
+    ``N + m``; a filler adds exactly zero to the release, so leaving it out changes no output. A class, so that
+    DataLoader workers can pickle it."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable[[list[Any]], Any] = default_collate) -> None:
+        self.empty_allowed = CollateAllowingEmpty(dataset, collate_fn)
+
+    def __call__(self, records: list[dict[str, Any]]) -> Any:
+        return self.empty_allowed([record for record in records if int(record[CANARY_KEY]) != EXCLUDED])
 
 
 class CanaryScores(pl.Callback):

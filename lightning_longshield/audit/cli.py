@@ -12,7 +12,8 @@ error. The run is at the scale the flags give (by default a reduced one: the ``t
 which the report states. With ``--config`` the model, the training data, the strategy's arguments and ``max_steps``
 are the `longshield-train` file's (``--steps`` shortens the run and the report says so), and the expected logical
 batch is the run's, ``batch_size`` x data-parallel size (``trainer.devices`` x ``trainer.num_nodes`` /
-``context_parallel_size``), so that the sampling rate is; the run's layout-only options are left out (one process),
+``context_parallel_size``), sampled at ``batch / (N + canaries / 2)`` (the run's records and the canaries expected
+in), below the run's ``batch / N``; the run's layout-only options are left out (one process),
 which the report says; the model, data and privacy flags are then not taken.
 """
 
@@ -45,7 +46,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--preset", default="tiny", help="LlamaConfig preset of the audited model")
     parser.add_argument("--canaries", type=int, default=1000, help="m: canaries, each inserted with probability 1/2")
     parser.add_argument("--canary-type", choices=("gradient", "input"), default="gradient",
-                        help="white-box gradient canaries (tight) or black-box input canaries (scored by loss)")
+                        help="white-box gradient canaries (the stronger test) or black-box input canaries (scored by"
+                             " loss)")
     parser.add_argument("--magnitude", type=float, default=1.0,
                         help="a gradient canary's norm, in units of --max-grad-norm (above 1, clipping is audited)")
     parser.add_argument("--steps", type=int, help="DP steps (default 40, or the --config file's max_steps)")

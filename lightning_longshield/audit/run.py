@@ -24,6 +24,7 @@ from lightning_longshield.audit.canaries import (
     GradientCanaries,
     InputCanaries,
     WithCanaries,
+    WithoutFillers,
     guess_candidates,
     insert_gradient_canaries,
     loss_scores,
@@ -60,7 +61,8 @@ class AuditReport:
     top_guess_accuracy: tuple[tuple[int, float], ...] = ()
     #: The most this audit could report (every guess right): a claim at or above it cannot be shown broken.
     largest_reportable_bound: float = math.inf
-    #: The seed of the canaries and their inclusion bits (OS entropy unless given), to reproduce the audit.
+    #: The seed that placed the canaries (OS entropy unless given); a seed given beforehand also fixed their
+    #: inclusion bits (else bits of OS entropy of their own), so that it reproduces the audit.
     canary_seed: Optional[int] = None
 
     @property
@@ -143,12 +145,14 @@ def audit_training(
     size (a model without a trainable output layer: any coordinate, at ``micro_batch_size=1``, logged).
     ``"input"`` (black box, a `CausalLMModule`): random token sequences scored by their loss on the trained model.
     Canaries are sampled, clipped and noised like every record. ``scale`` says how this run relates to the real one
-    (e.g. fewer steps), and is reported. ``seed`` fixes the canaries and their inclusion bits (default: OS entropy;
-    the report gives the seed used). One process: the layout-only options (`LAYOUT_OPTIONS`, e.g.
-    ``context_parallel_size``) are dropped, and those that would change the layout are named in the report's
-    scale; pass ``batch_size`` as the run's expected logical batch (DataLoader ``batch_size`` x data-parallel size)
-    to audit its sampling rate. A warning says when the audit's size and confidence cannot reach
-    a bound above the claim (`AuditReport.largest_reportable_bound`).
+    (e.g. fewer steps), and is reported. ``seed`` fixes the canaries and their inclusion bits (default: OS entropy,
+    the bits apart from the canaries' placement; the report gives the placement's seed). The data hold one record
+    per canary whatever the bits (an excluded canary's, dropped from the batches, trains nothing), sampled at
+    ``batch_size / (N + canaries / 2)`` (the rate over the records and the canaries expected in). One process: the
+    layout-only options (`LAYOUT_OPTIONS`, e.g. ``context_parallel_size``) are dropped, and those that would change
+    the layout are named in the report's scale; pass ``batch_size`` as the run's expected logical batch (DataLoader
+    ``batch_size`` x data-parallel size) to audit near its sampling rate. A warning says when the audit's size and
+    confidence cannot reach a bound above the claim (`AuditReport.largest_reportable_bound`).
     """
     from lightning_longshield import LongShieldStrategy
     from lightning_longshield.checkpoints import forget_trained
@@ -198,7 +202,8 @@ def audit_training(
     forget_trained(module)  # an earlier fit or audit never saw these canaries: the claim is this run's steps
     with _training_step_restored(module, wrapped_from=own_step):
         wrap_step()
-        trainer.fit(module, DataLoader(data, batch_size=batch_size))
+        trainer.fit(module, DataLoader(data, batch_size=_batch_over_every_canary(batch_size, len(dataset), canaries),
+                                       collate_fn=WithoutFillers(data)))
     plan = strategy.privacy_plan
     assert plan is not None
     if canary_type == "gradient":
@@ -272,6 +277,13 @@ def _training_step_restored(module: pl.LightningModule, wrapped_from: Any) -> It
             module.__dict__.pop("training_step", None)
         else:
             module.training_step = wrapped_from  # type: ignore[method-assign]
+
+
+def _batch_over_every_canary(batch_size: int, records: int, canaries: int) -> int:
+    """The expected batch over the run's records and one per canary (`WithCanaries`) that samples each at
+    ``batch_size / (records + canaries / 2)``: the rate over the records and the canaries expected to be included, as
+    if only those were there (at most 1)."""
+    return min(records + canaries, round(batch_size * (records + canaries) / (records + canaries / 2)))
 
 
 def _ignore_canary_key(module: pl.LightningModule) -> None:

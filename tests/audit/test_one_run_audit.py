@@ -23,7 +23,7 @@ import torch
 from lightning_longshield import CausalLMModule
 from lightning_longshield.audit import AuditReport, GradientCanaries, audit_training
 from lightning_longshield.audit import cli as audit_cli
-from lightning_longshield.audit.canaries import WithCanaries, guess_candidates
+from lightning_longshield.audit.canaries import EXCLUDED, WithCanaries, guess_candidates
 from lightning_longshield.privacy.accumulator import ClippedGradientSum
 from tests.support.helpers import RandomTokens, make_module, small_config
 
@@ -51,15 +51,21 @@ def test_canaries_are_inserted_with_probability_one_half_and_collate_with_the_re
     fallback = GradientCanaries(1000, seed=3)
     fallback.place(module)
     assert fallback.layer is None and len({name for name, _ in fallback.coordinates}) > 3
+    # One record per canary whatever the bits (the sampling rate depends on the length): an excluded one's trains
+    # nothing (index -1, labels ignored).
     data = WithCanaries(RandomTokens(size=4, seq_len=8), canaries)
-    assert len(data) == 4 + len(canaries.inserted)
-    own, canary = data[0], data[4]
-    assert own["canary"].item() == -1 and canary["canary"].item() == canaries.inserted[0]
-    assert canary.keys() == own.keys() and (canary["labels"] == -100).all()
+    assert len(data) == 4 + 1000
+    own = data[0]
+    assert own["canary"].item() == -1
+    assert [data[4 + i]["canary"].item() for i in range(1000)] == [
+        i if chosen else EXCLUDED for i, chosen in enumerate(canaries.included)]
+    assert all(data[4 + i].keys() == own.keys() and (data[4 + i]["labels"] == -100).all() for i in range(1000))
     assert guess_candidates(1000)[0] == (20, 0)
     fresh, other = GradientCanaries(1000), GradientCanaries(1000)  # by default the bits come from OS entropy
     assert fresh.seed != other.seed and fresh.included != other.included
-    assert GradientCanaries(1000, seed=fresh.seed).included == fresh.included  # a reported seed reproduces them
+    # ... not from the seed that places the canaries (which their records show); a seed given beforehand fixes both
+    assert GradientCanaries(1000, seed=fresh.seed).included != fresh.included
+    assert GradientCanaries(1000, seed=7).included == GradientCanaries(1000, seed=7).included
 
 
 @pytest.mark.slow
@@ -331,3 +337,20 @@ def test_gradient_canaries_add_to_the_loss_of_a_dict_output():
                             strategy_options=dict(noise_multiplier=0.0, target_delta=DELTA, micro_batch_size=4),
                             trainer_options=QUIET, seed=0)
     assert report.steps == 2 and report.correct > 0
+
+
+def test_fillers_are_dropped_from_batches_and_the_sampling_rate_does_not_depend_on_the_bits():
+    from torch.utils.data import DataLoader
+
+    from lightning_longshield.audit.canaries import WithoutFillers
+    from lightning_longshield.audit.run import _batch_over_every_canary
+
+    canaries = GradientCanaries(10, seed=3)
+    data = WithCanaries(RandomTokens(size=4, seq_len=8), canaries)
+    (batch,) = DataLoader(data, batch_size=len(data), collate_fn=WithoutFillers(data))
+    assert batch["canary"].tolist() == [-1] * 4 + canaries.inserted
+    (empty,) = DataLoader(torch.utils.data.Subset(data, [4 + i for i in range(10) if not canaries.included[i]]),
+                          batch_size=10, collate_fn=WithoutFillers(data))
+    assert empty["input_ids"].shape == (0, 8)  # only fillers drawn: a batch of no records
+    assert _batch_over_every_canary(64, 8, 2000) == round(64 * 2008 / 1008)  # B / (N + m / 2) over N + m records
+    assert _batch_over_every_canary(64, 8, 10) == 18  # at most every record
