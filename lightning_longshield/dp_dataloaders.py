@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import (
@@ -78,10 +79,12 @@ def rebuild_dataloader(
 
 
 def poisson_dataloader(
-    dataloader: DataLoader, randomness: SecretKey, first_draw: int, data_parallel_rank: int, data_parallel_size: int
+    dataloader: DataLoader, randomness: SecretKey, first_draw: Union[int, Callable[[], int]], data_parallel_rank: int,
+    data_parallel_size: int,
 ) -> DataLoader:
-    """Replace the sampling of ``dataloader``: every batch is a Poisson sample of expected size ``batch_size``, the
-    first one draw ``first_draw`` (the DP steps already taken)."""
+    """Replace the sampling of ``dataloader``: every batch is a Poisson sample of expected size ``batch_size``, each
+    pass's first one draw ``first_draw`` (the DP steps already taken, or a function giving them as a pass starts:
+    `PoissonBatchSampler`)."""
     dataset = dataloader.dataset
     size = len(dataset)  # type: ignore[arg-type]
     _refuse_a_selecting_sampler(dataloader, size)
@@ -158,15 +161,15 @@ def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, da
 def training_dataloader(
     dataloader: DataLoader,
     sampling: Optional[SecretKey],
-    first_draw: int,
+    steps_done: Callable[[], int],
     data_parallel_rank: int,
     data_parallel_size: int,
 ) -> DataLoader:
-    """Poisson logical batches from ``sampling`` (draws numbered from ``first_draw``, the DP steps already taken),
-    or, without it, the DataLoader's own batches split over data-parallel groups."""
+    """Poisson logical batches from ``sampling`` (each pass's draws numbered from ``steps_done()``, the DP steps
+    taken when it starts), or, without it, the DataLoader's own batches split over data-parallel groups."""
     if sampling is None:
         return data_parallel_dataloader(dataloader, data_parallel_rank, data_parallel_size, training=True)
-    return poisson_dataloader(dataloader, sampling, first_draw, data_parallel_rank, data_parallel_size)
+    return poisson_dataloader(dataloader, sampling, steps_done, data_parallel_rank, data_parallel_size)
 
 
 def key_poisson_sampling(

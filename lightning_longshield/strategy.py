@@ -304,8 +304,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
                 world_size=self.world_size, cp=self.context_parallel_mesh.size(),
                 precision=str(self.precision_plugin.precision), config=self.config,
             )
-        key, steps = self.privacy.poisson_key, self.accountant.steps
-        return dp_dataloaders.training_dataloader(dataloader, key, steps, rank, size)
+        return dp_dataloaders.training_dataloader(dataloader, self.privacy.poisson_key, lambda: self.accountant.steps,
+                                                  rank, size)
 
     # ------------------------------------------------------------------ privacy
 

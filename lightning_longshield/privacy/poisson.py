@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from torch.utils.data import Dataset, Sampler
 
@@ -16,8 +16,11 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
     Draw ``k`` (the ``k``-th DP step of the run) compares the uniforms of draw ``k`` keyed by ``randomness`` (a
     secret key shared by all processes; a SHAKE-256 stream, see `privacy.randomness`) with the rate: every process
-    draws the same Bernoulli mask, and the sampler starts at ``first_draw = steps done`` however far the DataLoader
-    prefetched before a checkpoint. Which samples were drawn is as secret as the noise: privacy amplification by
+    draws the same Bernoulli mask. ``first_draw`` is the number of DP steps done: an int, or a function returning
+    it, read as each pass over the data starts, so that the pass's ``i``-th batch is draw ``steps done + i``, the
+    step that trains on it, however far a DataLoader prefetched batches an epoch cut short never used (those draws
+    are taken again by the steps that use them, never twice by steps, and every data-parallel rank numbers them
+    alike whatever its workers prefetch). Which samples were drawn is as secret as the noise: privacy amplification by
     sampling needs it. Data-parallel group ``g`` of ``D`` keeps the selected indices at positions ``g, g + D, ...``
     of the selection, so the groups' batches are disjoint and together form one Poisson sample. Batches may be
     empty. An epoch has ``round(1 / sample_rate)`` batches, the expected number of steps to visit every sample once.
@@ -28,7 +31,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         num_samples: int,
         sample_rate: float,
         randomness: SecretKey,
-        first_draw: int = 0,
+        first_draw: Union[int, Callable[[], int]] = 0,
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
     ) -> None:
@@ -42,7 +45,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.num_samples = num_samples
         self.sample_rate = sample_rate
         self.randomness = randomness
-        self.next_draw = first_draw
+        self.steps_done = first_draw if callable(first_draw) else None
+        self.next_draw = first_draw() if callable(first_draw) else first_draw
         self.first_drawn: Optional[int] = None  # the first draw taken, once one is (the DataLoader may draw ahead)
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
@@ -52,6 +56,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
         return self.num_batches
 
     def __iter__(self) -> Iterator[list[int]]:
+        if self.steps_done is not None:  # read when the pass's first batch is drawn
+            self.next_draw = self.steps_done()
         for _ in range(self.num_batches):
             if self.first_drawn is None:
                 self.first_drawn = self.next_draw

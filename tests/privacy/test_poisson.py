@@ -7,7 +7,7 @@ from collections import UserDict, namedtuple
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import default_collate
+from torch.utils.data import DataLoader, default_collate
 
 from lightning_longshield import LongShieldStrategy
 from lightning_longshield.dp_dataloaders import key_poisson_sampling, poisson_dataloader
@@ -310,3 +310,32 @@ def test_training_starts_only_from_poisson_loaders_keyed_for_the_fit():
     key_poisson_sampling([drawn_early], key, 5, reproducible=False)  # a fresh secret key: fresh draws all the same
     with pytest.raises(RuntimeError, match="replay the sampling of steps that already ran"):
         key_poisson_sampling([drawn_early], key, 5, reproducible=True)
+
+
+class _Indexed(RandomTokens):
+    """`RandomTokens` whose records also carry their index."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {**super().__getitem__(index), "index": torch.tensor(index)}
+
+
+def test_every_step_trains_its_own_draw_when_epochs_are_cut_short_and_the_loader_is_rebuilt():
+    """A worker prefetching batches that an epoch cut short (``limit_train_batches``) never uses, and the loader
+    rebuilt every 3 epochs: each pass numbers its draws from the steps done, so step ``k`` trains draw ``k``. Before,
+    the sampler's own count ran ahead by the unused prefetched draws, and the rebuilt loader, started at the steps
+    done, replayed draws that steps had already trained on (steps 9 and 10 took those of 7 and 8)."""
+    data = _Indexed(size=40, seq_len=8)
+    trained = []
+
+    class Record(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            trained.append(sorted(batch.pop("index").tolist()))
+
+    strategy = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3, noise_seed=3)
+    trainer = make_trainer(strategy, max_steps=-1, max_epochs=4, limit_train_batches=3,
+                           reload_dataloaders_every_n_epochs=3, callbacks=[Record()])
+    trainer.fit(make_module(small_config(n_layers=1)), DataLoader(data, batch_size=4, num_workers=1, prefetch_factor=2))
+    assert len(trained) == 12
+    key = strategy.privacy.poisson_key
+    drawn = [next(iter(PoissonBatchSampler(len(data), 4 / len(data), key, first_draw=step))) for step in range(12)]
+    assert trained == drawn
