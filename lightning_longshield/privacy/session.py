@@ -181,18 +181,22 @@ class PrivacySession:
         """Resolve the plan for ``planned_steps`` more steps and the budget; returns whether training must stop now.
 
         A restored checkpoint's noise multiplier and delta replace the arguments, so a resumed run keeps the
-        mechanism it was accounted with; of two targets, the lower applies. Information goes to the log, what the
-        user should change is warned.
+        mechanism it was accounted with; of two targets, the lower applies. A later fit of the same session continues
+        its earlier fit's plan the same way (a default delta from its own, perhaps smaller, dataset would state the
+        earlier steps at a larger delta). Information goes to the log, what the user should change is warned.
         """
         if self.dataset_size is None or self.dataloader_batch_size is None:
             raise ValueError("LongShieldStrategy needs a training DataLoader with a sized dataset.")
+        earlier = self._restored_plan
+        if earlier is None and self.plan is not None and self.accountant.steps:
+            earlier = self.plan.state_dict()
         self.plan, messages = resolve_plan(
             self.arguments,
             dataset_size=self.dataset_size,
             expected_batch_size=self.dataloader_batch_size * data_parallel_size,
             planned_steps=planned_steps,
             accountant=self.accountant,
-            restored=self._restored_plan,
+            restored=earlier,
         )
         if not self.poisson_sampling:
             messages.append(PlanMessage(

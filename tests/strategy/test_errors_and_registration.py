@@ -279,15 +279,26 @@ def test_minimums_within_max_steps_and_the_budget_train():
     assert strategy.accountant.steps == 3
 
 
-def test_a_second_fit_calibrating_to_target_epsilon_is_told_to_pass_noise_multiplier():
-    strategy = LongShieldStrategy(target_epsilon=8.0)
-    trainer = make_trainer(strategy, max_steps=1)
+@pytest.mark.parametrize("arguments", [dict(target_epsilon=8.0), dict(noise_multiplier=1.0, target_epsilon=50.0)],
+                         ids=["calibrated", "given-noise"])
+def test_a_second_fit_continues_the_first_fits_plan_as_a_resume_does(arguments):
+    """Calibrated to target_epsilon on its first fit, the strategy's second fit keeps that noise, budget and delta
+    (it does not calibrate again over steps already taken). On a smaller dataset the default delta, 1 / (10 N), would
+    have been larger: the first fit's smaller one states the guarantee of every step, with a warning that the data
+    changed."""
+    strategy = LongShieldStrategy(**arguments)
+    trainer = make_trainer(strategy, max_steps=2)
     module = make_module(small_config(n_layers=1))
-    trainer.fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
-    trainer.fit_loop.epoch_loop.max_steps = 2
-    with pytest.raises(ValueError, match="another fit with the same strategy"):
+    trainer.fit(module, loader(RandomTokens(size=16, seq_len=8), 2))
+    first = strategy.privacy_plan
+    assert first.delta == pytest.approx(1 / 160) and strategy.accountant.steps == 2
+    trainer.fit_loop.epoch_loop.max_steps = 3
+    with pytest.warns(UserWarning, match="trained on 16 records with 8"):
         trainer.fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
-    assert strategy.accountant.steps == 1
+    second = strategy.privacy_plan
+    assert (second.noise_multiplier, second.delta, second.target_epsilon) == (
+        first.noise_multiplier, first.delta, first.target_epsilon)
+    assert strategy.accountant.steps <= 3 and strategy.get_epsilon() <= arguments["target_epsilon"]
 
 
 def test_the_throughput_monitor_is_warned_about():
