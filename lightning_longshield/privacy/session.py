@@ -13,6 +13,7 @@ import os
 import secrets
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 import torch
@@ -294,6 +295,8 @@ class PrivacySession:
         if new:  # a new ledger: it records the steps from now on, from a first line that says so
             self.ledger_since, self.ledger_marked = self.accountant.steps, True
         self.ledger_path = path
+        if self.ledger is not None and (self.ledger.path != Path(path) or self.ledger.run_id != self.run_id):
+            self.close_ledger()  # opened for another run or file (a save before a checkpoint of another was loaded)
         if writer and self.ledger is None:
             self.ledger = PrivacyLedger(self.ledger_path, self.run_id, opened_at=self.ledger_since if new else None)
 
@@ -495,6 +498,7 @@ class PrivacySession:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the checkpoint's accounting; its plan fixes the mechanism when training starts."""
+        self.close_ledger()  # this session's ledger, if open, records another run's steps
         self.accountant.load_state_dict(state["accountant"])
         self._restored_plan = state["plan"]
         self.run_id = state.get("run_id")

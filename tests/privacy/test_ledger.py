@@ -432,3 +432,21 @@ def test_a_file_gone_from_beside_last_ckpt_leaves_the_resume_alone(tmp_path):
     resumed = _strategy()
     _fit(resumed, tmp_path, max_steps=3, ckpt_path="last")
     assert resumed.accountant.steps == 3
+
+
+def test_a_ledger_opened_by_a_save_is_not_used_for_the_steps_of_another_runs_checkpoint(tmp_path):
+    """A strategy that saved a checkpoint of its own fit (which opens its ledger) and then resumes another run's
+    checkpoint records the resumed steps under that run, in its ledger: they used to go under the first run's id,
+    so a later resume of the other run missed them."""
+    other = tmp_path / "other"
+    _fit(_strategy(), other, max_steps=2)
+    first = tmp_path / "first"
+    strategy = _strategy()
+    trainer = make_trainer(strategy, max_steps=1, default_root_dir=first)
+    module = make_module(small_config(n_layers=1), optimizer="adamw", learning_rate=1e-2)
+    trainer.fit(module, loader(DATA, 4))
+    trainer.save_checkpoint(first / "saved.ckpt")  # opens the ledger beside it, for this strategy's run
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(module, loader(DATA, 4), ckpt_path=other / "checkpoints" / "step=2.ckpt")
+    assert strategy.privacy.run_id == _run_id(other)
+    assert len(read_ledger(other / LEDGER_FILE, _run_id(other)).entries) == 4
