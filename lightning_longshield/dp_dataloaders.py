@@ -104,7 +104,11 @@ def poisson_dataloader(
 
 def _takes_every_record(dataloader: DataLoader) -> bool:
     """Whether ``dataloader`` batches every record of its dataset once an epoch with a default sampler (sequential, or
-    shuffled without replacement) and the default batch sampler: what the strategy may replace by its own split."""
+    shuffled without replacement) and the default batch sampler: what the strategy may replace by its own split. A
+    `BatchSampler` passed in (``batch_size`` None) is not: its own sampler, not the DataLoader's, picks the records,
+    and a split would lose its batching."""
+    if dataloader.batch_size is None:
+        return False
     own = dataloader.sampler
     every_record = isinstance(own, SequentialSampler) or (
         isinstance(own, RandomSampler) and not own.replacement
@@ -114,8 +118,11 @@ def _takes_every_record(dataloader: DataLoader) -> bool:
 
 
 def _sampling_name(dataloader: DataLoader) -> str:
-    custom_batches = dataloader.batch_sampler is not None and type(dataloader.batch_sampler) is not BatchSampler
-    return type(dataloader.batch_sampler if custom_batches else dataloader.sampler).__name__
+    batches = dataloader.batch_sampler
+    if batches is None or (type(batches) is BatchSampler and dataloader.batch_size is not None):
+        return type(dataloader.sampler).__name__
+    inner = getattr(batches, "sampler", None)
+    return type(batches).__name__ + (f" over a {type(inner).__name__}" if inner is not None else "")
 
 
 def _refuse_a_selecting_sampler(dataloader: DataLoader, size: int) -> None:

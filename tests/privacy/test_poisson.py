@@ -221,7 +221,7 @@ def test_without_poisson_sampling_no_sample_is_in_two_groups_parts_of_a_batch():
     assert set(evaluation[0] + evaluation[1]) == {0, 1, 2}  # evaluation sees every sample
 
 
-@pytest.mark.parametrize("selecting", ["subset", "batch_sampler"])
+@pytest.mark.parametrize("selecting", ["subset", "batch_sampler", "torch_batch_sampler"])
 def test_a_split_over_data_parallel_groups_refuses_a_selecting_sampler(selecting):
     """With several data-parallel groups every loader is split over all records of its dataset: a sampler that
     selects records (validation indices of a dataset that also holds the training records) would be replaced, and
@@ -232,8 +232,11 @@ def test_a_split_over_data_parallel_groups_refuses_a_selecting_sampler(selecting
     if selecting == "subset":
         loader = torch.utils.data.DataLoader(dataset, batch_size=2,
                                              sampler=torch.utils.data.SubsetRandomSampler(range(16, 20)))
-    else:
+    elif selecting == "batch_sampler":
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=[[16, 17], [18, 19]])
+    else:  # torch's own BatchSampler, over a sampler that selects: the DataLoader's sampler is a default one
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=torch.utils.data.BatchSampler(
+            torch.utils.data.SubsetRandomSampler(range(16, 20)), 2, False))
     for training in (False, True):
         with pytest.raises(ValueError, match=r"would be replaced by a split of all 20 records.*Subset\(dataset"):
             data_parallel_dataloader(loader, 0, 2, training=training)
