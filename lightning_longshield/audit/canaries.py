@@ -98,8 +98,15 @@ class GradientCanaries(Canaries):
 
 
     def _distinct(self, total: int) -> list[int]:
-        """``m`` distinct indices below ``total``, drawn from the audit's seed."""
-        return torch.randperm(total, generator=torch.Generator().manual_seed(self.seed + 1))[: self.m].tolist()
+        """``m`` distinct indices below ``total``, uniformly, drawn from the audit's seed, in memory of ``m`` (not a
+        permutation of ``total``: a large model's output layer has billions of entries)."""
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        chosen: dict[int, None] = {}  # in order of drawing
+        while len(chosen) < self.m:
+            for index in torch.randint(total, (2 * (self.m - len(chosen)),), generator=generator).tolist():
+                if len(chosen) < self.m:
+                    chosen.setdefault(index)
+        return list(chosen)
 
 
 @dataclass
@@ -236,12 +243,17 @@ def insert_gradient_canaries(module: pl.LightningModule, canaries: GradientCanar
 
 def loss_scores(module: pl.LightningModule, canaries: InputCanaries,
                 loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]) -> list[float]:
-    """Black-box scores: minus each canary's loss on the trained ``module`` (a member should have a lower loss)."""
+    """Black-box scores: minus each canary's loss on the trained ``module`` (a member should have a lower loss), in
+    evaluation mode (the module's mode is given back)."""
+    training = module.training
     module.eval()
     device = next(module.parameters()).device  # the trained model stays where it trained
-    with torch.no_grad():
-        return [-float(loss(module, {key: value.to(device) for key, value in canaries.record(index).items()}))
-                for index in range(canaries.m)]
+    try:
+        with torch.no_grad():
+            return [-float(loss(module, {key: value.to(device) for key, value in canaries.record(index).items()}))
+                    for index in range(canaries.m)]
+    finally:
+        module.train(training)
 
 
 def guess_candidates(m: int, fractions: Sequence[float] = (0.02, 0.05, 0.1, 0.2, 0.4)) -> list[tuple[int, int]]:

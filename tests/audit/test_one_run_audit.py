@@ -61,6 +61,10 @@ def test_canaries_are_inserted_with_probability_one_half_and_collate_with_the_re
         i if chosen else EXCLUDED for i, chosen in enumerate(canaries.included)]
     assert all(data[4 + i].keys() == own.keys() and (data[4 + i]["labels"] == -100).all() for i in range(1000))
     assert guess_candidates(1000)[0] == (20, 0)
+    # Coordinates among 10^12 (an 8B model's head has 5e8) without a permutation of them all.
+    far = canaries._distinct(10**12)
+    assert len(set(far)) == 1000 and all(0 <= index < 10**12 for index in far)
+    assert sorted(canaries._distinct(1000)) == list(range(1000))  # as many coordinates as canaries: all of them
     fresh, other = GradientCanaries(1000), GradientCanaries(1000)  # by default the bits come from OS entropy
     assert fresh.seed != other.seed and fresh.included != other.included
     # ... not from the seed that places the canaries (which their records show); a seed given beforehand fixes both
@@ -167,13 +171,15 @@ def test_bad_audit_inputs_are_refused_before_training(bad):
 
 
 def test_an_audited_module_gets_its_training_step_back():
-    """The audit wraps ``training_step`` to add the canaries; afterwards the module trains, or is audited, again."""
+    """The audit wraps ``training_step`` to add the canaries; afterwards the module trains, or is audited, again (in
+    the mode it had: input canaries are scored in evaluation mode)."""
     module = make_module(small_config(), optimizer="sgd", learning_rate=0.1)
     for canary_type in ("gradient", "input", "gradient"):
+        module.train()
         report = audit_training(module, RandomTokens(size=8, seq_len=16), batch_size=8, max_steps=1, canaries=10,
                                 canary_type=canary_type, strategy_options=dict(noise_multiplier=1.0),
                                 trainer_options=QUIET)
-        assert report.steps == 1 and "training_step" not in module.__dict__
+        assert report.steps == 1 and "training_step" not in module.__dict__ and module.training
     assert "at 99.9% confidence" in dataclasses.replace(report, confidence=0.999).summary()
     assert report.largest_reportable_bound < report.claimed_epsilon  # 10 canaries show next to nothing
     assert "this audit could not detect a broken guarantee" in report.summary()
