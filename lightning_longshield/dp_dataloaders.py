@@ -190,11 +190,18 @@ def key_poisson_sampling(
     with ``max_epochs``) builds the training loader before the checkpoint is restored, so its first draw is set here.
     A loader that already drew from another first draw (its workers, started with the iterator) is refused where the
     key is reproducible (``noise_seed``): it would replay the masks of steps that ran before the checkpoint. Any other
-    training loader is refused: the guarantee would state Poisson sampling that never ran.
+    training loader is refused: the guarantee would state Poisson sampling that never ran, and so are several (they
+    would draw the same masks, one step's batches from each, and a record in two of them would count twice).
     """
     if sampling is None:
         return
-    for loader in CombinedLoader(train_dataloader).flattened:
+    loaders = CombinedLoader(train_dataloader).flattened
+    if len(loaders) > 1:
+        raise RuntimeError(
+            f"train_dataloader returned {len(loaders)} DataLoaders: a DP step is one Poisson sample of one dataset,"
+            " accounted at its rate. Concatenate the datasets (torch.utils.data.ConcatDataset) into one DataLoader."
+        )
+    for loader in loaders:
         sampler = getattr(loader, "batch_sampler", None)
         if not isinstance(loader, PoissonDataLoader) or not isinstance(sampler, PoissonBatchSampler):
             raise RuntimeError(

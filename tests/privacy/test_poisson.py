@@ -313,6 +313,9 @@ def test_training_starts_only_from_poisson_loaders_keyed_for_the_fit():
     key_poisson_sampling([drawn_early], key, 5, reproducible=False)  # a fresh secret key: fresh draws all the same
     with pytest.raises(RuntimeError, match="replay the sampling of steps that already ran"):
         key_poisson_sampling([drawn_early], key, 5, reproducible=True)
+    # Two loaders would draw the same masks under one key, a record of both counted twice in a step.
+    with pytest.raises(RuntimeError, match="returned 2 DataLoaders.*ConcatDataset"):
+        key_poisson_sampling({"a": poisson, "b": poisson_dataloader(plain, key, 0, 0, 1)}, key, 5, reproducible=False)
 
 
 class _Indexed(RandomTokens):
