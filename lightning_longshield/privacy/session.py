@@ -279,7 +279,7 @@ class PrivacySession:
                     limit, plan.noise_multiplier, plan.sample_rate, plan.delta) <= plan.target_epsilon:
                 limit *= 2
         else:
-            limit = int(min(planned_steps, 10 * plan.planned_steps + 1))
+            limit = int(planned_steps)
         return self.accountant.steps_within_budget(
             plan.target_epsilon, plan.noise_multiplier, plan.sample_rate, plan.delta, limit
         )
