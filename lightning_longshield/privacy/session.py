@@ -19,7 +19,7 @@ from typing import Any, Optional, TypeVar
 import torch
 
 from lightning_longshield.privacy.accountant import PrivacyAccountant
-from lightning_longshield.privacy.cut_off import cut_off_delta
+from lightning_longshield.privacy.cut_off import NoiseTail, cut_off_delta
 from lightning_longshield.privacy.ledger import (
     LedgerEntry,
     PrivacyLedger,
@@ -118,6 +118,7 @@ class PrivacySession:
         # How steps before this fit ran (checkpoint and ledger): without Poisson sampling, or from a noise_seed.
         self.earlier_without_poisson = False
         self.earlier_reproducible = False
+        self.earlier_tails: set[NoiseTail] = set()  # the noise sources of steps before this session (checkpoints)
 
     @property
     def max_grad_norm(self) -> float:
@@ -152,6 +153,8 @@ class PrivacySession:
             shared, noise_key = SecretKey(broadcast(secrets.token_bytes(KEY_BYTES))), None
         self._new_run_id = broadcast(uuid.uuid4().hex)  # rank 0's: every rank names a new ledger's run alike
         self.sampling = shared.derive("sampling")
+        if self.noise is not None and self.accountant.steps:  # an earlier fit's steps drew from it
+            self.earlier_tails.add(self.noise.tail)
         self.noise = GaussianNoise(device, noise_key, stream, self.secure_mode)
         self._fit_data = None
         if self.randomized:  # one key for all processes: a sequence's shards are projected alike
@@ -229,15 +232,16 @@ class PrivacySession:
     def cut_off_delta(self, planned_steps: float = 0) -> float:
         """What the noise's floating-point cut-off adds to delta (`privacy.cut_off`) over the steps taken, each at its
         own noise multiplier and sampling rate (the accountant's history), and ``planned_steps`` more at the plan's.
-        The steps taken are costed with this fit's noise source (an earlier fit's, on another device, is not
-        recorded)."""
+        Each step is costed with the worst of the noise sources the run has used (this fit's and, from its
+        checkpoints, earlier fits' on other devices): which steps each drew is not recorded."""
         if self.noise is None:
             return 0.0
         runs = list(self.accountant.history)
         if planned_steps and self.plan is not None:
             runs.append((self.plan.noise_multiplier, self.plan.sample_rate, planned_steps))
-        return min(1.0, sum(cut_off_delta(self.noise.tail, sigma, rate, steps) for sigma, rate, steps in runs
-                            if sigma > 0))
+        tails = self.earlier_tails | {self.noise.tail}
+        return min(1.0, sum(max(cut_off_delta(tail, sigma, rate, steps) for tail in tails)
+                            for sigma, rate, steps in runs if sigma > 0))
 
     def _warn_cut_off(self, steps: Optional[float]) -> None:
         plan = self.plan
@@ -494,7 +498,8 @@ class PrivacySession:
                 "beside_counted": self.beside_counted,
                 "rolled_back_steps": self.rolled_back_steps, "accounting_incomplete": self.accounting_incomplete,
                 "ran_without_poisson": self.earlier_without_poisson or not self.poisson_sampling,
-                "ran_reproducibly": self.earlier_reproducible or self.noise_seed is not None}
+                "ran_reproducibly": self.earlier_reproducible or self.noise_seed is not None,
+                "noise_tails": sorted(list(tail) for tail in self.earlier_tails | {self.noise.tail})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the checkpoint's accounting; its plan fixes the mechanism when training starts."""
@@ -512,6 +517,7 @@ class PrivacySession:
         self.accounting_incomplete = state.get("accounting_incomplete", False)
         self.earlier_without_poisson = state.get("ran_without_poisson", False)
         self.earlier_reproducible = state.get("ran_reproducibly", False)
+        self.earlier_tails = {NoiseTail(int(terms), float(cut_off)) for terms, cut_off in state.get("noise_tails", ())}
 
     def load_finished_fit(self, state: dict[str, Any], noise_device: torch.device | str) -> None:
         """Take over a fit that ran in other processes from its rank 0's `state_dict` (Lightning's spawn and fork

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from opacus.accountants import RDPAccountant
 
 from lightning_longshield import LongShieldStrategy
 from lightning_longshield.durable_checkpoints import is_whole_checkpoint
+from lightning_longshield.privacy.cut_off import KEYSTREAM_TAIL
 from lightning_longshield.privacy.ledger import (
     LEDGER_FILE,
     PrivacyLedger,
@@ -371,7 +373,7 @@ def test_two_attempts_resumed_from_one_checkpoint_at_once_are_both_accounted(tmp
     number their steps alike (2-5): a resume from one's checkpoint of step 6 dropped the other's four steps."""
     plan = PrivacyPlan(1.0, DELTA, 0.125, 4, 32, 6, None)
     run = _session_at(plan)
-    run.noise = object()  # a fit's state: what a checkpoint holds
+    run.noise = SimpleNamespace(tail=KEYSTREAM_TAIL)  # a fit's state: what a checkpoint holds
     run.open_ledger(tmp_path / LEDGER_FILE, writer=True)
     _release(run, 2)
     checkpoint = run.state_dict()
@@ -380,7 +382,7 @@ def test_two_attempts_resumed_from_one_checkpoint_at_once_are_both_accounted(tmp
     for attempt in (first, second):
         attempt.open_ledger(attempt.ledger_path, writer=True)
         _release(attempt, 4)
-        attempt.noise = object()
+        attempt.noise = SimpleNamespace(tail=KEYSTREAM_TAIL)
     later = first.state_dict()
     first.close_ledger(), second.close_ledger()
     with pytest.warns(UserWarning, match="records 4 steps of this run beside the checkpoint's own"):
@@ -390,7 +392,7 @@ def test_two_attempts_resumed_from_one_checkpoint_at_once_are_both_accounted(tmp
     # takes their indices, which no line names, for a truncated ledger.
     resumed.open_ledger(resumed.ledger_path, writer=True)
     _release(resumed, 2)
-    resumed.noise = object()
+    resumed.noise = SimpleNamespace(tail=KEYSTREAM_TAIL)
     latest = resumed.state_dict()
     resumed.close_ledger()
     again = _session_at(plan, latest)

@@ -234,3 +234,12 @@ def test_the_noise_cut_off_is_warned_and_added_to_the_printed_delta_where_it_mat
     for _ in range(10):
         secure.accountant.step(0.18, 0.1)
     assert 1e-11 < secure.cut_off_delta() < 1e-10 and "cut-off" not in secure.describe_guarantee()
+
+    # A resume in secure_mode of the keystream's steps: they keep the keystream's cut-off (the worse of the two).
+    state = privacy.state_dict()
+    assert state["noise_tails"] == [list(KEYSTREAM_TAIL)]
+    resumed = PrivacySession(PrivacyArguments(0.18, None, 1e-3, max_grad_norm=1.0, accountant="rdp"), secure_mode=True)
+    resumed.load_state_dict(state)
+    with pytest.warns(UserWarning, match="cut-off"):
+        start(resumed)
+    assert resumed.cut_off_delta() == pytest.approx(expected, rel=1e-6)

@@ -122,10 +122,10 @@ def test_checkpoint_state_holds_plan_and_history_but_no_secret_and_fixes_the_res
         privacy.accountant.step(privacy.plan.noise_multiplier, privacy.plan.sample_rate)
     state = privacy.state_dict()
     # The ledger's run id, path and first step, the steps a resume rolled back, whether some steps may be uncounted,
-    # ran with fixed batches or reproducibly (flags, not the seed): nothing secret either.
+    # ran with fixed batches or reproducibly (flags, not the seed), the noise sources' cut-offs: nothing secret either.
     assert set(state) == {"plan", "accountant", "run_id", "ledger", "ledger_since", "ledger_marked",
                           "without_lines", "damaged_counted", "beside_counted", "rolled_back_steps",
-                          "accounting_incomplete", "ran_without_poisson", "ran_reproducibly"}
+                          "accounting_incomplete", "ran_without_poisson", "ran_reproducibly", "noise_tails"}
     assert (state["ran_without_poisson"], state["ran_reproducibly"]) == (False, False)
     keys = [privacy.noise._key._key, privacy.sampling._key]
     assert not any(repr(key) in repr(state) or key.hex() in repr(state) for key in keys)
