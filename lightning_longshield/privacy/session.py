@@ -215,7 +215,8 @@ class PrivacySession:
         self.steps_left_in_budget = self._budgeted_steps(planned_steps)
         self._warn_cut_off(planned_steps if math.isfinite(planned_steps) else self.steps_left_in_budget)
         if self.steps_left_in_budget == 0:
-            self._warn_no_step_fits()
+            if planned_steps > 0:  # else nothing is planned (a resume at its last step): not the budget's doing
+                self._warn_no_step_fits()
             return True
         if self.steps_left_in_budget is not None and not math.isfinite(planned_steps):
             rank_zero_info(f"The privacy budget allows {self.steps_left_in_budget} steps (no step limit is set);"

@@ -243,3 +243,17 @@ def test_the_noise_cut_off_is_warned_and_added_to_the_printed_delta_where_it_mat
     with pytest.warns(UserWarning, match="cut-off"):
         start(resumed)
     assert resumed.cut_off_delta() == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_fit_with_no_step_left_to_plan_is_not_told_its_budget_is_spent():
+    """A resume at its run's last step plans no step: it stops, without a warning that the budget (far from spent
+    here) stopped it."""
+    privacy = session(noise_multiplier=1.0, target_epsilon=8.0)
+    start(privacy)
+    for _ in range(3):
+        privacy.accountant.step(1.0, 0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert start(privacy, planned_steps=0, global_step=3)
+    with pytest.warns(UserWarning, match="the first step alone would spend"):  # planned steps the budget refuses
+        assert start(session(noise_multiplier=1.0, target_epsilon=1e-6), planned_steps=5)
