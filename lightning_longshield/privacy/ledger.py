@@ -68,6 +68,10 @@ class PrivacyLedger:
             self._file.close()
             self._file = None
 
+    def __getstate__(self) -> dict[str, object]:
+        # Without its open file (a spawn launcher pickles the strategy): a copy reopens the ledger at its next line.
+        return {**self.__dict__, "_file": None}
+
     def _open(self) -> IO[str]:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)

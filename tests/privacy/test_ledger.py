@@ -452,3 +452,15 @@ def test_a_ledger_opened_by_a_save_is_not_used_for_the_steps_of_another_runs_che
     trainer.fit(module, loader(DATA, 4), ckpt_path=other / "checkpoints" / "step=2.ckpt")
     assert strategy.privacy.run_id == _run_id(other)
     assert len(read_ledger(other / LEDGER_FILE, _run_id(other)).entries) == 4
+
+
+def test_an_open_ledger_pickles_and_its_copy_appends_to_the_same_file(tmp_path):
+    """A spawn launcher pickles the strategy, whose session may hold an open ledger (a save outside a fit opens it)."""
+    import pickle
+
+    ledger = PrivacyLedger(tmp_path / LEDGER_FILE, "run", opened_at=0)
+    ledger.record(0, 1.0, 0.1)
+    copy = pickle.loads(pickle.dumps(ledger))
+    copy.record(1, 1.0, 0.1)
+    ledger.close(), copy.close()
+    assert [entry.index for entry in read_ledger(tmp_path / LEDGER_FILE, "run").entries] == [0, 1]
