@@ -164,7 +164,7 @@ def test_projections_are_fresh_secret_and_never_stored():
     assert "key" not in repr(state) and set(state) == {"plan", "accountant", "run_id", "ledger", "ledger_since",
                                                     "ledger_marked", "without_lines", "damaged_counted",
                                                     "beside_counted", "rolled_back_steps", "accounting_incomplete",
-                                                    "ran_without_poisson", "ran_reproducibly"}
+                                                    "ran_without_poisson", "ran_reproducibly", "noise_tails"}
     assert state["accountant"]["estimator"] == "hutchinson"
     described = strategy.privacy.describe_randomness()
     assert "norm projections: MT19937 generators (all 624 state words keyed by noise_seed" in described
