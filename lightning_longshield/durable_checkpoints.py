@@ -138,15 +138,19 @@ def is_whole_checkpoint(path: _PATH) -> bool:
         return False
 
 
+def is_whole_file_or_folder(path: Path) -> bool:
+    """Whether ``path`` is a whole checkpoint of either format: a sharded checkpoint's folder, or one file."""
+    from lightning_longshield.sharded_checkpoints import is_whole_sharded_checkpoint
+
+    return is_whole_sharded_checkpoint(path) if path.is_dir() else is_whole_checkpoint(path)
+
+
 def newest_whole_checkpoint(directory: Path, exclude: Optional[Path] = None) -> Optional[Path]:
     """The most recently written whole ``*.ckpt`` in ``directory`` (other than ``exclude``): a file, or a sharded
     checkpoint's folder."""
-    from lightning_longshield.sharded_checkpoints import is_whole_sharded_checkpoint
-
     candidates = sorted((p for p in directory.glob("*.ckpt") if p != exclude), key=lambda p: p.stat().st_mtime,
                         reverse=True)
-    return next((p for p in candidates
-                 if (is_whole_sharded_checkpoint(p) if p.is_dir() else is_whole_checkpoint(p))), None)
+    return next((p for p in candidates if is_whole_file_or_folder(p)), None)
 
 
 def newer_checkpoint_beside(path: Path) -> Optional[Path]:

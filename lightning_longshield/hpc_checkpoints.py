@@ -11,8 +11,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from lightning_longshield.durable_checkpoints import is_whole_checkpoint
-from lightning_longshield.sharded_checkpoints import is_whole_sharded_checkpoint
+from lightning_longshield.durable_checkpoints import is_whole_file_or_folder
 
 _HPC_NAME = re.compile(r"hpc_ckpt_([0-9]+)\.ckpt")
 
@@ -32,10 +31,7 @@ def next_hpc_checkpoint(directory: Path) -> Path:
 
 def newest_whole_hpc_checkpoint(directory: Path) -> Optional[Path]:
     """The highest-numbered whole HPC checkpoint in ``directory`` (a file or a sharded checkpoint's folder)."""
-    for _, path in reversed(_numbered(directory)):
-        if is_whole_sharded_checkpoint(path) if path.is_dir() else is_whole_checkpoint(path):
-            return path
-    return None
+    return next((path for _, path in reversed(_numbered(directory)) if is_whole_file_or_folder(path)), None)
 
 
 def missing_hpc_checkpoint_replacement(path: Path) -> Optional[Path]:
