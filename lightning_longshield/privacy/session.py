@@ -240,9 +240,13 @@ class PrivacySession:
         runs = list(self.accountant.history)
         if planned_steps and self.plan is not None:
             runs.append((self.plan.noise_multiplier, self.plan.sample_rate, planned_steps))
-        tails = self.earlier_tails | {self.noise.tail}
-        return min(1.0, sum(max(cut_off_delta(tail, sigma, rate, steps) for tail in tails)
+        return min(1.0, sum(max(cut_off_delta(tail, sigma, rate, steps) for tail in self.noise_tails)
                             for sigma, rate, steps in runs if sigma > 0))
+
+    @property
+    def noise_tails(self) -> set[NoiseTail]:
+        """The noise sources the run's steps drew from: earlier fits' (`earlier_tails`) and this fit's."""
+        return self.earlier_tails | ({self.noise.tail} if self.noise is not None else set())
 
     def _warn_cut_off(self, steps: Optional[float]) -> None:
         plan = self.plan
@@ -500,7 +504,7 @@ class PrivacySession:
                 "rolled_back_steps": self.rolled_back_steps, "accounting_incomplete": self.accounting_incomplete,
                 "ran_without_poisson": self.earlier_without_poisson or not self.poisson_sampling,
                 "ran_reproducibly": self.earlier_reproducible or self.noise_seed is not None,
-                "noise_tails": sorted(list(tail) for tail in self.earlier_tails | {self.noise.tail})}
+                "noise_tails": sorted(list(tail) for tail in self.noise_tails)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the checkpoint's accounting; its plan fixes the mechanism when training starts."""
