@@ -193,6 +193,7 @@ class _ProfileLastStep(Callback):
     def __init__(self, args: argparse.Namespace, timed_steps: int) -> None:
         self.args, self.timed_steps = args, timed_steps
         self.profiler: Optional[torch.profiler.profile] = None
+        self.written = False
 
     def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
         if trainer.global_step == self.timed_steps and self.profiler is None:
@@ -203,16 +204,17 @@ class _ProfileLastStep(Callback):
             self.profiler.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-        if self.profiler is None or trainer.global_step != self.timed_steps + 1:
+        if self.profiler is None or self.written or trainer.global_step != self.timed_steps + 1:
             return
+        self.written = True  # the step's later hooks (and a repeated hook) see the same global step
         _synchronize(self.args.device)
         self.profiler.__exit__(None, None, None)
         sort_by = "self_cuda_time_total" if self.args.device == "cuda" else "self_cpu_time_total"
-        table = self.profiler.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=60)
         name = f"{self.args.worker}_T{self.args.seq_len}_mbs{self.args.micro_batch_size}.txt"
         Path(self.args.profile_dir).mkdir(parents=True, exist_ok=True)
-        (Path(self.args.profile_dir) / name).write_text(table)
         self.profiler.export_chrome_trace(str(Path(self.args.profile_dir) / name.replace(".txt", ".trace.json")))
+        table = self.profiler.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=60)
+        (Path(self.args.profile_dir) / name).write_text(table)
 
 
 def _lightning_step_ends(

@@ -265,3 +265,18 @@ def test_phase_timer_on_cuda_reads_its_events_once_the_step_has_ended(monkeypatc
     timer("step", step)
     assert synchronised == [6.0]  # the step's end event: step start 1, forward 2-3 and 4-5, step end 6
     assert timer.seconds == {"forward": 2e-3, "step": 5e-3}
+
+
+def test_dp_overhead_profiles_one_step_once(monkeypatch, tmp_path):
+    """``--profile-dir`` writes the profiled step's table and trace once, however many micro-batches end after it."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import dp_overhead
+
+    args = dp_overhead.parse_args(["--seq-len", "16", "--accumulation", "2", "--warmup", "1", "--steps", "1",
+                                   "--worker", "nondp_lightning", "--micro-batch-size", "1",
+                                   "--profile-dir", str(tmp_path)])
+    total_steps = args.warmup + args.steps + 1
+    dataset = dp_overhead._dataset(args, 2 * total_steps * args.accumulation)
+    dp_overhead._lightning_step_ends(args, dataset, False, total_steps, {})
+    table = (tmp_path / "nondp_lightning_T16_mbs1.txt").read_text()
+    assert "Self CPU" in table and (tmp_path / "nondp_lightning_T16_mbs1.trace.json").stat().st_size > 0
