@@ -18,7 +18,7 @@ from torch.utils.data import (
 
 from lightning_longshield.privacy.poisson import CollateAllowingEmpty, PoissonBatchSampler
 from lightning_longshield.privacy.randomness import SecretKey
-from lightning_longshield.privacy.rank_zero import rank_zero_info
+from lightning_longshield.privacy.rank_zero import rank_zero_info, rank_zero_warn
 
 
 class PoissonDataLoader(DataLoader):
@@ -57,7 +57,16 @@ def rebuild_dataloader(
     """A plain `DataLoader` (or ``loader_class``) over the same dataset and worker settings with a new (batch)
     sampler. The old loader's ``generator`` is not carried: it drew the sampling this replaces. Batches come in
     order whatever ``in_order`` said: each data-parallel group takes its part of the same draw at the same step,
-    and out of order they would train on parts of different draws (a sample in two parts of one step)."""
+    and out of order they would train on parts of different draws (a sample in two parts of one step). A subclass
+    of `DataLoader` is rebuilt as ``loader_class`` too, with a warning: what it overrides would sample differently."""
+    if type(dataloader) not in (DataLoader, PoissonDataLoader):
+        name = type(dataloader).__name__
+        rank_zero_warn(
+            f"This DataLoader is a {name}: the strategy rebuilds it as a torch DataLoader over the same dataset,"
+            f" collate_fn and worker settings, with its own sampling, so what {name} adds or overrides is not used."
+            " Put that behaviour in the dataset or the collate_fn, and return a torch DataLoader.",
+            stacklevel=4,
+        )
     workers = dataloader.num_workers
     kwargs: dict[str, Any] = dict(
         collate_fn=collate_fn or dataloader.collate_fn,

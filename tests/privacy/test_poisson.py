@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import UserDict, namedtuple
 
 import pytest
@@ -345,3 +346,24 @@ def test_every_step_trains_its_own_draw_when_epochs_are_cut_short_and_the_loader
     key = strategy.privacy.poisson_key
     drawn = [next(iter(PoissonBatchSampler(len(data), 4 / len(data), key, first_draw=step))) for step in range(12)]
     assert trained == drawn
+
+
+def test_a_dataloader_subclass_is_rebuilt_with_a_warning():
+    """The strategy replaces a training loader's sampling (and, with several data-parallel groups, an evaluation
+    loader's) by rebuilding a torch DataLoader: a subclass's own behaviour is then lost, which it says (before:
+    silently)."""
+    from lightning_longshield.dp_dataloaders import data_parallel_dataloader
+
+    class ShardingLoader(DataLoader):
+        def __iter__(self):
+            return iter([])
+
+    loader = ShardingLoader(RandomTokens(size=8), batch_size=2)
+    with pytest.warns(UserWarning, match="a ShardingLoader: .* what ShardingLoader adds or overrides is not used"):
+        rebuilt = poisson_dataloader(loader, SecretKey.from_seed(0), 0, 0, 1)
+    assert type(rebuilt) is not ShardingLoader and len(list(rebuilt)) > 0
+    with pytest.warns(UserWarning, match="a ShardingLoader"):
+        data_parallel_dataloader(loader, 0, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        poisson_dataloader(DataLoader(RandomTokens(size=8), batch_size=2), SecretKey.from_seed(0), 0, 0, 1)
