@@ -429,11 +429,15 @@ class PrivacySession:
         )
 
     def get_epsilon(self, delta: Optional[float] = None) -> float:
-        """Epsilon spent so far at ``delta`` (default: the plan's delta)."""
+        """Epsilon spent so far at ``delta`` (default: the plan's delta, or a restored checkpoint's where no step has
+        trained since)."""
         if delta is None:
-            if self.plan is None:
+            if self.plan is not None:
+                delta = self.plan.delta
+            elif self._restored_plan is not None:
+                delta = float(self._restored_plan["delta"])
+            else:
                 raise ValueError("No delta yet: pass delta=..., or call after training has started.")
-            delta = self.plan.delta
         return self.accountant.get_epsilon(delta)
 
     def describe_guarantee(self, privacy_unit: str = "one training sample") -> str:
@@ -494,22 +498,31 @@ class PrivacySession:
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         """What a resumed run needs: the plan and the accountant's history. Never the noise's or the sampler's
-        secrets: a resumed run draws fresh ones. ``None`` before a fit has started training."""
-        if self.noise is None or self.plan is None:
+        secrets: a resumed run draws fresh ones. ``None`` before a fit has started training or restored a checkpoint.
+
+        A checkpoint restored by a fit that then trained no step (resumed at its last step, where Lightning skips
+        training) gives its own state back, so a save then keeps the weights' DP history."""
+        trained = self.noise is not None and self.plan is not None
+        if trained:
+            plan = self.plan.state_dict()  # type: ignore[union-attr]
+        elif self._restored_plan is not None:
+            plan = self._restored_plan
+        else:
             return None
-        return {"plan": self.plan.state_dict(), "accountant": self.accountant.state_dict(), "run_id": self.run_id,
+        return {"plan": plan, "accountant": self.accountant.state_dict(), "run_id": self.run_id,
                 "ledger": self.ledger_path, "ledger_since": self.ledger_since, "ledger_marked": self.ledger_marked,
                 "without_lines": sorted(self.without_lines), "damaged_counted": self.damaged_counted,
                 "beside_counted": self.beside_counted,
                 "rolled_back_steps": self.rolled_back_steps, "accounting_incomplete": self.accounting_incomplete,
-                "ran_without_poisson": self.earlier_without_poisson or not self.poisson_sampling,
-                "ran_reproducibly": self.earlier_reproducible or self.noise_seed is not None,
-                "noise_tails": sorted(list(tail) for tail in self.noise_tails)}
+                "ran_without_poisson": self.earlier_without_poisson or (trained and not self.poisson_sampling),
+                "ran_reproducibly": self.earlier_reproducible or (trained and self.noise_seed is not None),
+                "noise_tails": sorted(list(tail) for tail in (self.noise_tails if trained else self.earlier_tails))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the checkpoint's accounting; its plan fixes the mechanism when training starts."""
         self.close_ledger()  # this session's ledger, if open, records another run's steps
         self.accountant.load_state_dict(state["accountant"])
+        self.plan = None  # an earlier fit's plan, with the restored history, is no state a save may write
         self._restored_plan = state["plan"]
         self.run_id = state.get("run_id")
         self.ledger_path = state.get("ledger")

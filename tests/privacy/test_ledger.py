@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from opacus.accountants import RDPAccountant
 
 from lightning_longshield import LongShieldStrategy
+from lightning_longshield.checkpoints import CHECKPOINT_KEY
 from lightning_longshield.durable_checkpoints import is_whole_checkpoint
 from lightning_longshield.privacy.cut_off import KEYSTREAM_TAIL
 from lightning_longshield.privacy.ledger import (
@@ -464,3 +465,28 @@ def test_an_open_ledger_pickles_and_its_copy_appends_to_the_same_file(tmp_path):
     copy.record(1, 1.0, 0.1)
     ledger.close(), copy.close()
     assert [entry.index for entry in read_ledger(tmp_path / LEDGER_FILE, "run").entries] == [0, 1]
+
+
+def test_a_save_after_resuming_a_finished_run_keeps_its_dp_history(tmp_path):
+    """A fit resumed at its last step trains nothing (Lightning skips the loop, so training never starts): a save
+    then wrote the weights without their privacy state, and a run resumed from that file started its accountant at
+    0. It keeps the restored state, and epsilon is read at the restored delta. A strategy reused for such a resume
+    after a fit of its own (at another noise) saves the restored run's plan, not its own."""
+    for reused in (False, True):
+        root = tmp_path / f"reused={reused}"
+        _fit(_strategy(), root, max_steps=2)
+        strategy = (LongShieldStrategy(noise_multiplier=2.0, accountant="rdp", target_delta=DELTA) if reused
+                    else _strategy())
+        trainer = make_trainer(strategy, max_steps=2, default_root_dir=root / "resumed")
+        if reused:
+            trainer.fit(make_module(small_config(n_layers=1)), loader(DATA, 4))
+        trainer.fit(make_module(small_config(n_layers=1), optimizer="adamw", learning_rate=1e-2), loader(DATA, 4),
+                    ckpt_path=root / "checkpoints" / "step=2.ckpt")
+        assert strategy.get_epsilon() == pytest.approx(_rdp_epsilon(2))
+        trainer.save_checkpoint(root / "saved.ckpt")
+        state = torch.load(root / "saved.ckpt", map_location="cpu", weights_only=False)[CHECKPOINT_KEY]
+        assert state["plan"]["noise_multiplier"] == 1.0 and state["run_id"] == _run_id(root)
+        resumed = _strategy()
+        _fit(resumed, root / "again", max_steps=3, ckpt_path=root / "saved.ckpt")
+        assert resumed.accountant.steps == 3
+        assert resumed.get_epsilon() == pytest.approx(_rdp_epsilon(3))
