@@ -27,6 +27,7 @@ from lightning_longshield.hpc_checkpoints import missing_hpc_checkpoint_replacem
 from lightning_longshield.privacy.ledger import LEDGER_FILE
 from lightning_longshield.sharded_checkpoints import (
     ShardedSave,
+    forget_stale_gradients,
     is_sharded_checkpoint,
     load_hyperparameters,
     load_sharded,
@@ -330,10 +331,7 @@ class StrategyCheckpoints:
             if not state.get("state"):  # e.g. SGD without momentum: no tensors to place, only hyper-parameters
                 load_hyperparameters(optimizer, state["param_groups"])
                 continue
-            if not optimizer.state:  # torch fills a fresh optimizer's state first, but not while a `.grad` is set
-                for group in optimizer.param_groups:
-                    for param in group["params"]:
-                        param.grad = None  # an earlier fit's last gradient: a resumed step forms its own
+            forget_stale_gradients(optimizer)
             set_optimizer_state_dict(self.lightning_module, optimizer, state, options=options)  # type: ignore[attr-defined]
 
 

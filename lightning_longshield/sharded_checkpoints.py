@@ -155,6 +155,7 @@ def load_sharded(path: os.PathLike | str, model: nn.Module, optimizers: list[Opt
     for index, optimizer in enumerate(optimizers):
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         key = optimizer_key(index)
+        forget_stale_gradients(optimizer)
         optimizer_state = {key: get_optimizer_state_dict(model, optimizer)}
         dcp.load(optimizer_state, storage_reader=dcp.FileSystemReader(folder))
         saved = optimizer_state[key]
@@ -309,6 +310,17 @@ def _exchange(first: Path, second: Path) -> bool:
     renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     renameat2.restype = ctypes.c_int
     return renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0
+
+
+def forget_stale_gradients(optimizer: Optimizer) -> None:
+    """Drop an earlier fit's last gradient from the parameters of an optimizer with no state yet: torch fills a fresh
+    optimizer's state (which a checkpoint's is then read into) only while no ``.grad`` is set, and otherwise loads
+    nothing, silently. A resumed step forms its own gradient."""
+    if optimizer.state:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
 
 
 def load_hyperparameters(optimizer: Optimizer, saved_groups: list[dict[str, Any]]) -> None:

@@ -66,6 +66,23 @@ def test_resume_continues_the_same_run(tmp_path, optimizer, momentum, checkpoint
         assert all("momentum_buffer" in state for state in checkpoint["optimizer_states"][0]["state"].values())
 
 
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_a_resume_into_the_module_of_an_earlier_fit_restores_the_optimizer_state(tmp_path, checkpoint_format):
+    """The module of the fit that saved (a notebook, a retry loop) still holds that fit's last noisy gradient, and
+    torch builds a fresh optimizer's state only while no ``.grad`` is set: a sharded resume read AdamW's moments
+    into an empty state and went on without them, silently. Both formats continue the run exactly."""
+    uninterrupted = module()
+    make_trainer(strategy(), max_steps=4).fit(uninterrupted, loader(DATA, 4))
+    same = module()
+    trainer = make_trainer(strategy(checkpoint_format), max_steps=2)
+    trainer.fit(same, loader(DATA, 4))
+    assert any(p.grad is not None for p in same.parameters())
+    trainer.save_checkpoint(tmp_path / "dp.ckpt")
+    make_trainer(strategy(), max_steps=4).fit(same, loader(DATA, 4), ckpt_path=tmp_path / "dp.ckpt")
+    for (name, value), expected in zip(same.state_dict().items(), uninterrupted.state_dict().values()):
+        torch.testing.assert_close(value, expected, msg=lambda m, name=name: f"{name}: {m}")
+
+
 class _TwoProcesses(LongShieldStrategy):
     """The strategy as two processes see it, holding ``lightning_module``, for the choice of format alone."""
 
