@@ -308,7 +308,7 @@ def write_pretrained(
     save_file = require_hf("safetensors.torch").save_file
     config = _untied_if_heads_differ(state, config)
     tensors = hf_state_dict(state, config, dtype)
-    directory = Path(directory)
+    directory = Path(directory).expanduser()  # as loading and the CLI's up-front check read it
     directory.mkdir(parents=True, exist_ok=True)
     replaced = _replaced_shards(directory)
     config_dict = hf_config_dict(config, dtype or tensors["model.embed_tokens.weight"].dtype)

@@ -156,6 +156,16 @@ def test_an_export_beside_a_malformed_index_stops_before_writing(tmp_path: Path)
     assert sorted(path.name for path in tmp_path.iterdir()) == [checkpoint.WEIGHTS_INDEX_FILE]
 
 
+def test_an_export_to_a_home_relative_folder_lands_in_home(tmp_path: Path, monkeypatch) -> None:
+    """``export_to: ~/model`` (YAML, or ``--export_to=~/model``, which no shell expands) was checked in the home
+    folder but written to a folder named ``~`` under the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    checkpoint.save_pretrained(Llama(LlamaConfig(vocab_size=96, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                                 ffn_dim=64, max_seq_len=64)), "~/model")
+    assert (tmp_path / "home" / "model" / checkpoint.CONFIG_FILE).is_file() and not (tmp_path / "~").exists()
+
+
 def test_an_export_cut_short_leaves_the_checkpoint_there_as_it_was(tmp_path: Path, monkeypatch) -> None:
     write_hf_llama(tmp_path)
     before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
