@@ -293,9 +293,14 @@ class CausalLMModule(L.LightningModule):
     def _evaluate(self, batch: Any, stage: str, perplexity: TokenPerplexity) -> None:
         input_ids, labels, position_ids, token_counts = unpack_batch(batch)
         sums = self._token_loss_sums(input_ids, labels, position_ids)
-        loss = (sums / loss_divisors(labels, token_counts)).mean()
+        # The mean over the samples with a labelled token (over the whole sequence: the same on every CP rank); a
+        # sample without one has no loss, where counting it as 0 would pull the mean down.
+        counts = token_counts if token_counts is not None else (labels != IGNORE_INDEX).sum(dim=1)
+        labelled = int((counts > 0).sum())
+        loss = (sums / loss_divisors(labels, token_counts)).sum() / max(labelled, 1)
         # sync_dist: the mean over data-parallel groups (the CP ranks of a group already agree on the whole loss).
-        self.log(f"{stage}_loss", self._whole_sequence(loss), batch_size=input_ids.shape[0], sync_dist=True)
+        # Logged by every rank for every batch (weight 0 without a labelled sample): the epoch's sync is a collective.
+        self.log(f"{stage}_loss", self._whole_sequence(loss), batch_size=labelled, sync_dist=True)
         perplexity.update(sums.sum(), (labels != IGNORE_INDEX).sum())
         self.log(f"{stage}_perplexity", perplexity, prog_bar=True)
 
