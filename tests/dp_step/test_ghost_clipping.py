@@ -319,7 +319,7 @@ def test_mixed_rule_judges_a_head_applied_chunk_by_chunk_by_all_its_tokens():
         return chunked_per_sample_token_loss(hidden, output, labels, chunk_tokens=8)
 
     model(ids, head=head_loss).sum().backward()
-    assert engine.capture.bookkeeper.use_counts["output.weight"] == 8
+    assert engine.capture.bookkeeper.calls_of(model.output) == 8
     held = engine.capture.bookkeeper.uses.get("output.weight", [])
     engine.accumulate_microbatch(2)
     assert engine.per_sample_methods()["output.weight"] == "materialize" and not held

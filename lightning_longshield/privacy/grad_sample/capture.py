@@ -91,7 +91,7 @@ class PerSampleGradCapture:
         if per_sample != "materialize" or estimate is not None:
             method = "ghost" if estimate is not None else per_sample
             self.bookkeeper = BookKeeper(method, set(self._tied), self.exchange.group, self.exchange.shards, estimate)
-            self.bookkeeper.use_counts = self.uses
+            self.bookkeeper.calls_of = lambda layer: max(1, self._forward_calls[id(layer)])
 
     def fuse_linear_weights(self, handler: LinearWeightHandler) -> list[str]:
         """In backward, hand ``handler(weight name, activation, output gradient)`` every ``nn.Linear`` whose only
