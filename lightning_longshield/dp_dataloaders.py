@@ -16,6 +16,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from lightning_longshield.evaluation_split import MarkedPaddingSampler, PaddingMarked
 from lightning_longshield.privacy.poisson import CollateAllowingEmpty, PoissonBatchSampler
 from lightning_longshield.privacy.randomness import SecretKey
 from lightning_longshield.privacy.rank_zero import rank_zero_info, rank_zero_warn
@@ -53,12 +54,14 @@ def rebuild_dataloader(
     batch_sampler: Optional[Sampler] = None,
     collate_fn: Optional[Any] = None,
     loader_class: type[DataLoader] = DataLoader,
+    dataset: Optional[Any] = None,
 ) -> DataLoader:
-    """A plain `DataLoader` (or ``loader_class``) over the same dataset and worker settings with a new (batch)
-    sampler. The old loader's ``generator`` is not carried: it drew the sampling this replaces. Batches come in
-    order whatever ``in_order`` said: each data-parallel group takes its part of the same draw at the same step,
-    and out of order they would train on parts of different draws (a sample in two parts of one step). A subclass
-    of `DataLoader` is rebuilt as ``loader_class`` too, with a warning: what it overrides would sample differently."""
+    """A plain `DataLoader` (or ``loader_class``) over the same dataset (or ``dataset``, a view of it) and worker
+    settings with a new (batch) sampler. The old loader's ``generator`` is not carried: it drew the sampling this
+    replaces. Batches come in order whatever ``in_order`` said: each data-parallel group takes its part of the same
+    draw at the same step, and out of order they would train on parts of different draws (a sample in two parts of
+    one step). A subclass of `DataLoader` is rebuilt as ``loader_class`` too, with a warning: what it overrides would
+    sample differently."""
     if type(dataloader) not in (DataLoader, PoissonDataLoader):
         name = type(dataloader).__name__
         rank_zero_warn(
@@ -80,11 +83,11 @@ def rebuild_dataloader(
     if workers:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
         kwargs["multiprocessing_context"] = dataloader.multiprocessing_context
+    dataset = dataloader.dataset if dataset is None else dataset
     if batch_sampler is not None:
-        return loader_class(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
-    return loader_class(
-        dataloader.dataset, batch_size=dataloader.batch_size, sampler=sampler, drop_last=dataloader.drop_last, **kwargs
-    )
+        return loader_class(dataset, batch_sampler=batch_sampler, **kwargs)
+    return loader_class(dataset, batch_size=dataloader.batch_size, sampler=sampler, drop_last=dataloader.drop_last,
+                        **kwargs)
 
 
 def poisson_dataloader(
@@ -153,8 +156,9 @@ def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, da
 
     The DataLoader's own shuffling is kept (a `RandomSampler` becomes a shuffling `DistributedSampler`). For
     ``training`` the last ``N mod D`` samples of an epoch are left out: the sampler would otherwise pad its last round
-    with repeated samples, one of them then in two groups' parts of one logical batch. A sampler that selects or
-    weights records, or a custom batch sampler, is refused (a split of every record would replace it); an
+    with repeated samples, one of them then in two groups' parts of one logical batch. Evaluation pads it with
+    repeats whose labels are all ignored (`evaluation_split`), so that every record counts once. A sampler that
+    selects or weights records, or a custom batch sampler, is refused (a split of every record would replace it); an
     `IterableDataset` (evaluation) is read whole by every group.
     """
     if data_parallel_size == 1 or isinstance(dataloader.dataset, IterableDataset):  # a stream: each group reads it
@@ -169,9 +173,13 @@ def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, da
             " and pass batch_size with shuffle=True or False."
         )
     shuffle = isinstance(dataloader.sampler, RandomSampler)
-    sampler = DistributedSampler(dataloader.dataset, num_replicas=data_parallel_size, rank=data_parallel_rank,
-                                 shuffle=shuffle, drop_last=training)
-    return rebuild_dataloader(dataloader, sampler=sampler)
+    if training:
+        sampler = DistributedSampler(dataloader.dataset, num_replicas=data_parallel_size, rank=data_parallel_rank,
+                                     shuffle=shuffle, drop_last=True)
+        return rebuild_dataloader(dataloader, sampler=sampler)
+    marked = PaddingMarked(dataloader.dataset)
+    sampler = MarkedPaddingSampler(marked, num_replicas=data_parallel_size, rank=data_parallel_rank, shuffle=shuffle)
+    return rebuild_dataloader(dataloader, sampler=sampler, dataset=marked)
 
 
 def training_dataloader(

@@ -219,7 +219,32 @@ def test_without_poisson_sampling_no_sample_is_in_two_groups_parts_of_a_batch():
     parts = [list(data_parallel_dataloader(loader, rank, 2, training=True).sampler) for rank in (0, 1)]
     assert parts == [[0], [1]]
     evaluation = [list(data_parallel_dataloader(loader, rank, 2).sampler) for rank in (0, 1)]
-    assert set(evaluation[0] + evaluation[1]) == {0, 1, 2}  # evaluation sees every sample
+    assert evaluation == [[0, 2], [1, 3]]  # every sample; 3 is a repeat of 0 that counts nothing (below)
+
+
+def test_an_evaluation_split_counts_every_record_once():
+    """Evaluation pads the last round so that every data-parallel group runs as many batches (their collectives and
+    the epoch's metric sync pair up); the repeated records were evaluated twice (N 5 over 2 groups: record 0 in both
+    groups' loss and perplexity). Their labels are now all ignored; records of another kind are warned about."""
+    from lightning_longshield.dp_dataloaders import data_parallel_dataloader
+
+    dataset = RandomTokens(size=5, seq_len=6, ignore=False)
+    parts = [list(data_parallel_dataloader(torch.utils.data.DataLoader(dataset, batch_size=2), rank, 2))
+             for rank in (0, 1)]
+    assert [len(part) for part in parts] == [2, 2]
+    labelled = [batch["input_ids"][row].tolist() for part in parts for batch in part
+                for row in range(len(batch["labels"])) if (batch["labels"][row] != -100).any()]
+    assert sorted(labelled) == sorted(dataset.input_ids.tolist())
+    shuffled = torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=True)
+    indices = [list(data_parallel_dataloader(shuffled, rank, 2).sampler) for rank in (0, 1)]
+    assert sorted(index for part in indices for index in part if index < 5) == list(range(5))
+    tensors = torch.utils.data.TensorDataset(torch.zeros(5, 3))
+    with pytest.warns(UserWarning, match="1 of them are evaluated twice"):
+        data_parallel_dataloader(torch.utils.data.DataLoader(tensors, batch_size=2), 0, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data_parallel_dataloader(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 3)),
+                                                             batch_size=2), 0, 2)
 
 
 @pytest.mark.parametrize("selecting", ["subset", "batch_sampler", "torch_batch_sampler"])

@@ -1,0 +1,77 @@
+"""An evaluation set split over data-parallel groups in equal parts, its padding marked so that it counts nothing.
+
+Every group runs the same number of evaluation batches (their collectives, and the epoch's metric sync, pair up), so
+where the set does not divide evenly torch's `DistributedSampler` pads the last round with records from the start:
+``D - N mod D`` records evaluated twice. Here those repeats come from `PaddingMarked`, which gives a dict record its
+labels all ignored (``-100``): `CausalLMModule`'s loss and perplexity then skip them. Records of another kind are
+evaluated twice, as by torch's sampler, with a warning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+from lightning_longshield.loss import IGNORE_INDEX
+from lightning_longshield.privacy.rank_zero import rank_zero_warn
+
+
+class PaddingMarked(Dataset):
+    """``dataset`` as it is at indices ``0 .. N-1``; index ``N + i`` is a repeat of record ``i`` that counts nothing:
+    its ``labels`` (a dict record's) all `IGNORE_INDEX`. Its length is ``N``: only the sampler asks for repeats."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        size = len(self.dataset)
+        if index < size:
+            return self.dataset[index]
+        record = self.dataset[index - size]
+        labels = record.get("labels") if isinstance(record, Mapping) else None
+        if not isinstance(labels, torch.Tensor):
+            return record
+        return {**record, "labels": torch.full_like(labels, IGNORE_INDEX)}
+
+
+class MarkedPaddingSampler(DistributedSampler):
+    """`DistributedSampler` (``drop_last=False``: every record evaluated) whose padding indices are offset by ``N``,
+    so that `PaddingMarked` makes them count nothing; the same records in the same order otherwise."""
+
+    def __init__(self, dataset: PaddingMarked, num_replicas: int, rank: int, shuffle: bool) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, drop_last=False)
+        padding = self.total_size - len(dataset)
+        if padding and not _labelled_dict(dataset.dataset):
+            rank_zero_warn(
+                f"The evaluation set's {len(dataset)} records do not divide over {num_replicas} data-parallel groups:"
+                f" {padding} of them are evaluated twice, so that every group runs as many batches. Records that"
+                " are dicts with a 'labels' tensor are not (their repeats get every label ignored)."
+            )
+
+    def __iter__(self) -> Iterator[int]:
+        size = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(size, generator=generator).tolist()
+        else:
+            order = list(range(size))
+        padding = self.total_size - size
+        repeats = (order * math.ceil(padding / size))[:padding] if size else []
+        indices = order + [size + index for index in repeats]
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+
+def _labelled_dict(dataset: Any) -> bool:
+    """Whether the dataset's records are dicts with a ``labels`` tensor (its first record, read to tell)."""
+    if not len(dataset):
+        return True
+    record = dataset[0]
+    return isinstance(record, Mapping) and isinstance(record.get("labels"), torch.Tensor)
