@@ -148,16 +148,28 @@ def is_whole_file_or_folder(path: Path) -> bool:
 def newest_whole_checkpoint(directory: Path, exclude: Optional[Path] = None) -> Optional[Path]:
     """The most recently written whole ``*.ckpt`` in ``directory`` (other than ``exclude``): a file, or a sharded
     checkpoint's folder."""
-    candidates = sorted((p for p in directory.glob("*.ckpt") if p != exclude), key=lambda p: p.stat().st_mtime,
-                        reverse=True)
-    return next((p for p in candidates if is_whole_file_or_folder(p)), None)
+    candidates = sorted(_written_checkpoints(directory, exclude), key=lambda found: found[0], reverse=True)
+    return next((p for _, p in candidates if is_whole_file_or_folder(p)), None)
+
+
+def _written_checkpoints(directory: Path, exclude: Optional[Path] = None) -> list[tuple[float, Path]]:
+    """``(modification time, path)`` of every ``*.ckpt`` in ``directory`` but ``exclude``; a link to nothing (a
+    ``best.ckpt`` whose target was removed) is skipped, not an error that would hide the one being reported."""
+    found = []
+    for path in directory.glob("*.ckpt"):
+        try:
+            if path != exclude:
+                found.append((path.stat().st_mtime, path))
+        except OSError:
+            continue
+    return found
 
 
 def newer_checkpoint_beside(path: Path) -> Optional[Path]:
     """The newest whole checkpoint in ``path``'s folder if it was written after ``path`` itself (a file or a sharded
     folder; links followed), else None. Whole means read in full: only looked for when some ``*.ckpt`` is newer."""
     written, resolved = path.stat().st_mtime, path.resolve()
-    if not any(p.resolve() != resolved and p.stat().st_mtime > written for p in path.parent.glob("*.ckpt")):
+    if not any(p.resolve() != resolved and time > written for time, p in _written_checkpoints(path.parent)):
         return None
     found = newest_whole_checkpoint(path.parent, exclude=path)
     if found is None or found.resolve() == resolved or found.stat().st_mtime <= written:

@@ -117,6 +117,18 @@ def test_a_damaged_checkpoint_with_none_whole_beside_it_names_what_to_do(tmp_pat
         DurableCheckpointIO().load_checkpoint(bad)
 
 
+def test_a_link_to_nothing_beside_a_damaged_checkpoint_does_not_hide_the_damage(tmp_path):
+    """A ``best.ckpt`` whose target was removed made the search for a whole checkpoint beside the damaged one raise
+    FileNotFoundError about the link, instead of the error that names the damage and the newest whole one."""
+    good = tmp_path / "good.ckpt"
+    DurableCheckpointIO().save_checkpoint({"x": torch.ones(10)}, good)
+    offset, value, _ = DAMAGES["header only torch checks"]
+    bad = _damaged(tmp_path / "last.ckpt", offset, value)
+    os.symlink(tmp_path / "gone.ckpt", tmp_path / "best.ckpt")
+    with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(str(bad))} is .*damaged.* beside it is {good}"):
+        DurableCheckpointIO().load_checkpoint(bad)
+
+
 def _sharded_fit(tmp_path, max_steps: int, ckpt_path=None):
     strategy = LongShieldStrategy(noise_multiplier=1.0, target_delta=1e-3, checkpoint_format="sharded")
     trainer = make_trainer(strategy, max_steps=max_steps, default_root_dir=tmp_path)
