@@ -184,20 +184,45 @@ def load_model(
     return model
 
 
+#: How a Git LFS pointer file starts (https://github.com/git-lfs/git-lfs/blob/main/docs/spec.md).
+_LFS_POINTER = b"version https://git-lfs"
+
+
 def weight_map(directory: PathLike) -> dict[str, Path]:
     """The safetensors file that holds each tensor of the checkpoint in ``directory`` (one file or an index)."""
     directory = Path(directory)
     single, index = directory / WEIGHTS_FILE, directory / WEIGHTS_INDEX_FILE
     if single.is_file():
+        _check_downloaded(single)
         with require_hf("safetensors").safe_open(single, framework="pt") as handle:
             return dict.fromkeys(handle.keys(), single)
     if index.is_file():
-        return {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        files = {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        for path in sorted(set(files.values())):
+            _check_downloaded(path)
+        return files
     raise FileNotFoundError(
         f"No weights in {directory}: looked for {WEIGHTS_FILE} and {WEIGHTS_INDEX_FILE} (safetensors checkpoints"
         " only; convert PyTorch .bin weights first, e.g. with transformers:"
         " AutoModelForCausalLM.from_pretrained(d).save_pretrained(d))."
     )
+
+
+def _check_downloaded(path: Path) -> None:
+    """Raise, naming the fix, if a weights file the checkpoint names is missing (a download cut short) or is a Git
+    LFS pointer (a repository cloned without git-lfs), which safetensors would only call a bad header."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: {WEIGHTS_INDEX_FILE} names it, so the checkpoint was not downloaded whole. Download"
+            " every file again (e.g. huggingface-cli download <repo> --local-dir <folder>)."
+        )
+    with path.open("rb") as handle:
+        head = handle.read(len(_LFS_POINTER))
+    if head == _LFS_POINTER:
+        raise ValueError(
+            f"{path} is a Git LFS pointer, not the weights: the repository was cloned without git-lfs. Run"
+            f" 'git lfs pull' in {path.parent}, or download it with huggingface-cli."
+        )
 
 
 @torch.no_grad()

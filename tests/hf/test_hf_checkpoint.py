@@ -5,13 +5,14 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import torch
 
-from lightning_longshield.hf import checkpoint, require_hf
+from lightning_longshield.hf import check_weights, checkpoint, require_hf
 from lightning_longshield.models import Llama, LlamaConfig
 from simulate.specs import RopeScaling
 from tests.support import hf_workers
@@ -72,6 +73,22 @@ def our_logits(model: Llama, ids: torch.Tensor) -> torch.Tensor:
 @pytest.fixture
 def ids() -> torch.Tensor:
     return torch.randint(0, SIZES["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def test_weights_not_downloaded_whole_are_refused_up_front_naming_the_fix(tmp_path: Path) -> None:
+    """The up-front check read only the index: a shard missing from a download cut short passed it and failed in
+    ``configure_model``, after the data; a Git LFS pointer in place of the weights failed with safetensors' "header
+    too large"."""
+    write_hf_llama(tmp_path / "sharded", max_shard_size="20KB")
+    shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"{re.escape(shard.name)} is missing: .* not downloaded whole"):
+        check_weights(tmp_path / "sharded")
+    write_hf_llama(tmp_path / "pointer")
+    (tmp_path / "pointer" / checkpoint.WEIGHTS_FILE).write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")
+    with pytest.raises(ValueError, match="is a Git LFS pointer, not the weights: .* 'git lfs pull'"):
+        check_weights(tmp_path / "pointer")
 
 
 @pytest.mark.parametrize(("tie", "rope_scaling"), list(VARIANTS.values()), ids=list(VARIANTS))
