@@ -40,7 +40,8 @@ def write_demo_llama(
     config = transformers.LlamaConfig(**{
         "vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 192, "max_position_embeddings": 4096,
-        "tie_word_embeddings": True, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": True, "bos_token_id": None,  # the tokenizer has no start token
+        "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 512},
         **sizes,

@@ -114,6 +114,8 @@ def test_non_private_true_trains_without_dp_warns_and_prints_no_guarantee(capsys
 def test_the_tokenizer_comes_from_the_model_directory_unless_given(tmp_path, monkeypatch):
     texts = [p.read_text(encoding="utf-8") for p in python_stdlib_sources() if 2_000 < p.stat().st_size < 8_000][:6]
     write_demo_llama(tmp_path / "hf", texts, vocab_size=300, hidden_size=32, intermediate_size=64)
+    demo = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert demo["bos_token_id"] is None  # its tokenizer has no start token (transformers' default 1 is its <eos>)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     monkeypatch.setenv("HOME", str(tmp_path))  # the model as ~/hf: the model and its tokenizer both found
     args = ["--config", str(CONFIGS / "finetune_lora.yaml"), "--model.config", "~/hf",
