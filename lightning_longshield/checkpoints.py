@@ -31,6 +31,7 @@ from lightning_longshield.sharded_checkpoints import (
     is_sharded_checkpoint,
     load_hyperparameters,
     load_sharded,
+    replace_folder,
     restore_interrupted_swap,
     save_sharded,
 )
@@ -138,6 +139,9 @@ class StrategyCheckpoints:
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state
         if not self.sharded_checkpoints:
+            if storage_options is None and is_local(filepath) and self._names_a_sharded_checkpoint(filepath):
+                self._replace_sharded_by_one_file(checkpoint, Path(self.broadcast(filepath)))  # type: ignore[attr-defined]
+                return
             super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
             return
         if storage_options is not None:
@@ -154,6 +158,22 @@ class StrategyCheckpoints:
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         if not trainer.training or trainer.interrupted:  # no later step to finish it (e.g. a save at SIGTERM)
             self.commit_pending_save()
+
+    def _names_a_sharded_checkpoint(self, filepath: Any) -> bool:
+        """Whether rank 0 sees a sharded checkpoint's folder (not a link to one) at ``filepath``: every rank learns
+        rank 0's answer, as the save is then made differently."""
+        path = Path(self.broadcast(filepath))  # type: ignore[attr-defined]
+        found = is_sharded_checkpoint(path) and not path.is_symlink()
+        return bool(self.broadcast(found))  # type: ignore[attr-defined]
+
+    def _replace_sharded_by_one_file(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """A one-file save over a sharded checkpoint of the same name (the format changed under it): the file is
+        written aside, then swapped in. Lightning's own save removes the folder first, which leaves the name without
+        a checkpoint for the whole write."""
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            temporary = path.with_name(f".{path.name}.file.partial")
+            self.checkpoint_io.save_checkpoint(checkpoint, temporary)  # type: ignore[attr-defined]
+            replace_folder(temporary, path)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Remove a superseded checkpoint; while an asynchronous save is under way, only once it is committed (until

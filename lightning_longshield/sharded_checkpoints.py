@@ -94,7 +94,7 @@ class ShardedSave:
             manifest = {name: entry for part in gathered for name, entry in part.items()}
             write_durably(temporary / MANIFEST_FILE, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
             fsync_directory(temporary)
-            _replace_folder(temporary, self.final)
+            replace_folder(temporary, self.final)
         barrier()
 
 
@@ -238,8 +238,9 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _replace_folder(temporary: Path, final: Path) -> None:
-    """Rename ``temporary`` to ``final`` (replacing a previous checkpoint of that name) and make it durable.
+def replace_folder(temporary: Path, final: Path) -> None:
+    """Rename ``temporary`` (a checkpoint's folder, or a one-file checkpoint) to ``final`` (replacing a previous
+    checkpoint of that name) and make it durable.
 
     A previous checkpoint is swapped with the new one in one atomic step where the system can (Linux's ``renameat2``
     with ``RENAME_EXCHANGE``), so ``final`` names a whole checkpoint at every instant; elsewhere a folder is renamed
@@ -261,7 +262,7 @@ def _replace_folder(temporary: Path, final: Path) -> None:
 
 
 def restore_interrupted_swap(final: Path, min_age_s: float = 0.0) -> Optional[Path]:
-    """Give the name ``final`` back its checkpoint after a crash between `_replace_folder`'s renames (where folders
+    """Give the name ``final`` back its checkpoint after a crash between `replace_folder`'s renames (where folders
     cannot be swapped atomically), which left the previous checkpoint, if any, at ``.<name>.previous`` and the new one
     at ``.<name>.partial``, whole (its manifest is written before the renames): the new one if whole, else the
     previous one, and the other removed, as the swap would have. Nothing is done where ``final`` exists, or where the

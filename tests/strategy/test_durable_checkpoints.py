@@ -129,6 +129,32 @@ def test_a_link_to_nothing_beside_a_damaged_checkpoint_does_not_hide_the_damage(
         DurableCheckpointIO().load_checkpoint(bad)
 
 
+def test_a_one_file_save_over_a_sharded_checkpoint_of_that_name_never_leaves_the_name_empty(tmp_path, monkeypatch):
+    """The format changed under one name (``"auto"`` after resuming on fewer processes, or ``checkpoint_format``
+    switched): Lightning's save removed the sharded folder before writing the file, so a kill during the write left
+    no ``last.ckpt``, and a resume started afresh. The file is written aside and swapped in."""
+    import lightning_longshield.durable_checkpoints as durable
+
+    last = tmp_path / "last.ckpt"
+    _sharded_fit(tmp_path, max_steps=2).save_checkpoint(last)
+    trainer = make_trainer(LongShieldStrategy(noise_multiplier=1.0, target_delta=1e-3, checkpoint_format="full"),
+                           max_steps=3, default_root_dir=tmp_path)
+    trainer.fit(make_module(small_config(n_layers=1)), loader(DATA, 4), ckpt_path=last)
+
+    def killed(*_, **__):
+        raise KeyboardInterrupt("killed while writing")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(durable.torch, "save", killed)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.save_checkpoint(last)
+    assert is_whole_sharded_checkpoint(last)
+    trainer.save_checkpoint(last)
+    assert last.is_file() and is_whole_checkpoint(last)
+    assert torch.load(last, weights_only=False)["global_step"] == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt") and "partial" not in p.name]
+
+
 def _sharded_fit(tmp_path, max_steps: int, ckpt_path=None):
     strategy = LongShieldStrategy(noise_multiplier=1.0, target_delta=1e-3, checkpoint_format="sharded")
     trainer = make_trainer(strategy, max_steps=max_steps, default_root_dir=tmp_path)
@@ -185,14 +211,14 @@ def test_a_folder_of_the_same_name_is_replaced_whole(tmp_path, monkeypatch, atom
     for folder, text in ((final, "previous"), (new, "new")):
         folder.mkdir()
         (folder / "meta.pt").write_text(text)
-    sharded_checkpoints._replace_folder(new, final)
+    sharded_checkpoints.replace_folder(new, final)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     assert (final / "meta.pt").read_text() == "new"
 
 
 def _swap_cut_off_between_renames(trainer, folder, new_whole: bool = True,
                                   previous: bool = True) -> dict[str, int]:
-    """The state a crash leaves between `_replace_folder`'s renames where folders cannot be swapped atomically: no
+    """The state a crash leaves between `replace_folder`'s renames where folders cannot be swapped atomically: no
     ``last.ckpt``, the previous checkpoint at ``.last.ckpt.previous`` (unless not ``previous``: a first save of the
     name), the new one at ``.last.ckpt.partial`` (its manifest removed unless ``new_whole``). Returns each one's inode,
     which a rename keeps."""

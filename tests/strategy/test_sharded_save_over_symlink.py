@@ -76,7 +76,7 @@ def test_a_link_of_the_same_name_is_replaced_not_followed(tmp_path, monkeypatch,
     target = _link(final, kind, tmp_path)
     new.mkdir()
     (new / "meta.pt").write_text("new")
-    sharded_checkpoints._replace_folder(new, final)
+    sharded_checkpoints.replace_folder(new, final)
     assert not final.is_symlink() and (final / "meta.pt").read_text() == "new"
     left = ["last.ckpt"] if kind == "dangling" else sorted(["last.ckpt", target.name])
     assert sorted(p.name for p in tmp_path.iterdir()) == left
