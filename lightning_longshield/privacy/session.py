@@ -323,6 +323,11 @@ class PrivacySession:
         if self.run_id is None:
             return  # a checkpoint from before the ledger
         path = os.fspath(path) if path is not None else self.ledger_path
+        own = self.ledger_path  # the checkpoint's
+        if path is not None and own is not None and not os.path.exists(path) and os.path.exists(own):
+            rank_zero_info(f"privacy_ledger names {path}, which does not exist: the steps of this run after the"
+                           f" checkpoint are read from the checkpoint's ledger {own}; new steps go to {path}.")
+            path = own
         checkpoint_steps = self.accountant.steps
         problem: Optional[str] = None
         entries: list[LedgerEntry] = []

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -419,10 +420,26 @@ def test_a_replaced_ledger_is_noticed_when_the_run_opened_it_at_its_checkpoint(t
 
 def test_a_missing_ledger_named_at_resume_points_to_the_one_the_checkpoint_names(tmp_path):
     _fit(_strategy(), tmp_path, max_steps=2)
+    (tmp_path / LEDGER_FILE).rename(tmp_path / "moved.jsonl")
     resumed = _strategy(privacy_ledger=tmp_path / "elsewhere.jsonl")
     named = str(tmp_path / LEDGER_FILE)
     with pytest.warns(UserWarning, match=f"elsewhere.jsonl is missing \\(the checkpoint names {named}\\)"):
         _fit(resumed, tmp_path, max_steps=3, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
+
+
+def test_a_ledger_named_at_resume_that_does_not_exist_yet_reads_the_checkpoints_own(tmp_path):
+    """``privacy_ledger`` naming a new file while the checkpoint's ledger is in place: the steps it holds after the
+    checkpoint (rolled back by this resume) were not read, and epsilon left them out (with a warning). They are read
+    from the checkpoint's ledger; the run's new steps go to the named one."""
+    _fit(_strategy(), tmp_path, max_steps=6)
+    for step in (4, 6):
+        (tmp_path / "checkpoints" / f"step={step}.ckpt").unlink()
+    resumed = _strategy(privacy_ledger=tmp_path / "elsewhere.jsonl")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*[Pp]rivacy ledger")
+        _fit(resumed, tmp_path, max_steps=3, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
+    assert resumed.accountant.steps == 7 and "a lower bound" not in resumed.privacy.describe_guarantee()
+    assert [entry.index for entry in read_ledger(tmp_path / "elsewhere.jsonl", _run_id(tmp_path)).entries] == [6]
 
 
 def test_a_file_gone_from_beside_last_ckpt_leaves_the_resume_alone(tmp_path):
