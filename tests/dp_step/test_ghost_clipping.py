@@ -299,16 +299,17 @@ def test_cancelling_token_gradients_stay_within_the_bound(kind, cancellation):
             assert norms.squared.sqrt() / exact - 1 < 1e-6 and norms.rounding / exact < 1e-4
 
 
-def test_mixed_rule_judges_a_head_applied_chunk_by_chunk_by_all_its_tokens():
+@pytest.mark.parametrize("seq, chunk", [(64, 8), (22, 21)])
+def test_mixed_rule_judges_a_head_applied_chunk_by_chunk_by_all_its_tokens(seq, chunk):
     """A chunked loss calls the head once per chunk. Judged by one chunk's tokens (T 8 of 64) the 64 x 32 head was
     book-kept (8 x 96 < 2048 elements a sample), and every chunk's (G, A) held until clipping: the whole logits'
-    gradient. Judged by the sequence's 64 tokens it is materialised, as without chunks; norms and clipped sums still
-    match the reference."""
+    gradient. Judged by the sequence's tokens (64; 22 = 21 + 1, whose short last chunk backward delivers first) it is
+    materialised, as without chunks; norms and clipped sums still match the reference."""
     from lightning_longshield.loss import chunked_per_sample_token_loss
 
     torch.manual_seed(0)
     model = Llama(small_config())
-    ids, labels = token_batch(2, 64, seq=64)
+    ids, labels = token_batch(2, 64, seq=seq)
     reference = reference_per_sample_grads(copy.deepcopy(model), ids, labels)
     engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
                          config=StrategyConfig(norms="mixed"))
@@ -316,10 +317,10 @@ def test_mixed_rule_judges_a_head_applied_chunk_by_chunk_by_all_its_tokens():
     engine.prepare_microbatch(2)
 
     def head_loss(hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
-        return chunked_per_sample_token_loss(hidden, output, labels, chunk_tokens=8)
+        return chunked_per_sample_token_loss(hidden, output, labels, chunk_tokens=chunk)
 
     model(ids, head=head_loss).sum().backward()
-    assert engine.capture.bookkeeper.calls_of(model.output) == 8
+    assert engine.capture.bookkeeper.tokens_of(model.output) == seq
     held = engine.capture.bookkeeper.uses.get("output.weight", [])
     engine.accumulate_microbatch(2)
     assert engine.per_sample_methods()["output.weight"] == "materialize" and not held

@@ -304,9 +304,9 @@ class BookKeeper:
     ``method``: ``"ghost"`` takes every norm from Gram matrices (an embedding's from its token ids), ``"mixed"`` the
     cheaper per parameter (`ghost_norm_is_cheaper`, for the whole sequence). ``shared`` names the parameters used by
     several layers (tied weights) or several times (a head applied chunk by chunk): their method is chosen at their
-    first use in a micro-batch, for the tokens of all of that layer's calls (``calls_of(layer)``: its calls in the
-    forward, which the capture sets), and kept for the others; their Gram-form norms are formed once all their uses
-    are known.
+    first use in a micro-batch, for the tokens of all of that layer's calls (``tokens_of(layer)``: a sample's tokens
+    over its calls in the forward, which the capture counts), and kept for the others; their Gram-form norms are
+    formed once all their uses are known.
     ``group`` / ``shards``: the context-parallel group and the shard of every parameter on this rank (``None`` / empty
     without context parallelism).
 
@@ -330,7 +330,7 @@ class BookKeeper:
         self.group = group if group is not None and dist.get_world_size(group) > 1 else None
         self.shards = shards or {}
         self.uses: dict[str, list[Use]] = {}
-        self.calls_of: Callable[[nn.Module], int] = lambda layer: 1
+        self.tokens_of: Callable[[nn.Module], int] = lambda layer: 0  # 0: unknown, a use's own tokens are taken
         self.choices: dict[str, NormMethod] = {}
         self._shared_choices: dict[str, NormMethod] = {}  # this micro-batch's, for tied weights
         self._squared_norms: Optional[torch.Tensor] = None
@@ -379,7 +379,7 @@ class BookKeeper:
         if name in self.shared:
             # A head applied chunk by chunk would otherwise be judged by one chunk's tokens and book-kept, holding
             # every chunk's (G, A): the whole logits' gradient.
-            choice = self._shared_choices.setdefault(name, self._choose(use, self.calls_of(layer)))
+            choice = self._shared_choices.setdefault(name, self._choose(use, self.tokens_of(layer)))
         else:
             choice = self._choose(use)
         self.choices[name] = choice
@@ -398,11 +398,11 @@ class BookKeeper:
             self._add_norms(name, [use])
         return materialized
 
-    def _choose(self, use: Use, uses: int = 1) -> NormMethod:
-        """The method of a weight used ``uses`` times as ``use`` (a layer's calls, each with ``use``'s tokens)."""
+    def _choose(self, use: Use, tokens: int = 0) -> NormMethod:
+        """The method of ``use``'s weight for ``tokens`` a sample over all its layer's calls (0: ``use``'s own)."""
         if self.method == "ghost":
             return "ghost"
-        cheaper = ghost_norm_is_cheaper(use.tokens * uses * self.world, use.kept_width, use.weight_numel)
+        cheaper = ghost_norm_is_cheaper((tokens or use.tokens) * self.world, use.kept_width, use.weight_numel)
         return "ghost" if cheaper else "materialize"
 
     def _add_norms(self, name: str, uses: list[Use]) -> None:

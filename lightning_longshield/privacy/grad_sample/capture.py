@@ -86,12 +86,13 @@ class PerSampleGradCapture:
         self._fused: Optional[LinearWeightHandler] = None
         self._fused_layers: set[int] = set()
         self._forward_calls: Counter[int] = Counter()  # per layer, in this micro-batch's forward
+        self._forward_tokens: Counter[int] = Counter()  # per book-kept layer: its calls' tokens a sample
         self._calls: Counter[int] = Counter()  # backward deliveries per layer in this micro-batch
         self._tied = {name for name, count in self.owners.items() if count > 1}
         if per_sample != "materialize" or estimate is not None:
             method = "ghost" if estimate is not None else per_sample
             self.bookkeeper = BookKeeper(method, set(self._tied), self.exchange.group, self.exchange.shards, estimate)
-            self.bookkeeper.calls_of = lambda layer: max(1, self._forward_calls[id(layer)])
+            self.bookkeeper.tokens_of = lambda layer: self._forward_tokens[id(layer)]
 
     def fuse_linear_weights(self, handler: LinearWeightHandler) -> list[str]:
         """In backward, hand ``handler(weight name, activation, output gradient)`` every ``nn.Linear`` whose only
@@ -116,7 +117,7 @@ class PerSampleGradCapture:
         ``plain`` layer with its class's own forward, one node: `PerSampleLinear`, `PerSampleRMSNorm`), whose
         backward hands the capture the layer's input and output gradient (or its per-sample gradient)."""
         if torch._C._current_graph_task_id() == -1:  # a forward call, not a checkpoint's recomputation in backward
-            self._count_call(layer)
+            self._count_call(layer, args, kwargs)
         if plain is not None and len(args) == 1 and not kwargs:
             if plain is nn.Linear:
                 return PerSampleLinear.apply(self._receive, layer, args[0], layer.weight, layer.bias)
@@ -133,14 +134,17 @@ class PerSampleGradCapture:
         return PerSampleGradTap.apply(self._receive, layer, output, _layer_input(layer, args, kwargs),
                                       *originals.values())
 
-    def _count_call(self, layer: nn.Module) -> None:
+    def _count_call(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """One more use of each of ``layer``'s parameters in this micro-batch. A weight used more than once is summed
-        over its uses before its norm is taken: the book-keeper treats it as shared (as a tied weight)."""
+        over its uses before its norm is taken: the book-keeper treats it as shared (as a tied weight), and judges
+        it by the tokens of all the layer's calls (a head applied chunk by chunk: the chunks' lengths)."""
         self._forward_calls[id(layer)] += 1
         names = self._layer_names[id(layer)].values()
         self.uses.update(names)
-        if self.bookkeeper is not None and self._forward_calls[id(layer)] == 2:
-            self.bookkeeper.shared = self.bookkeeper.shared | set(names)
+        if self.bookkeeper is not None and self.bookkeeper.handles(layer, self._layer_names[id(layer)]):
+            self._forward_tokens[id(layer)] += _tokens_per_sample(layer, _layer_input(layer, args, kwargs))
+            if self._forward_calls[id(layer)] == 2:
+                self.bookkeeper.shared = self.bookkeeper.shared | set(names)
 
     def _receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor) -> None:
         self._count_delivery(layer, grad_output)
@@ -198,6 +202,7 @@ class PerSampleGradCapture:
         self.batch_size = batch_size
         self._calls.clear()
         self._forward_calls.clear()
+        self._forward_tokens.clear()
         self.uses.clear()
         if self.bookkeeper is not None:
             self.bookkeeper.shared = set(self._tied)
@@ -249,6 +254,15 @@ def _rms_norm_node_applies(layer: nn.Module, activation: Any) -> bool:
     lower-precision or mixed dtypes keep the sampler's dtypes."""
     return (isinstance(activation, torch.Tensor) and activation.device.type == "cpu"
             and activation.dtype == layer.weight.dtype == torch.float32)
+
+
+def _tokens_per_sample(layer: nn.Module, batch_first: Any) -> int:
+    """The tokens of one sample in a call of a book-kept layer: an embedding's ids ``(B, ...)``, a linear layer's
+    input ``(B, ..., d)``."""
+    if not isinstance(batch_first, torch.Tensor) or batch_first.dim() < 2 or not batch_first.shape[0]:
+        return 1
+    width = 1 if isinstance(layer, nn.Embedding) else batch_first.shape[-1]
+    return batch_first.numel() // (batch_first.shape[0] * max(width, 1))
 
 
 def _layer_input(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
