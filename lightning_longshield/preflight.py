@@ -316,8 +316,13 @@ def run_preflight(
     planner_precision = precision_of(precision)
     lora_rank = lora_rank_of(module)
     reason = _skip_reason(model, seq_len, planner_precision, precision)
-    if reason is None and lora_rank and method_for(config)[0] == "zero-dp":
+    book_kept = method_for(config)[0] == "zero-dp"
+    if reason is None and lora_rank and book_kept:
         reason = "the planner does not model LoRA adapters with book-kept norms (norms='ghost' or 'mixed')"
+    if reason is None and book_kept and cp > 1:
+        # Planned at CP 1 with the whole sequence on every GPU, it overstated the peak 2-3x and refused runs that fit.
+        reason = ("the planner models book-kept norms (norms='ghost' or 'mixed') at context-parallel size 1 only,"
+                  f" not over this run's {cp} ranks a sequence")
     if reason is not None:
         rank_zero_info(f"LongShield pre-flight memory check skipped: {reason}.")
         return None

@@ -289,6 +289,25 @@ def test_a_lora_module_is_planned_with_only_its_adapters_training(monkeypatch):
     assert "does not model LoRA adapters with book-kept norms" in messages[-1]
 
 
+def test_book_kept_norms_over_context_parallel_ranks_skip_the_check(monkeypatch):
+    """Book-kept norms are planned at CP 1 with the whole sequence on every GPU: at 1B, CP 4, T 65536 that is 129
+    GiB against a traced 44, and on CUDA the check refused a run that fits. Skipped, with the reason; at CP 1 it
+    still plans."""
+    from types import SimpleNamespace
+
+    messages: list[str] = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    module = SimpleNamespace(config=LlamaConfig.from_name("llama3.2-1b"), loss_chunk_tokens="auto")
+    run = dict(module=module, device=torch.device("cuda"), precision="bf16-mixed")
+    skipped = preflight.run_preflight(dataset=PublicLengthTokens(size=2, seq_len=65536), world_size=4, cp=4,
+                                      config=StrategyConfig(norms="mixed", context_parallel_size=4), **run)
+    assert skipped is None and "book-kept norms (norms='ghost' or 'mixed') at context-parallel size 1" in messages[-1]
+    run["device"] = torch.device("cpu")
+    planned = preflight.run_preflight(dataset=PublicLengthTokens(size=2, seq_len=1024), world_size=1, cp=1,
+                                      config=StrategyConfig(norms="mixed"), **run)
+    assert planned is not None
+
+
 def test_shard_over_all_plans_model_states_over_every_process():
     """The default shards model states over each CP group (replicas elsewhere); ``shard_over="all"`` over all ranks:
     the planned model states are 1/CP and 1/world of the whole."""
