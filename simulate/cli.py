@@ -205,12 +205,18 @@ def strategy_arguments(cfg: RunConfig) -> dict[str, object]:
     return {"context_parallel_size": cfg.cp_size, "shard_over": cfg.shard_over, **cfg.strategy.as_init_args()}
 
 
-def _strategy_line(cfg: RunConfig) -> str:
+def _constructor(cfg: RunConfig) -> str:
+    """``LongShieldStrategy(...)`` with the arguments that run ``cfg``, as Python (the context-parallel size and
+    ``shard_over`` always named)."""
     arguments = describe_arguments({"context_parallel_size": cfg.cp_size, "shard_over": cfg.shard_over,
                                     **cfg.strategy.as_arguments()})
+    return f"LongShieldStrategy({arguments})"
+
+
+def _strategy_line(cfg: RunConfig) -> str:
     if cfg.method.private:
-        return f"Planned as LongShieldStrategy({arguments}) on {_gpus_text(cfg.num_gpus)} GPUs."
-    return f"Non-private baseline, laid out as LongShieldStrategy({arguments}) on {_gpus_text(cfg.num_gpus)} GPUs."
+        return f"Planned as {_constructor(cfg)} on {_gpus_text(cfg.num_gpus)} GPUs."
+    return f"Non-private baseline, laid out as {_constructor(cfg)} on {_gpus_text(cfg.num_gpus)} GPUs."
 
 
 def _does_not_fit_advice(p: planner.Plan, args: argparse.Namespace) -> str:
@@ -406,8 +412,8 @@ def _recommend(args: argparse.Namespace, console: Console) -> dict[str, object]:
                           "yes" if p.config.method.activation_checkpointing else "no", f"{p.peak_memory_gib:.1f}",
                           _tps(p.tokens_per_second_per_gpu), _cell(p.dp_gap, "{:.2f}"))
         console.print(table)
-        console.print("#1 as the strategy's arguments (`Trainer(strategy=...)`, or trainer.strategy.init_args):\n"
-                      f"  LongShieldStrategy({describe_arguments(strategy_arguments(plans[0].config))})")
+        console.print("#1 as the strategy's arguments (`Trainer(strategy=...)`; `--json` gives them as a run file's"
+                      f" trainer.strategy.init_args):\n  {_constructor(plans[0].config)}")
     return out
 
 

@@ -61,6 +61,21 @@ def test_compare_and_recommend_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert rec["fits"] is True and rec["recommendations"][0]["fits"] is True
 
 
+def test_recommend_prints_arguments_that_build_the_strategy(capsys: pytest.CaptureFixture[str]) -> None:
+    """The printed line took the run file's form, ``clipping={'class_path': ..., 'init_args': ...}``, which the
+    strategy refuses."""
+    assert main(["recommend", "--model", "llama3.2-1b", "--gpus", "1", "--seq-len", "1024", "--clipping",
+                 "per_layer", "--per-layer-kernel", "auto"]) == 0
+    line = next(text.strip() for text in capsys.readouterr().out.splitlines()
+                if text.strip().startswith("LongShieldStrategy("))
+    assert "class_path" not in line and "PerLayerClipping(" in line
+    pytest.importorskip("torch")
+    from lightning_longshield import LongShieldStrategy, PerLayerClipping
+
+    strategy = eval(line, {"LongShieldStrategy": LongShieldStrategy, "PerLayerClipping": PerLayerClipping})
+    assert strategy.config.per_layer is not None
+
+
 def test_tables_render(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fit", "--model", "llama3.1-8b", "--gpus", "4", "--method", "v2", "--seq-len", "16384"]) == 0
     text = capsys.readouterr().out
