@@ -392,7 +392,8 @@ def register_trace_command(add_command: Callable[..., argparse.ArgumentParser]) 
     trace = add_command("trace", _trace_command, "peak memory of rank 0 in one real DP step, traced on fake tensors",
                         precisions=tuple(TRACE_PRECISIONS), hardware=False)
     trace.add_argument("--method", choices=list(TRACEABLE_METHODS), default="v2", help="method to trace")
-    trace.add_argument("--cp", type=positive_int, default=4, help="context-parallel size")
+    trace.add_argument("--cp", type=positive_int, default=None,
+                       help="context-parallel size (default: 4, or 1 for a method without context parallelism)")
     trace.add_argument("--data-parallel", type=positive_int, default=1, help="data-parallel groups")
     trace.add_argument("--mbs", type=positive_int, default=1, help="micro-batch size")
     trace.add_argument("--seq-len", type=power_of_two, required=True, help="sequence length, a power of two")
@@ -400,6 +401,10 @@ def register_trace_command(add_command: Callable[..., argparse.ArgumentParser]) 
 
 
 def _trace_command(args: argparse.Namespace, console: Console) -> dict[str, object]:
+    from simulate.config import METHODS
+
+    if args.cp is None:
+        args.cp = 4 if METHODS[args.method].context_parallel else 1
     if not args.json:
         console.print(f"Tracing one DP step of rank 0 on fake tensors ({args.model}, {args.method}, CP {args.cp},"
                       f" data-parallel {args.data_parallel}, MBS {args.mbs}, T {args.seq_len}) ...")

@@ -149,3 +149,14 @@ def test_cli_trace_prints_one_json_object(capsys):
     assert out["total"] == sum(out[name] for name in ("parameters", "gradients", "optimizer_state", "activations",
                                                       "per_sample_grads", "temporaries"))
     assert out["peak_memory_gib"] > 0 and "analytic_vs_traced" in out
+
+
+def test_cli_trace_defaults_the_context_parallel_size_to_the_method(capsys):
+    """``--cp`` defaulted to 4 for every method: ``--method zero-dp`` (CP 1 only) failed, telling the user to drop a
+    ``--cp`` they never gave."""
+    from simulate.cli import main
+
+    main(["trace", "--model", "tiny", "--method", "zero-dp", "--seq-len", "256", "--json"])
+    assert json.loads(capsys.readouterr().out)["cp"] == 1
+    main(["trace", "--model", "tiny", "--method", "v2", "--seq-len", "256", "--json"])
+    assert json.loads(capsys.readouterr().out)["cp"] == 4
