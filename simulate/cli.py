@@ -541,8 +541,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="flat (one norm per sample) or per_layer (each layer clipped and freed as it completes)")
     p.add_argument("--per-layer-kernel", choices=list(PER_LAYER_KERNELS), default="torch",
                    help="per-layer clipping of linear weights: torch (the strategy's default: per-sample gradients,"
-                        " one layer at a time) or auto (the fused kernels, no per-sample gradient, where the model is"
-                        " whole on one GPU: CP 1, --gpus 1, micro-batches above 1)")
+                        " one layer at a time) or auto (the fused kernels, no per-sample gradient, where each GPU"
+                        " holds whole sequences and layers: CP 1 without --shard-over all, micro-batches above 1)")
     p.add_argument("--loss-chunk-tokens", type=loss_chunking, default="auto",
                    help="CausalLMModule's chunked loss: auto (its default: chunks once the whole logits would take"
                         " over 1 GiB), none (the whole logits at once) or positions per chunk")
