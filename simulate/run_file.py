@@ -10,6 +10,7 @@ refused here (a ValueError naming the file and the key).
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,17 @@ STRATEGY_NAMES = frozenset({
 })
 #: The library's module, whose chunked loss (``loss_chunk_tokens``) the planner models.
 LIBRARY_MODULE = "CausalLMModule"
+#: The parameters of the library's module and data modules, by class name (torch-free; a test keeps them in step
+#: with their signatures): a run file's argument that is none of them is refused, as ``longshield-train`` refuses it,
+#: rather than planned without (a misspelt ``seq_len`` planned the data module's default length).
+LIBRARY_PARAMETERS: dict[str, tuple[str, ...]] = {
+    LIBRARY_MODULE: ("config", "optimizer", "learning_rate", "weight_decay", "momentum", "log_train_loss", "lora",
+                     "loss_chunk_tokens"),
+    "LocalTextDataModule": ("data_files", "text_field", "tokenizer", "seq_len", "batch_size", "privacy_unit",
+                            "val_fraction", "val_batch_size", "val_files", "cache_dir", "num_proc", "max_documents",
+                            "add_eos", "seed"),
+    "StdlibTextDataModule": ("seq_len", "batch_size", "val_fraction", "max_bytes", "max_files", "val_batch_size"),
+}
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,9 @@ def planned_run(document: Mapping[str, Any], source: str = "the run file") -> Pl
                              " DP runs of LongShieldStrategy.")
         strategy = None  # its defaults, as longshield-train builds it
     library_module = _module_name(document.get("model")) in ("", LIBRARY_MODULE)
+    _check_library_arguments(LIBRARY_MODULE if library_module else "", model, "model", source)
+    _check_library_arguments(_module_name(document.get("data")), _init_args(document.get("data"), "data", source),
+                             "data", source)
     return PlannedRun(
         model=_model(document.get("model"), model, source),
         lora_rank=_lora_rank(model.get("lora"), source),
@@ -89,6 +104,17 @@ def planned_run(document: Mapping[str, Any], source: str = "the run file") -> Pl
         loss_chunk_tokens=_loss_chunking(model.get("loss_chunk_tokens", "auto"), source) if library_module else None,
         notes=_notes(document.get("model"), model, trainer, source),
     )
+
+
+def _check_library_arguments(name: str, arguments: Mapping[str, Any], key: str, source: str) -> None:
+    """Refuse an argument that is no parameter of the library's class ``name`` (others are not known here), naming
+    the closest one."""
+    parameters = LIBRARY_PARAMETERS.get(name)
+    for argument in arguments if parameters is not None else ():
+        if argument not in parameters:  # type: ignore[operator]
+            close = difflib.get_close_matches(str(argument), parameters, n=1)  # type: ignore[arg-type]
+            hint = f"did you mean {close[0]!r}?" if close else f"its parameters: {', '.join(parameters)}."  # type: ignore[arg-type]
+            raise ValueError(f"{source}: {key}.init_args.{argument} is no parameter of {name}; {hint}")
 
 
 def _module_name(section: object) -> str:

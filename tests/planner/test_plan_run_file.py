@@ -218,6 +218,37 @@ def test_misspelled_strategy_arguments_are_refused(tmp_path: Path, capsys: pytes
     assert _json(capsys, "fit", "--config", str(path))["mbs"] == 1  # the strategy's other parameters pass
 
 
+def test_the_library_parameters_are_the_modules_signatures() -> None:
+    pytest.importorskip("torch")
+    import inspect
+
+    from lightning_longshield import CausalLMModule
+    from lightning_longshield.local_text_data import LocalTextDataModule
+    from lightning_longshield.text_data import StdlibTextDataModule
+    from simulate.run_file import LIBRARY_PARAMETERS
+
+    for module in (CausalLMModule, LocalTextDataModule, StdlibTextDataModule):
+        assert LIBRARY_PARAMETERS[module.__name__] == tuple(inspect.signature(module.__init__).parameters)[1:]
+
+
+@pytest.mark.parametrize("section, typo, suggested", [
+    ("data", "seq_lenn", "seq_len"), ("model", "loss_chunk_tokenz", "loss_chunk_tokens")])
+def test_a_misspelt_argument_of_the_librarys_modules_is_refused(section: str, typo: str, suggested: str) -> None:
+    """A misspelt ``seq_len`` was planned at the data module's default length (1024 instead of 65536: "fits, 9.4
+    GiB" for a run that peaks at 126 GiB); longshield-train refuses such a file."""
+    from simulate.run_file import planned_run
+
+    document = {"model": {"init_args": {"config": "tiny"}},
+                "data": {"class_path": "lightning_longshield.text_data.StdlibTextDataModule",
+                         "init_args": {"seq_len": 2048}}}
+    document[section]["init_args"][typo] = 7
+    with pytest.raises(ValueError, match=rf"{section}.init_args.{typo} is no parameter of .*did you mean"
+                                         rf" '{suggested}'"):
+        planned_run(document, "run.yaml")
+    document[section]["init_args"].pop(typo)
+    assert planned_run(document, "run.yaml").seq_len == 2048
+
+
 def test_the_strategy_parameters_are_the_strategys_signature() -> None:
     pytest.importorskip("torch")
     import inspect
