@@ -37,9 +37,15 @@ from lightning_longshield.progress import StepProgressBar
 from lightning_longshield.text_data import python_stdlib_sources
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, except where it is None (the help then says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_DefaultsShown)
     parser.add_argument("--model-dir", type=Path, help="local Hugging Face Llama directory (default: a tiny demo)")
     parser.add_argument("--data", type=Path, nargs="+", help=".jsonl/.txt/.parquet files (default: demo text)")
     parser.add_argument("--val-data", type=Path, nargs="+",

@@ -215,8 +215,9 @@ def _constructor(cfg: RunConfig) -> str:
 
 def _strategy_line(cfg: RunConfig) -> str:
     if cfg.method.private:
-        return f"Planned as {_constructor(cfg)} on {_gpus_text(cfg.num_gpus)} GPUs."
-    return f"Non-private baseline, laid out as {_constructor(cfg)} on {_gpus_text(cfg.num_gpus)} GPUs."
+        return f"Planned as {_constructor(cfg)} on {_gpus_text(cfg.num_gpus)} GPU{'s' * (cfg.num_gpus != 1)}."
+    return (f"Non-private baseline, laid out as {_constructor(cfg)} on {_gpus_text(cfg.num_gpus)}"
+            f" GPU{'s' * (cfg.num_gpus != 1)}.")
 
 
 def _does_not_fit_advice(p: planner.Plan, args: argparse.Namespace) -> str:
