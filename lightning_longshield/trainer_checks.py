@@ -10,6 +10,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from lightning.pytorch.profilers import PassThroughProfiler
 
 from lightning_longshield.dist_compat import all_gathered
+from lightning_longshield.evaluation_split import PaddingMarked
 from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
 
@@ -107,12 +108,17 @@ def warn_validation_on_training_data(training_dataset: object, validation: objec
     training dataset itself: its loss is released without noise, outside the guarantee."""
     loaders = list(validation.values()) if isinstance(validation, dict) else (
         list(validation) if isinstance(validation, (list, tuple)) else [validation])
-    if training_dataset is not None and any(getattr(loader, "dataset", None) is training_dataset
-                                            for loader in loaders):
+    if training_dataset is not None and any(_dataset_of(loader) is training_dataset for loader in loaders):
         rank_zero_warn(
             "A validation DataLoader reads the training dataset itself: its loss on the private training records is"
             " logged without noise, outside the privacy guarantee. Validate on held-out or public data."
         )
+
+
+def _dataset_of(loader: object) -> object:
+    """The dataset ``loader`` reads: an evaluation split's (`PaddingMarked`) own."""
+    dataset = getattr(loader, "dataset", None)
+    return dataset.dataset if isinstance(dataset, PaddingMarked) else dataset
 
 
 def warn_micro_batch_above_batch(micro_batch_size: int, batch_size: Optional[int]) -> None:

@@ -238,6 +238,10 @@ def test_an_evaluation_split_counts_every_record_once():
     shuffled = torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=True)
     indices = [list(data_parallel_dataloader(shuffled, rank, 2).sampler) for rank in (0, 1)]
     assert sorted(index for part in indices for index in part if index < 5) == list(range(5))
+    from lightning_longshield.trainer_checks import warn_validation_on_training_data
+
+    with pytest.warns(UserWarning, match="A validation DataLoader reads the training dataset itself"):
+        warn_validation_on_training_data(dataset, [data_parallel_dataloader(shuffled, 0, 2)])  # split, still seen
     tensors = torch.utils.data.TensorDataset(torch.zeros(5, 3))
     with pytest.warns(UserWarning, match="1 of them are evaluated twice"):
         data_parallel_dataloader(torch.utils.data.DataLoader(tensors, batch_size=2), 0, 2)
