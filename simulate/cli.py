@@ -592,6 +592,9 @@ def power_of_two(text: str) -> int:
     if not digits.isdigit() or int(digits) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive power of two such as 16384, 16k or 1M, got {text!r}")
     value = int(digits) * scale
+    if value > planner.SEARCH_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be at most {planner.SEARCH_LIMIT:,} (the planner's limit, as"
+                                         f" max-seq's), got {value:,}")
     if value & (value - 1):
         lower = 1 << (value.bit_length() - 1)
         given = f" ({text.strip()})" if scale > 1 else ""

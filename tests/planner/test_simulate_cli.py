@@ -95,6 +95,7 @@ def test_tables_render(capsys: pytest.CaptureFixture[str]) -> None:
     (["max-seq", "--gpus", "inf", "--method", "v2"], "give --cp N with --gpus inf"),
     (["fit", "--seq-len", "3M"], "must be a power of two, got 3145728 (3M); try 2097152 or 4194304"),
     (["fit", "--seq-len", "1.5M"], "such as 16384, 16k or 1M"),
+    (["fit", "--seq-len", str(2**100)], "must be at most 16,777,216 (the planner's limit"),  # was 0 tokens/s
 ])
 def test_bad_input_exits_2_with_a_clear_error(argv: list[str], message: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
