@@ -45,7 +45,7 @@ def check_batch(batch: Any, vocab_size: Optional[int]) -> None:
         )
     if input_ids.dtype.is_floating_point or labels.dtype.is_floating_point:
         raise ValueError(f"input_ids and labels must be integer tensors; got {input_ids.dtype} and {labels.dtype}.")
-    if labels.dtype not in (torch.int64, torch.uint8):
+    if labels.dtype != torch.int64:  # uint8 would pass cross-entropy, but holds no -100 to ignore a position
         raise ValueError(f"labels must be int64 (cross-entropy takes no other integer targets); got {labels.dtype}:"
                          " pass labels.long().")
     mask = batch.get("attention_mask")

@@ -512,6 +512,8 @@ def test_batch_errors_quote_no_value_of_the_batch():
     assert "13" not in str(error.value) and "11" not in str(error.value)
     with pytest.raises(ValueError, match=r"labels must be int64 .* pass labels.long\(\)"):  # cross-entropy's own
         check_batch({"input_ids": ids, "labels": ids.int()}, 64)  # error came from deep inside the loss
+    with pytest.raises(ValueError, match=r"labels must be int64 .* pass labels.long\(\)"):
+        check_batch({"input_ids": ids, "labels": ids.to(torch.uint8)}, 64)  # -100 read as 156: a wrong divisor
 
 
 def test_left_padding_in_an_attention_mask_is_refused():
