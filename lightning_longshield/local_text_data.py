@@ -38,7 +38,8 @@ BYTE_EOS = 0  # end of document for the byte-level tokenizer: the NUL byte, whic
 
 def resolve_data_files(data_files: Union[PathLike, Sequence[PathLike]]) -> list[Path]:
     """The files named by a path, a glob, a directory (its own supported files, not subdirectories; hidden files
-    skipped) or a list of them, in order (globs and directories sorted), without duplicates."""
+    skipped) or a list of them, in order (globs and directories sorted), without duplicates: every name of one file
+    (links, hard links included) counts once, or its documents would be samples twice."""
     entries = [data_files] if isinstance(data_files, (str, os.PathLike)) else list(data_files)
     if not entries:
         raise ValueError("data_files is empty: pass a file, a glob, a directory, or a list of them.")
@@ -66,7 +67,8 @@ def resolve_data_files(data_files: Union[PathLike, Sequence[PathLike]]) -> list[
                 " or a glob that matches only those (e.g. 'data/*.jsonl')."
             )
         files.extend(matched)
-    return list(dict.fromkeys(p.resolve() for p in files))
+    by_identity = {_file_identity(path): path.resolve() for path in reversed(files)}  # the first name kept
+    return list(dict.fromkeys(by_identity[_file_identity(path)] for path in files))
 
 
 def _file_identity(path: Path) -> tuple[int, int]:

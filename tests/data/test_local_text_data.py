@@ -224,6 +224,10 @@ def test_files_directories_globs_and_max_documents(texts, tmp_path):
     assert len(dm.train_dataset) == len(texts)
     assert dm.describe_privacy_unit().startswith("one document (a .txt file or a .jsonl line)")
     assert len(module([directory, jsonl], tmp_path, privacy_unit="document", max_documents=4).train_dataset) == 4
+    os.link(directory / "doc01.txt", tmp_path / "again.txt")  # a hard link (cp -l, a snapshot) is the same file
+    (tmp_path / "link.txt").symlink_to(directory / "doc02.txt")
+    files = resolve_data_files([directory, tmp_path / "again.txt", tmp_path / "link.txt"])
+    assert [p.name for p in files] == ["doc00.txt", "doc01.txt", "doc02.txt"]  # one sample per document, not two
 
 
 def test_special_tokens_written_in_a_document_are_text(texts, tokenizer_dir, tmp_path):
