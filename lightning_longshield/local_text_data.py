@@ -467,6 +467,7 @@ class LocalTextDataModule(L.LightningDataModule):
         self.val_documents = sorted(order[:val_count].tolist())
         self.train_documents = sorted(order[val_count:].tolist())
         self.train_dataset = self._samples(tokenized.select(self.train_documents), "training")
+        self.train_dataset.split_digest = self._split_digest()  # type: ignore[attr-defined]
         self.val_dataset = self._samples(tokenized.select(self.val_documents), "validation") if val_count else None
         public = self._tokenize_validation()
         if public is not None:
@@ -475,6 +476,14 @@ class LocalTextDataModule(L.LightningDataModule):
                 raise ValueError(f"No text in the {len(self.val_files)} val_files ({self.val_files[0]}, ...): every"
                                  f" document is empty. Check the files and text_field={self.text_field!r}.")
             self.val_dataset = self._samples(public.select(kept), "validation")
+
+    def _split_digest(self) -> str:
+        """Which documents of which files train (the training dataset's ``split_digest``, which a resume compares):
+        their indices and the files' names and sizes, hashed; the same for the same split on any machine."""
+        files = [(path.name, path.stat().st_size) for path in self.files]
+        hashed = hashlib.sha256(json.dumps(files).encode())
+        hashed.update(torch.tensor(self.train_documents, dtype=torch.int64).numpy().tobytes())
+        return hashed.hexdigest()
 
     def _samples(self, documents: Any, split: str) -> Dataset:
         if self.privacy_unit == "document":

@@ -295,7 +295,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         warn_validation_on_training_data(dataloader.dataset, trainer.val_dataloaders)
         dataset_size = dp_dataloaders.training_set_size(dataloader)
         check_same_training_data(dataset_size, dataloader.batch_size)
-        self.privacy.record_training_data(dataset_size, dataloader.batch_size)
+        self.privacy.record_training_data(dataset_size, dataloader.batch_size,
+                                          getattr(dataloader.dataset, "split_digest", None))
         warn_micro_batch_above_batch(self.config.micro_batch_size, dataloader.batch_size)
         self._padding.use_data(dataloader.dataset, dataloader.collate_fn)
         if self.preflight:

@@ -68,6 +68,8 @@ class PrivacyPlan:
     dataset_size: int
     planned_steps: Optional[int]  # None: no step limit (max_steps and max_epochs unset); a budget may end it
     target_epsilon: Optional[float]
+    #: The training dataset's ``split_digest`` where it has one (`LocalTextDataModule`): which records train.
+    training_digest: Optional[str] = None
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,6 +91,7 @@ def resolve_plan(
     planned_steps: float,
     accountant: PrivacyAccountant,
     restored: Optional[Mapping[str, Any]] = None,
+    training_digest: Optional[str] = None,
 ) -> tuple[PrivacyPlan, list[PlanMessage]]:
     """Turn the arguments into a plan for ``planned_steps`` more steps (``inf``: no step limit); returns the plan and
     messages to log.
@@ -97,6 +100,7 @@ def resolve_plan(
     steps spend at most the target. With both, the target is a budget that training stops at. ``restored``: the
     plan of the checkpoint a run resumes (`PrivacyPlan.state_dict`), whose noise multiplier, target and delta are
     kept, so that the checkpoint's accounted steps and the next ones compose under one mechanism.
+    ``training_digest``: the training dataset's ``split_digest``, compared with the checkpoint's.
     """
     messages: list[PlanMessage] = []
     sample_rate = expected_batch_size / dataset_size
@@ -113,6 +117,15 @@ def resolve_plan(
                 f"Resuming a checkpoint whose run trained on {restored['dataset_size']} records with {dataset_size}:"
                 " each step is accounted at its own sampling rate and epsilon counts all of them (a bound for a record"
                 " of either set). Check that the training data is meant to differ.",
+                True,
+            ))
+        if None not in (restored.get("training_digest"), training_digest) and \
+                restored["training_digest"] != training_digest:
+            messages.append(PlanMessage(
+                "Resuming a checkpoint whose run trained on another split of its documents (the data files, seed,"
+                " val_fraction or max_documents changed): documents held out for validation now may have been"
+                " trained on before, and their validation loss would be released outside the privacy guarantee."
+                " Resume with the data module's settings of the checkpoint's run, or validate on public val_files.",
                 True,
             ))
     else:
@@ -164,6 +177,7 @@ def resolve_plan(
         dataset_size=dataset_size,
         planned_steps=int(planned_steps) if math.isfinite(planned_steps) else None,
         target_epsilon=target_epsilon,
+        training_digest=training_digest,
     )
     return plan, messages
 

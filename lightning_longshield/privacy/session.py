@@ -100,6 +100,7 @@ class PrivacySession:
         self.projection_key: Optional[SecretKey] = None
         self.dataset_size: Optional[int] = None
         self.dataloader_batch_size: Optional[int] = None
+        self.split_digest: Optional[str] = None  # the training dataset's, where it has one (`record_training_data`)
         self.steps_left_in_budget: Optional[int] = None
         self._restored_plan: Optional[dict[str, Any]] = None
         self._planned_end = 0
@@ -160,8 +161,10 @@ class PrivacySession:
         if self.randomized:  # one key for all processes: a sequence's shards are projected alike
             self.projection_key = shared.derive("projection")
 
-    def record_training_data(self, dataset_size: int, batch_size: Optional[int]) -> None:
-        """Note the training set's size and the DataLoader's batch size (the expected logical batch per DP group)."""
+    def record_training_data(self, dataset_size: int, batch_size: Optional[int],
+                             split_digest: Optional[str] = None) -> None:
+        """Note the training set's size, the DataLoader's batch size (the expected logical batch per DP group) and
+        the dataset's ``split_digest`` where it has one (which records train: compared at a resume)."""
         if dataset_size == 0:
             raise ValueError("The training dataset is empty; DP-SGD needs at least one sample.")
         if batch_size is None:
@@ -178,6 +181,7 @@ class PrivacySession:
             )
         self._fit_data = (dataset_size, batch_size)
         self.dataset_size, self.dataloader_batch_size = dataset_size, batch_size
+        self.split_digest = split_digest
 
     # ------------------------------------------------------------------ plan and budget
 
@@ -201,6 +205,7 @@ class PrivacySession:
             planned_steps=planned_steps,
             accountant=self.accountant,
             restored=earlier,
+            training_digest=self.split_digest,
         )
         if not self.poisson_sampling:
             messages.append(PlanMessage(

@@ -175,6 +175,8 @@ def test_document_split_is_seeded_disjoint_and_drops_empty_documents(texts, tmp_
     same = module(data, tmp_path, privacy_unit="document", val_fraction=0.3)
     other = module(data, tmp_path, privacy_unit="document", val_fraction=0.3, seed=1)
     assert same.val_documents == dm.val_documents and other.val_documents != dm.val_documents
+    # what a resume compares (the privacy plan keeps it): the same split, the same digest
+    assert same.train_dataset.split_digest == dm.train_dataset.split_digest != other.train_dataset.split_digest
     assert dm.vocab_size == 256 and dm.describe_privacy_unit().startswith("one document (a .jsonl line)")
 
 

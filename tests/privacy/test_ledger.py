@@ -418,6 +418,32 @@ def test_a_replaced_ledger_is_noticed_when_the_run_opened_it_at_its_checkpoint(t
     assert resumed.privacy.accounting_incomplete
 
 
+def test_a_resume_on_another_split_of_the_documents_is_warned_about(tmp_path):
+    """A data module's split (its seed, val_fraction or files) changed at a resume: documents held out for
+    validation now may have been trained on before, their loss released without noise. Only the dataset size was
+    compared (equal here); the split's digest is kept in the plan and compared."""
+    class Split(RandomTokens):
+        def __init__(self, digest: str) -> None:
+            super().__init__(size=32, seq_len=8)
+            self.split_digest = digest
+
+    def fit(digest: str, max_steps: int, ckpt_path=None) -> LongShieldStrategy:
+        strategy = _strategy()
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "checkpoints", filename="{step}", every_n_train_steps=2,
+                                      save_top_k=-1)
+        make_trainer(strategy, max_steps=max_steps, default_root_dir=tmp_path, enable_checkpointing=True,
+                     callbacks=[checkpoints]).fit(make_module(small_config(n_layers=1)), loader(Split(digest), 4),
+                                                  ckpt_path=ckpt_path)
+        return strategy
+
+    assert fit("a", max_steps=2).privacy.plan.training_digest == "a"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*another split")
+        fit("a", max_steps=3, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
+    with pytest.warns(UserWarning, match="another split of its documents .* released outside the privacy guarantee"):
+        fit("b", max_steps=3, ckpt_path=tmp_path / "checkpoints" / "step=2.ckpt")
+
+
 def test_a_missing_ledger_named_at_resume_points_to_the_one_the_checkpoint_names(tmp_path):
     _fit(_strategy(), tmp_path, max_steps=2)
     (tmp_path / LEDGER_FILE).rename(tmp_path / "moved.jsonl")
