@@ -32,6 +32,7 @@ from lightning_longshield.context_parallel import (
     DATA_PARALLEL,
     build_all_ranks_mesh,
     build_device_mesh,
+    check_shardable,
     resolve_parallel_sizes,
     shard_batch,
 )
@@ -298,6 +299,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         self.privacy.record_training_data(dataset_size, dataloader.batch_size,
                                           getattr(dataloader.dataset, "split_digest", None))
         warn_micro_batch_above_batch(self.config.micro_batch_size, dataloader.batch_size)
+        if (length := _preflight.public_sequence_length(dataloader.dataset)) is not None:  # else checked per batch
+            check_shardable(length, self.context_parallel_mesh.size())  # before any step, on every rank
         self._padding.use_data(dataloader.dataset, dataloader.collate_fn)
         if self.preflight:
             _preflight.run_preflight(

@@ -292,6 +292,8 @@ def test_context_parallel_errors_name_the_fix(tmp_path):
     run_processes(2, tmp_path, context_parallel_errors, str(tmp_path))
     messages = torch.load(tmp_path / "errors.pt")
     assert "not divisible by 2 x context_parallel_size" in messages["seq_len"]
+    message, steps = messages["configured_seq_len"]  # refused as the data is set up, before any step or draw
+    assert "not divisible by 2 x context_parallel_size" in message and steps == 0
     assert "attention_fn" in messages["attention"] and "context_parallel_size=1" in messages["attention"]
     assert "Trainer.validate with LongShieldStrategy(context_parallel_size=2" in messages["validate"]
     assert "evaluate within fit" in messages["validate"]

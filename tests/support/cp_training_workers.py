@@ -199,6 +199,13 @@ def context_parallel_errors(rank: int, world_size: int, out_dir: str) -> None:
         trainer.fit(make_module(small_config()), loader(RandomTokens(size=8, seq_len=6), 2))
     except ValueError as error:
         messages["seq_len"] = str(error)
+    configured = RandomTokens(size=8, seq_len=8)
+    configured.seq_len = 6  # the dataset's public length, checked before any batch is drawn (its batches would pass)
+    strategy = LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False)
+    try:
+        make_trainer(strategy, max_steps=1, devices=world_size).fit(make_module(small_config()), loader(configured, 2))
+    except ValueError as error:
+        messages["configured_seq_len"] = (str(error), strategy.accountant.steps)
     module = make_module(small_config())
     for block in module.model.layers:
         del block.attention.attention_fn  # as if the attention were hard-wired and ignored global positions
