@@ -9,7 +9,6 @@ evaluated twice, as by torch's sampler, with a warning.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -56,17 +55,10 @@ class MarkedPaddingSampler(DistributedSampler):
             )
 
     def __iter__(self) -> Iterator[int]:
+        # torch's order: this rank's k-th index is position rank + k D of the padded list, a repeat from position N on.
         size = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(size, generator=generator).tolist()
-        else:
-            order = list(range(size))
-        padding = self.total_size - size
-        repeats = (order * math.ceil(padding / size))[:padding] if size else []
-        indices = order + [size + index for index in repeats]
-        return iter(indices[self.rank:self.total_size:self.num_replicas])
+        return iter(index + size if self.rank + k * self.num_replicas >= size else index
+                    for k, index in enumerate(super().__iter__()))
 
 
 def _labelled_dict(dataset: Any) -> bool:
