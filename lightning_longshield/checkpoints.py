@@ -139,8 +139,9 @@ class StrategyCheckpoints:
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state
         if not self.sharded_checkpoints:
-            if storage_options is None and is_local(filepath) and self._names_a_sharded_checkpoint(filepath):
-                self._replace_sharded_by_one_file(checkpoint, Path(self.broadcast(filepath)))  # type: ignore[attr-defined]
+            sharded = self._sharded_checkpoint_at(filepath) if storage_options is None and is_local(filepath) else None
+            if sharded is not None:
+                self._replace_sharded_by_one_file(checkpoint, sharded)
                 return
             super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
             return
@@ -159,12 +160,12 @@ class StrategyCheckpoints:
         if not trainer.training or trainer.interrupted:  # no later step to finish it (e.g. a save at SIGTERM)
             self.commit_pending_save()
 
-    def _names_a_sharded_checkpoint(self, filepath: Any) -> bool:
-        """Whether rank 0 sees a sharded checkpoint's folder (not a link to one) at ``filepath``: every rank learns
-        rank 0's answer, as the save is then made differently."""
+    def _sharded_checkpoint_at(self, filepath: Any) -> Optional[Path]:
+        """Rank 0's ``filepath`` if rank 0 sees a sharded checkpoint's folder (not a link to one) there, else None:
+        every rank learns rank 0's answer, as the save is then made differently."""
         path = Path(self.broadcast(filepath))  # type: ignore[attr-defined]
         found = is_sharded_checkpoint(path) and not path.is_symlink()
-        return bool(self.broadcast(found))  # type: ignore[attr-defined]
+        return path if self.broadcast(found) else None  # type: ignore[attr-defined]
 
     def _replace_sharded_by_one_file(self, checkpoint: dict[str, Any], path: Path) -> None:
         """A one-file save over a sharded checkpoint of the same name (the format changed under it): the file is
