@@ -110,10 +110,12 @@ def _check_library_arguments(name: str, arguments: Mapping[str, Any], key: str, 
     """Refuse an argument that is no parameter of the library's class ``name`` (others are not known here), naming
     the closest one."""
     parameters = LIBRARY_PARAMETERS.get(name)
-    for argument in arguments if parameters is not None else ():
-        if argument not in parameters:  # type: ignore[operator]
-            close = difflib.get_close_matches(str(argument), parameters, n=1)  # type: ignore[arg-type]
-            hint = f"did you mean {close[0]!r}?" if close else f"its parameters: {', '.join(parameters)}."  # type: ignore[arg-type]
+    if parameters is None:
+        return
+    for argument in arguments:
+        if argument not in parameters:
+            close = difflib.get_close_matches(str(argument), parameters, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"its parameters: {', '.join(parameters)}."
             raise ValueError(f"{source}: {key}.init_args.{argument} is no parameter of {name}; {hint}")
 
 
