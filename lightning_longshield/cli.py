@@ -35,7 +35,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_longshield import hf
-from lightning_longshield.hf import require_hf
+from lightning_longshield.hf import DEFAULT_MAX_SHARD_SIZE, require_hf, shard_bytes
 from lightning_longshield.local_text_data import LocalTextDataModule  # noqa: F401  (so `--data LocalTextDataModule` names it)
 from lightning_longshield.module import CausalLMModule
 from lightning_longshield.progress import StepProgressBar
@@ -120,6 +120,9 @@ class LongShieldCLI(LightningCLI):
         parser.add_argument("--export_dtype", type=Optional[str], default=None,
                             help=f"dtype of the exported weights, one of {list(EXPORT_DTYPES)} (default: the model"
                                  " directory's, else the parameters')")
+        parser.add_argument("--export_max_shard_size", type=str, default=DEFAULT_MAX_SHARD_SIZE,
+                            help="largest safetensors file of the export, e.g. 5GB or 2GiB; a larger model is written"
+                                 " in several, with an index")
         parser.add_argument("--non_private", type=bool, default=False,
                             help="acknowledge that a trainer.strategy other than LongShieldStrategy trains WITHOUT"
                                  " differential privacy (no clipping, no noise, no guarantee)")
@@ -127,6 +130,7 @@ class LongShieldCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         export_dtype(config.get("export_dtype"))  # a bad name is refused before any training
+        shard_bytes(config.get("export_max_shard_size", DEFAULT_MAX_SHARD_SIZE))  # as is a bad size
         check_export_destination(config.get("export_to"))  # as is a folder it could not write after training
         self._tokenizer_from_model_directory(config)
         if self.subcommand not in (None, "fit"):
@@ -186,7 +190,8 @@ class LongShieldCLI(LightningCLI):
         export_to = config.get("export_to")
         if export_to:
             try:
-                self.model.save_pretrained(export_to, export_dtype(config.get("export_dtype")))
+                self.model.save_pretrained(export_to, export_dtype(config.get("export_dtype")),
+                                           config.get("export_max_shard_size", DEFAULT_MAX_SHARD_SIZE))
             except Exception:
                 self._keep_the_trained_model(export_to)
                 raise

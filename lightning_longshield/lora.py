@@ -8,9 +8,9 @@ like any other; frozen base weights take no per-sample memory, no clipped-sum bu
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import nn
@@ -126,32 +126,52 @@ def reset_adapters(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def merged_state_dict(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
-    """The model's full (unsharded) state on the CPU with every LoRA adapter merged into its base weight, under the
-    base model's parameter names: ``W + scaling * B @ A``. FSDP2 shards are gathered one tensor at a time (a
-    collective: call on every rank). ``keep=False`` (the ranks that do not write) takes part in every gather and
-    keeps nothing, returning ``{}``: one copy of the whole model in host memory, not one per rank."""
-    state = {}
+def merged_tensors(model: nn.Module, keep: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full (unsharded) tensors on the CPU, one at a time in `state_dict` order, with every LoRA adapter
+    merged into its base weight under the base model's parameter name: ``W + scaling * B @ A`` (yielded once its
+    base weight and adapters have all been gathered). FSDP2 shards are gathered one tensor at a time, a collective:
+    every rank iterates to the end. ``keep=False`` (the ranks that do not write) takes part in every gather and
+    yields nothing, so only one rank holds host copies, and only as long as its consumer keeps them."""
+    lora_prefixes = {name for name, module in model.named_modules() if is_lora_layer(module)}
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # a LoRA layer's gathered parts until the last one arrives
     for name, value in model.state_dict().items():
         whole = _whole(value)
-        if keep:
-            state[name] = whole.detach().to("cpu")
+        if not keep:
+            del whole
+            continue
+        tensor = whole.detach().to("cpu")
         del whole
-    if not keep:
-        return {}
-    lora_prefixes = [name for name, module in model.named_modules() if is_lora_layer(module)]
-    for prefix in lora_prefixes:
+        prefix = _lora_prefix(name, lora_prefixes)
+        if prefix is None:
+            if is_adapter_parameter(name) or ".base_layer." in name:
+                raise ValueError(f"Cannot merge this LoRA tensor into a base weight: {name}.")
+            yield name, tensor
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[name[len(prefix) + 1:]] = tensor
         module = model.get_submodule(prefix)
-        weight = state.pop(f"{prefix}.base_layer.weight")
-        for adapter in list(module.lora_A):
-            a = state.pop(f"{prefix}.lora_A.{adapter}.weight")
-            b = state.pop(f"{prefix}.lora_B.{adapter}.weight")
-            weight = weight + (module.scaling[adapter] * (b.float() @ a.float())).to(weight.dtype)
-        state[f"{prefix}.weight"] = weight
-    leftover = [name for name in state if is_adapter_parameter(name) or ".base_layer." in name]
-    if leftover:
-        raise ValueError(f"Cannot merge these LoRA tensors into a base weight: {leftover}.")
-    return state
+        adapters = list(module.lora_A)
+        needed = {"base_layer.weight", *(f"lora_{side}.{adapter}.weight" for adapter in adapters for side in "AB")}
+        if needed <= parts.keys():
+            del pending[prefix]
+            weight = parts.pop("base_layer.weight")
+            for adapter in adapters:
+                a, b = parts.pop(f"lora_A.{adapter}.weight"), parts.pop(f"lora_B.{adapter}.weight")
+                weight = weight + (module.scaling[adapter] * (b.float() @ a.float())).to(weight.dtype)
+            if parts:
+                raise ValueError(f"Cannot merge these LoRA tensors into a base weight: {sorted(parts)} of {prefix}.")
+            yield f"{prefix}.weight", weight
+    if pending:
+        raise ValueError(f"Cannot merge these LoRA tensors into a base weight: {sorted(pending)} lack parts.")
+
+
+def _lora_prefix(name: str, prefixes: set[str]) -> Optional[str]:
+    """The LoRA layer whose base weight or adapter the state entry ``name`` is, if any."""
+    for marker in (".base_layer.", ".lora_"):
+        head, found, _ = name.partition(marker)
+        if found and head in prefixes:
+            return head
+    return None
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -234,10 +234,12 @@ class CausalLMModule(L.LightningModule):
         if self.lora is not None and self.model is not None:
             reset_adapters(self.model)
 
-    def save_pretrained(self, directory: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None) -> None:
-        """Write the model (LoRA adapters merged) as a Hugging Face Llama directory; a collective under FSDP2."""
+    def save_pretrained(self, directory: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
+                        max_shard_size: Union[int, str] = hf.DEFAULT_MAX_SHARD_SIZE) -> None:
+        """Write the model (LoRA adapters merged) as a Hugging Face Llama directory, in safetensors files of at most
+        ``max_shard_size``; a collective under FSDP2."""
         assert self.model is not None, "call configure_model() first"
-        hf.save_pretrained(self.model, directory, dtype)
+        hf.save_pretrained(self.model, directory, dtype, max_shard_size)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         assert self.model is not None, "call configure_model() first"

@@ -1,14 +1,15 @@
 """Hugging Face interoperability (optional dependencies: ``pip install "lightning-longshield[hf]"``).
 
 `load_model`, `save_pretrained` and `read_config` read and write Hugging Face Llama directories; they live in
-`lightning_longshield.hf.checkpoint`, which is imported only when one is called, so this package imports nothing
-heavy.
+`lightning_longshield.hf.checkpoint` (reading) and `lightning_longshield.hf.export` (writing), imported only when one
+is called, so this package imports nothing heavy.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import re
 from types import ModuleType
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -20,6 +21,23 @@ if TYPE_CHECKING:
 INSTALL_HINT = 'pip install "lightning-longshield[hf]"'
 #: The files by which a Hugging Face model directory holds a tokenizer (any one of them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+#: The largest weights file an export writes unless told otherwise (``save_pretrained(max_shard_size=...)``).
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
+
+
+def shard_bytes(size: Union[int, str]) -> int:
+    """``size`` in bytes: an int, or a string such as ``"5GB"`` (10^9 bytes) or ``"2GiB"`` (2^30), as transformers
+    reads ``max_shard_size``."""
+    if isinstance(size, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*", size, flags=re.IGNORECASE)
+        if match is None:
+            raise ValueError(f"max_shard_size={size!r} is not a size: give bytes as an int, or e.g. '5GB' or '2GiB'.")
+        size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"max_shard_size must be a positive number of bytes, not {size!r}.")
+    return size
 
 
 def model_tokenizer(directory: Union[str, os.PathLike], fix: str) -> Optional[str]:
@@ -56,12 +74,14 @@ def load_model(
 
 
 def save_pretrained(model: torch.nn.Module, directory: Union[str, os.PathLike],
-                    dtype: Optional[torch.dtype] = None) -> None:
+                    dtype: Optional[torch.dtype] = None,
+                    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> None:
     """Write ``model`` (a `Llama`, possibly FSDP2-sharded, LoRA adapters merged) as a Hugging Face Llama directory
-    that ``transformers.AutoModelForCausalLM.from_pretrained`` loads; a collective when the model is sharded."""
-    from lightning_longshield.hf import checkpoint
+    that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, in safetensors files of at most
+    ``max_shard_size`` (bytes, or e.g. ``"5GB"``); a collective when the model is sharded."""
+    from lightning_longshield.hf import export
 
-    checkpoint.save_pretrained(model, directory, dtype)
+    export.save_pretrained(model, directory, dtype, max_shard_size)
 
 
 def read_config(directory: Union[str, os.PathLike]) -> LlamaConfig:

@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints (``config.json`` plus safetensors) to and from `Llama`.
+"""Hugging Face Llama checkpoints (``config.json`` plus safetensors) read into `Llama` (written by `hf.export`).
 
 Our RoPE rotates interleaved pairs ``(x[2i], x[2i+1])`` of each head (Meta's layout), Hugging Face's rotates halves
 ``(x[i], x[i + head_dim/2])``. The two models are the same once the rows of every head of ``wq`` and ``wk`` are
@@ -10,28 +10,22 @@ dimension), so a meta-device model is filled shard by shard without ever holding
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
 import re
-import shutil
-import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from lightning_longshield.dist_compat import all_gathered, world_size
-from lightning_longshield.durable_checkpoints import replace_durably
 from lightning_longshield.hf import TOKENIZER_FILES, require_hf
-from lightning_longshield.lora import is_adapter_parameter, merged_state_dict
+from lightning_longshield.lora import is_adapter_parameter
 from lightning_longshield.models import Llama, LlamaConfig
 from simulate.hf_config import read_config_json, spec_from_hf_config
 
@@ -141,7 +135,7 @@ def hf_name(name: str) -> str:
     raise KeyError(f"{name!r} is not a parameter of a Llama checkpoint.")
 
 
-def _is_rotary(hf: str) -> bool:
+def is_rotary(hf: str) -> bool:
     return hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
 
 
@@ -256,7 +250,7 @@ def load_pretrained_weights(model: nn.Module, directory: PathLike) -> None:
     for path, names in by_file.items():
         with safe_open(path, framework="pt") as handle:
             for name in names:
-                rotary_head_dim = head_dim if _is_rotary(name) else 0
+                rotary_head_dim = head_dim if is_rotary(name) else 0
                 _copy_local_part(params[name], handle.get_slice(sources[name]), name, rotary_head_dim)
 
 
@@ -298,152 +292,3 @@ def _copy_local_part(param: torch.Tensor, source: Any, name: str, head_dim: int)
         local.copy_(to_interleaved(source[tuple(box)], head_dim)[start - first : stop - first])
     else:
         local.copy_(source[tuple(box)])
-
-
-# ---------------------------------------------------------------------------------------------------------- saving
-
-
-def hf_state_dict(
-    state: Mapping[str, torch.Tensor], config: LlamaConfig, dtype: Optional[torch.dtype] = None
-) -> dict[str, torch.Tensor]:
-    """Full (unsharded) tensors under `Llama`'s names -> contiguous CPU tensors under Hugging Face's, with the
-    rows of ``wq``/``wk`` back in rotate-half order; a tied model's output weight is left out."""
-    tensors = {}
-    for name, tensor in state.items():
-        hf = hf_name(name)
-        if hf == "lm_head.weight" and config.tie_embeddings:
-            continue
-        tensor = tensor.detach().to("cpu", dtype)
-        tensors[hf] = (to_halves(tensor, config.head_dim) if _is_rotary(hf) else tensor).contiguous()
-    return tensors
-
-
-def write_pretrained(
-    state: Mapping[str, torch.Tensor], config: LlamaConfig, directory: PathLike, dtype: Optional[torch.dtype] = None,
-    source: Optional[PathLike] = None,
-) -> None:
-    """Write full tensors under `Llama`'s names (e.g. `lightning_longshield.lora.merged_state_dict`) and ``config``
-    as a Hugging Face Llama directory: ``model.safetensors`` and ``config.json``.
-
-    A tied model whose output weight no longer equals its embedding (a LoRA adapter on the head, merged) is written
-    untied, with ``lm_head.weight``. With ``source``, the Hugging Face directory the model was loaded from, the
-    special tokens' ids of its ``config.json`` and its `CARRIED_FILES` (tokenizer, generation defaults, license) come
-    along, and tokenizer files in ``directory`` that it lacks (another model's) are removed.
-    """
-    save_file = require_hf("safetensors.torch").save_file
-    config = _untied_if_heads_differ(state, config)
-    tensors = hf_state_dict(state, config, dtype)
-    directory = Path(directory).expanduser()  # as loading and the CLI's up-front check read it
-    directory.mkdir(parents=True, exist_ok=True)
-    replaced = _replaced_shards(directory)
-    config_dict = hf_config_dict(config, dtype or tensors["model.embed_tokens.weight"].dtype)
-    if source is not None:
-        source = Path(source).expanduser()
-        carried = read_config_json(source)
-        config_dict.update((key, carried[key]) for key in CARRIED_CONFIG_KEYS if key in carried)
-    # Everything that can fail on its own is done first; the weights and the config are written aside and renamed
-    # into place, so an export cut short leaves no partial file beside (or shadowing) the checkpoint already there.
-    replace_durably(directory / WEIGHTS_FILE, lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
-    replace_durably(directory / CONFIG_FILE, lambda path: path.write_text(json.dumps(config_dict, indent=2) + "\n"))
-    if source is not None:
-        for name in CARRIED_FILES:
-            carried_file, target = source / name, directory / name
-            if carried_file.is_file() and not (target.exists() and target.samefile(carried_file)):
-                shutil.copyfile(carried_file, target)
-        _remove_other_tokenizer_files(directory, source)
-    if replaced:
-        _remove(replaced, directory)
-
-
-def _remove_other_tokenizer_files(directory: Path, source: Path) -> None:
-    """Remove the tokenizer and generation files in ``directory`` that ``source`` lacks, saying so: another model's
-    (an earlier export there), which transformers would read beside, or instead of, the carried ones (it prefers a
-    ``tokenizer.json`` to a carried ``tokenizer.model``)."""
-    stale = [name for name in TOKENIZER_AND_GENERATION_FILES
-             if (directory / name).is_file() and not (source / name).is_file()]
-    for name in stale:
-        (directory / name).unlink()
-    if stale:
-        warnings.warn(f"{directory} held {', '.join(stale)}, which {source} does not have: another model's, removed so"
-                      " that the export's tokenizer is its checkpoint's.", stacklevel=4)
-
-
-def _replaced_shards(directory: Path) -> list[Path]:
-    """The index of a sharded checkpoint in ``directory``, then the shards it names there, which the export's
-    ``model.safetensors`` replaces (a loader that follows the index would read the old weights); read before
-    anything is written, so a malformed index stops the export first."""
-    index = directory / WEIGHTS_INDEX_FILE
-    if not index.is_file():
-        return []
-    try:
-        names = set(json.loads(index.read_text())["weight_map"].values())
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"{index} is not a safetensors index, and the export's {WEIGHTS_FILE} would sit beside it:"
-                         " export into another directory, or remove it.") from error
-    # Normalised, not resolved: "./x" and "x" are one shard, and a shard that is a link is removed as a link.
-    shards = {Path(os.path.normpath(directory / name)) for name in names if isinstance(name, str)}
-    folder = Path(os.path.normpath(directory))
-    inside = sorted(shard for shard in shards if shard.parent == folder and shard.name != WEIGHTS_FILE)
-    return [index, *inside]
-
-
-def _remove(replaced: list[Path], directory: Path) -> None:
-    """Remove the replaced index, then its shards (after the export's files are all written), saying so."""
-    index, *shards = replaced
-    index.unlink(missing_ok=True)
-    removed = 0
-    for shard in shards:
-        if shard.is_file() or shard.is_symlink():
-            shard.unlink(missing_ok=True)
-            removed += 1
-    warnings.warn(f"{directory} held a sharded checkpoint: its index and {removed} shards were removed, replaced by"
-                  f" the export's {WEIGHTS_FILE}.", stacklevel=3)
-
-
-def _untied_if_heads_differ(state: Mapping[str, torch.Tensor], config: LlamaConfig) -> LlamaConfig:
-    """``config``, untied where it is tied but the state's output weight differs from its embedding."""
-    if not config.tie_embeddings:
-        return config
-    by_hf_name = {hf_name(name): tensor for name, tensor in state.items()}
-    head = by_hf_name.get("lm_head.weight")
-    if head is None or torch.equal(head, by_hf_name["model.embed_tokens.weight"]):
-        return config
-    return dataclasses.replace(config, tie_embeddings=False)
-
-
-@torch.no_grad()
-def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch.dtype] = None) -> None:
-    """Write ``model`` (a `Llama`, possibly FSDP2-sharded, possibly with LoRA adapters, which are merged into their
-    base weights) as a Hugging Face Llama directory that ``transformers.AutoModelForCausalLM.from_pretrained``
-    loads. A model loaded by `load_model` carries its checkpoint's tokenizer, generation defaults and special
-    tokens' ids into the export (`write_pretrained`), and ``dtype`` defaults to the checkpoint's (a bf16 checkpoint
-    trained in fp32 is exported in bf16); otherwise to the parameters'.
-
-    Sharded parameters are gathered one at a time to the CPU, a collective: with more than one process every rank
-    calls this, only rank 0 keeps the gathered tensors and writes them, and all return once the files are complete
-    (or all raise, if rank 0 could not write them).
-    """
-    source = getattr(model, "source_directory", None)
-    if source is not None and not is_model_directory(source):
-        warnings.warn(f"The checkpoint {source} that the model was loaded from is gone: the export in {directory}"
-                      " has no tokenizer, generation defaults or special tokens' ids from it.", stacklevel=2)
-        source = None
-    if dtype is None and source is not None:
-        dtype = checkpoint_dtype(source)
-    distributed = world_size() > 1
-    writer = not distributed or dist.get_rank() == 0
-    state = merged_state_dict(model, keep=writer)
-    failure: Optional[Exception] = None
-    if writer:
-        try:
-            write_pretrained(state, model.config, directory, dtype, source)
-        except Exception as error:
-            if not distributed:
-                raise
-            failure = error
-    if distributed:  # every rank learns whether rank 0 wrote the files: none is left waiting for it
-        reported = all_gathered(None if failure is None else f"{type(failure).__name__}: {failure}")
-        if failure is not None:
-            raise failure
-        if reported[0] is not None:
-            raise RuntimeError(f"The export to {directory} failed on rank 0 ({reported[0]}).")

@@ -188,6 +188,11 @@ def test_an_unknown_export_dtype_is_refused_before_training():
         run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--export_dtype", "float8"], run=False)
 
 
+def test_a_bad_export_shard_size_is_refused_before_training():
+    with pytest.raises(ValueError, match="max_shard_size='5 parsecs' is not a size"):
+        run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--export_max_shard_size", "5 parsecs"], run=False)
+
+
 def test_an_export_destination_it_could_not_write_is_refused_before_training(tmp_path):
     (tmp_path / "afile").write_text("")
     args = ["--config", str(CONFIGS / "stdlib_tiny.yaml")]

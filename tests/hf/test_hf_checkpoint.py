@@ -12,7 +12,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from lightning_longshield.hf import check_weights, checkpoint, require_hf
+from lightning_longshield.hf import check_weights, checkpoint, export, require_hf, shard_bytes
 from lightning_longshield.models import Llama, LlamaConfig
 from simulate.specs import RopeScaling
 from tests.support import hf_workers
@@ -130,17 +130,24 @@ def test_sharded_checkpoint_loads(tmp_path: Path, ids: torch.Tensor) -> None:
     torch.testing.assert_close(our_logits(checkpoint.load_model(tmp_path), ids), hf_logits(hf, ids), **CLOSE)
 
 
+@pytest.mark.parametrize("shard_size", ["5GB", "6KB"], ids=["one-file", "sharded"])
 @pytest.mark.parametrize(("tie", "rope_scaling"), list(VARIANTS.values()), ids=list(VARIANTS))
-def test_export_gives_transformers_logits(tmp_path: Path, ids: torch.Tensor, tie: bool, rope_scaling: Any) -> None:
+def test_export_gives_transformers_logits(tmp_path: Path, ids: torch.Tensor, tie: bool, rope_scaling: Any,
+                                          shard_size: str) -> None:
     scaling = RopeScaling(8.0, 1.0, 4.0, 16) if rope_scaling else RopeScaling()
     config = LlamaConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64,
                          rope_theta=10000.0, tie_embeddings=tie, rope_scaling=scaling)
     torch.manual_seed(0)
     model = Llama(config)
     randomize_(model)
-    checkpoint.save_pretrained(model, tmp_path)
-    with safetensors_torch.safe_open(tmp_path / checkpoint.WEIGHTS_FILE, "pt") as handle:
-        assert ("lm_head.weight" in handle.keys()) != tie
+    export.save_pretrained(model, tmp_path, max_shard_size=shard_size)
+    files = checkpoint.weight_map(tmp_path)
+    assert ("lm_head.weight" in files) != tie
+    assert (len(set(files.values())) > 1) == (shard_size != "5GB")
+    assert (tmp_path / checkpoint.WEIGHTS_INDEX_FILE).exists() == (shard_size != "5GB")
+    for file in set(files.values()):  # a file beyond the limit holds one tensor alone
+        with safetensors_torch.safe_open(file, "pt") as handle:
+            assert len(handle.keys()) == 1 or file.stat().st_size <= shard_bytes(shard_size) + 2048
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert hf.dtype == torch.float32
     torch.testing.assert_close(hf_logits(hf, ids), our_logits(model, ids), **CLOSE)
@@ -158,7 +165,7 @@ def test_an_export_over_a_sharded_checkpoint_removes_its_index_and_shards(tmp_pa
     model = checkpoint.load_model(tmp_path)
     randomize_(model)
     with pytest.warns(UserWarning, match=f"its index and {len(shards)} shards were removed"):
-        checkpoint.save_pretrained(model, tmp_path)
+        export.save_pretrained(model, tmp_path)
     assert not (tmp_path / checkpoint.WEIGHTS_INDEX_FILE).exists()
     assert not any((tmp_path / shard).exists() for shard in shards) and (tmp_path / "notes.txt").exists()
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
@@ -168,7 +175,7 @@ def test_an_export_over_a_sharded_checkpoint_removes_its_index_and_shards(tmp_pa
 def test_an_export_beside_a_malformed_index_stops_before_writing(tmp_path: Path) -> None:
     (tmp_path / checkpoint.WEIGHTS_INDEX_FILE).write_text("not json")
     with pytest.raises(ValueError, match="is not a safetensors index"):
-        checkpoint.save_pretrained(Llama(LlamaConfig(vocab_size=96, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+        export.save_pretrained(Llama(LlamaConfig(vocab_size=96, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
                                                      ffn_dim=64, max_seq_len=64)), tmp_path)
     assert sorted(path.name for path in tmp_path.iterdir()) == [checkpoint.WEIGHTS_INDEX_FILE]
 
@@ -178,8 +185,8 @@ def test_an_export_to_a_home_relative_folder_lands_in_home(tmp_path: Path, monke
     folder but written to a folder named ``~`` under the working directory."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
-    checkpoint.save_pretrained(Llama(LlamaConfig(vocab_size=96, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
-                                                 ffn_dim=64, max_seq_len=64)), "~/model")
+    export.save_pretrained(Llama(LlamaConfig(vocab_size=96, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                             ffn_dim=64, max_seq_len=64)), "~/model")
     assert (tmp_path / "home" / "model" / checkpoint.CONFIG_FILE).is_file() and not (tmp_path / "~").exists()
 
 
@@ -195,15 +202,88 @@ def test_an_export_cut_short_leaves_the_checkpoint_there_as_it_was(tmp_path: Pat
 
     monkeypatch.setattr(safetensors_torch, "save_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        checkpoint.save_pretrained(model, tmp_path)
+        export.save_pretrained(model, tmp_path)
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("before", ["one-file", "sharded"])
+def test_a_sharded_export_cut_short_leaves_the_checkpoint_there_as_it_was(tmp_path: Path, monkeypatch,
+                                                                          before: str) -> None:
+    write_hf_llama(tmp_path, **({"max_shard_size": "20KB"} if before == "sharded" else {}))
+    contents = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    model = checkpoint.load_model(tmp_path)
+    randomize_(model)
+    save_file, written = safetensors_torch.save_file, []
+
+    def disk_full_at_the_third_shard(tensors, filename, metadata=None):
+        if len(written) == 2:
+            Path(filename).write_bytes(b"partial")
+            raise OSError("No space left on device")
+        written.append(filename)
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors_torch, "save_file", disk_full_at_the_third_shard)
+    with pytest.raises(OSError, match="No space left"):
+        export.save_pretrained(model, tmp_path, max_shard_size="16KB")
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == contents
+
+
+@pytest.mark.parametrize("before", ["one-file", "sharded"])
+def test_a_sharded_export_replaces_the_weights_there(tmp_path: Path, ids: torch.Tensor, before: str) -> None:
+    """Over one file (which loaders read before an index) or over more shards of an earlier export: nothing of the
+    old weights is left for a loader, or a glob of ``*.safetensors``, to read."""
+    write_hf_llama(tmp_path, **({"max_shard_size": "4KB"} if before == "sharded" else {}))
+    old = {path.name for path in tmp_path.glob("*.safetensors")}
+    model = checkpoint.load_model(tmp_path)
+    randomize_(model)
+    if before == "sharded":
+        with pytest.warns(UserWarning, match=f"its index and {len(old)} shards were removed or overwritten, replaced"
+                                             " by the export's [0-9]+ shards"):
+            export.save_pretrained(model, tmp_path, max_shard_size="40KB")
+    else:
+        export.save_pretrained(model, tmp_path, max_shard_size="40KB")
+    files = set(checkpoint.weight_map(tmp_path).values())
+    assert len(files) > 1 and (before == "one-file" or len(files) < len(old))  # fewer: some old shards removed
+    assert {path.name for path in tmp_path.glob("*.safetensors")} == {file.name for file in files}
+    assert not list(tmp_path.glob(".*partial"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    torch.testing.assert_close(hf_logits(hf, ids), our_logits(model, ids), **CLOSE)
+
+
+def test_an_export_writes_each_shard_as_it_fills(tmp_path: Path, monkeypatch) -> None:
+    """The writer holds one shard, not the model: the first file is written before the last tensor is gathered."""
+    model = Llama(LlamaConfig(vocab_size=96, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64))
+    events: list[str] = []
+    save_file = safetensors_torch.save_file
+
+    def recorded_save(tensors, filename, metadata=None):
+        events.append("write")
+        save_file(tensors, filename, metadata=metadata)
+
+    def gathered():
+        for name, tensor in model.state_dict().items():
+            events.append("gather")
+            yield name, tensor
+
+    monkeypatch.setattr(safetensors_torch, "save_file", recorded_save)
+    export.write_pretrained(gathered(), model.config, tmp_path, max_shard_size="16KB")
+    assert events.count("write") > 3 and events.index("write") < len(events) // 4
+    assert events[-1] == "write"  # the last shard, once everything is gathered
+
+
+def test_shard_sizes_read_as_transformers_reads_them() -> None:
+    assert shard_bytes("5GB") == 5 * 10**9 and shard_bytes("2GiB") == 2**31 and shard_bytes("20 kb") == 20_000
+    assert shard_bytes(4096) == 4096 and shard_bytes("1.5MB") == 1_500_000
+    for bad in ("5 parsecs", "GB", 0, -1, True, "0KB"):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            shard_bytes(bad)
 
 
 def test_dtypes_on_load_and_export(tmp_path: Path) -> None:
     write_hf_llama(tmp_path / "hf")
     model = checkpoint.load_model(tmp_path / "hf", dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    checkpoint.save_pretrained(model.float(), tmp_path / "out", dtype=torch.bfloat16)
+    export.save_pretrained(model.float(), tmp_path / "out", dtype=torch.bfloat16)
     assert json.loads((tmp_path / "out" / checkpoint.CONFIG_FILE).read_text())["dtype"] == "bfloat16"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert hf.dtype == torch.bfloat16
@@ -380,7 +460,7 @@ def test_a_lora_adapter_on_a_tied_head_is_exported_untied(tmp_path: Path, ids: t
         for name, param in model.named_parameters():
             if ".lora_B." in name:
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
-    checkpoint.save_pretrained(model, tmp_path / "out")
+    export.save_pretrained(model, tmp_path / "out")
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     assert not exported.config.tie_word_embeddings
     # Merged weights round differently from the adapted layers' two products: LoRA's tolerance, as in the CLI's test.
@@ -397,7 +477,7 @@ def test_an_export_carries_the_checkpoints_tokenizer_special_tokens_and_dtype(tm
     train_bpe_tokenizer(["def f(x):\n    return x + 1\n"] * 4, source, vocab_size=96)
     model = checkpoint.load_model(source)  # trained in fp32
     assert model.source_directory == str(source) and {p.dtype for p in model.parameters()} == {torch.float32}
-    checkpoint.save_pretrained(model, tmp_path / "out")
+    export.save_pretrained(model, tmp_path / "out")
     written = json.loads((tmp_path / "out" / checkpoint.CONFIG_FILE).read_text())
     assert (written["dtype"], written["bos_token_id"], written["eos_token_id"]) == ("bfloat16", 90, [91, 92])
     carried = [name for name in checkpoint.CARRIED_FILES if (source / name).is_file()]
@@ -409,11 +489,11 @@ def test_an_export_carries_the_checkpoints_tokenizer_special_tokens_and_dtype(tm
     text = "return x + 1"
     assert (transformers.AutoTokenizer.from_pretrained(tmp_path / "out")(text).input_ids
             == transformers.AutoTokenizer.from_pretrained(source)(text).input_ids)
-    checkpoint.save_pretrained(model, tmp_path / "fp32", dtype=torch.float32)  # an explicit dtype wins
+    export.save_pretrained(model, tmp_path / "fp32", dtype=torch.float32)  # an explicit dtype wins
     assert json.loads((tmp_path / "fp32" / checkpoint.CONFIG_FILE).read_text())["dtype"] == "float32"
     source.rename(tmp_path / "moved")
     with pytest.warns(UserWarning, match="is gone: the export in .* has no tokenizer"):
-        checkpoint.save_pretrained(model, tmp_path / "orphan")
+        export.save_pretrained(model, tmp_path / "orphan")
     assert not (tmp_path / "orphan" / "tokenizer.json").exists()
 
 
@@ -441,7 +521,7 @@ def test_an_export_carries_tokenizers_saved_without_tokenizer_json_and_the_licen
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "tokenizer.json").write_text("{}")  # an earlier export's: transformers would prefer it
     with pytest.warns(UserWarning, match="held tokenizer.json, which .* does not have: another model's, removed"):
-        checkpoint.save_pretrained(checkpoint.load_model(source), tmp_path / "out")
+        export.save_pretrained(checkpoint.load_model(source), tmp_path / "out")
     assert not (tmp_path / "out" / "tokenizer.json").exists()
     assert (tmp_path / "out" / "LICENSE.txt").read_text() == "license text"
     assert (tmp_path / "out" / "USE_POLICY.md").read_text() == "use policy"

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("peft")
 
 from lightning_longshield import LongShieldStrategy  # noqa: E402
-from lightning_longshield.lora import LoraOptions, apply_lora, merged_state_dict  # noqa: E402
+from lightning_longshield.lora import LoraOptions, apply_lora, merged_tensors  # noqa: E402
 from lightning_longshield.models import Llama  # noqa: E402
 from simulate.specs import lora_numel  # noqa: E402
 from tests.support.cp_training_workers import DATASET, LOGICAL_BATCH, LORA_RUNS, lora_under_cp  # noqa: E402
@@ -95,13 +95,13 @@ def test_merged_adapters_reproduce_the_adapted_model():
     module = make_lora_module(small_config(tie_embeddings=True))
     tokens = torch.randint(0, 64, (2, 12))
     plain = Llama(small_config(tie_embeddings=True))
-    plain.load_state_dict(merged_state_dict(module.model))
+    plain.load_state_dict(dict(merged_tensors(module.model)))
     torch.testing.assert_close(plain(tokens), module.model(tokens), rtol=1e-4, atol=1e-4)
     unmerged = Llama(small_config(tie_embeddings=True))
     unmerged.load_state_dict({k.replace(".base_layer", ""): v for k, v in module.model.state_dict().items()
                               if ".lora_" not in k})
     assert not torch.allclose(unmerged(tokens), module.model(tokens), atol=1e-4)  # the adapters do change it
-    assert merged_state_dict(module.model, keep=False) == {}  # a rank that does not write keeps no copy
+    assert list(merged_tensors(module.model, keep=False)) == []  # a rank that does not write keeps no copy
 
 
 def test_hugging_face_target_names_adapt_the_same_layers():

@@ -40,9 +40,26 @@ def check_sharded_load(rank: int, world_size: int, directory: str, export_direct
         assert dims == ({0, 1} if shard_linear_inputs else {0}), dims
         with torch.no_grad():
             torch.testing.assert_close(model(ids), reference(ids), rtol=1e-5, atol=1e-5)
-    hf.save_pretrained(model, export_directory)  # all ranks gather, rank 0 writes
+    hf.save_pretrained(model, export_directory, max_shard_size="8KB")  # all ranks gather, rank 0 writes shards
+    assert Path(export_directory, "model.safetensors.index.json").is_file()
     for name, param in hf.load_model(export_directory).named_parameters():
         torch.testing.assert_close(param, expected[name], **EXACT)
+    # Rank 0 failing between two shards still takes part in the other gathers: every rank raises, none hangs.
+    import safetensors.torch
+
+    save_file, saved = safetensors.torch.save_file, []
+
+    def disk_full_at_the_second_shard(tensors, filename, metadata=None):
+        if saved:
+            raise OSError("No space left on device")
+        saved.append(filename)
+        save_file(tensors, filename, metadata=metadata)
+
+    safetensors.torch.save_file = disk_full_at_the_second_shard
+    expected_error = (OSError, "No space left") if rank == 0 else (RuntimeError, "failed on rank 0")
+    with pytest.raises(expected_error[0], match=expected_error[1]):
+        hf.save_pretrained(model, Path(export_directory, "full"), max_shard_size="8KB")
+    safetensors.torch.save_file = save_file
     # An export that fails on rank 0 (a malformed index there) fails on every rank, none left waiting for it.
     broken = Path(export_directory, "broken")
     if rank == 0:
