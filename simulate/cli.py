@@ -18,6 +18,7 @@ line).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -40,6 +41,7 @@ from simulate.config import (
     as_run_by_strategy,
     method_for,
     parse_gpus,
+    planned_with_lora,
     zero_dp_layout,
 )
 from simulate.loss_chunks import LossChunking
@@ -133,6 +135,8 @@ def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) ->
         return
     path = paths[0]
     run = read_run_file(path)
+    strategy, lora_notes = planned_with_lora(run.strategy, run.lora_rank)
+    run = dataclasses.replace(run, strategy=strategy, notes=(*run.notes, *lora_notes))
     known = {action.dest: action for action in command._actions if action.nargs not in ("+", "*")}  # not lists
     values = _run_file_values(run, path)
     method_notes = method_for(run.strategy)[1] if "method" in known else ()  # the file's own method approximated

@@ -390,6 +390,21 @@ def method_for(strategy: StrategyConfig) -> tuple[str, tuple[str, ...]]:
     return "v3", tuple(notes)
 
 
+#: How `plan_strategy` plans LoRA with book-kept norms, which the cost model does not cover.
+LORA_BOOK_KEPT_NOTE = (
+    "Note: LoRA with book-kept norms (norms='ghost' or 'mixed') is planned as norms='materialize'. 'mixed' materialises"
+    " an adapter's per-sample gradients (in x rank) wherever they are smaller than its inputs and output gradients"
+    " (tokens x (in + rank)), so the plans agree for it; 'ghost' book-keeps every adapter, which is not modelled.")
+
+
+def planned_with_lora(strategy: StrategyConfig, lora_rank: int) -> tuple[StrategyConfig, tuple[str, ...]]:
+    """``strategy`` as the planner plans it with LoRA adapters of rank ``lora_rank`` (0: none), and a note where
+    that differs: book-kept norms become materialised ones (`LORA_BOOK_KEPT_NOTE`)."""
+    if lora_rank and method_for(strategy)[0] == "zero-dp":
+        return strategy.replace(norms="materialize"), (LORA_BOOK_KEPT_NOTE,)
+    return strategy, ()
+
+
 def plan_strategy(
     model: str | ModelSpec,
     strategy: StrategyConfig,
@@ -408,7 +423,9 @@ def plan_strategy(
     ``gpus``; ZeRO-DP+ as `zero_dp_layout` says. ``seq_len`` is rounded up to a multiple of ``2 x CP`` (the
     load-balanced sharding needs it). ``lora_rank``: the LoRA adapters' rank (0: full fine-tuning)."""
     cp = strategy.context_parallel_size or gpus
+    strategy, lora_notes = planned_with_lora(strategy, lora_rank)
     method, notes = method_for(strategy.replace(context_parallel_size=cp))
+    notes = (*notes, *lora_notes)
     mbs = strategy.micro_batch_size
     if method == "zero-dp":
         world, shard_over = zero_dp_layout(strategy.shard_over, cp, gpus)

@@ -227,7 +227,8 @@ def _cp_sizes(probe: RunConfig, context_parallel: bool, seq_len: int) -> list[in
     if not context_parallel:
         return [None]
     if math.isinf(probe.num_gpus):
-        raise ValueError("Recommendations for CP methods need a finite --gpus.")
+        raise ValueError("Recommendations for CP methods need a finite --gpus (e.g. --gpus 8); with --gpus inf,"
+                         " recommend --methods zero-dp alone (the FSDP ceiling).")
     return list(cp_sizes(int(probe.num_gpus), seq_len))
 
 

@@ -292,7 +292,7 @@ def test_run_file_values_are_named_in_errors_and_advice(tmp_path: Path, capsys: 
     path.write_text("model: {config: llama3.2-1b, lora: {rank: 8}}\ndata: {init_args: {seq_len: 256}}\n"
                     "trainer: {devices: 1, strategy: {init_args: {norms: mixed}}}\n")
     with pytest.raises(SystemExit):
-        main(["fit", "--config", str(path)])
+        main(["fit", "--config", str(path), "--method", "zero-dp"])  # the prototype, which LoRA is not modelled for
     assert f"--lora-rank is {path}'s model.init_args.lora.rank" in capsys.readouterr().err
 
 
@@ -312,22 +312,26 @@ def test_a_custom_module_is_planned_with_the_whole_logits(tmp_path: Path,
 def test_a_run_file_is_planned_as_longshield_train_reads_it(tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """No ``model.config``: CausalLMModule's own model (tiny), as ``longshield-train`` builds it. fp16, which the
-    strategy refuses, and LoRA with book-kept norms, which the planner does not model, are refused by name."""
+    strategy refuses, is refused by name; LoRA with book-kept norms, which the cost model does not cover, is planned
+    with materialised norms, and says so (it exited with a usage error)."""
     path = tmp_path / "run.yaml"
     path.write_text("data: {init_args: {seq_len: 256}}\ntrainer: {devices: 1}\n")
     assert _json(capsys, "fit", "--config", str(path))["model"] == "tiny"
     path.write_text("model: {class_path: my.Module}\ndata: {init_args: {seq_len: 256}}\ntrainer: {devices: 1}\n")
     assert _json(capsys, "fit", "--config", str(path), status=1)["model"] == "llama3.1-8b"  # --model's default
-    for body, message in [
-        ("trainer: {devices: 1, precision: 16-mixed}\n", "LongShieldStrategy refuses fp16"),
-        ("model: {config: llama3.2-1b, lora: {rank: 8}}\ntrainer:\n  devices: 1\n  strategy: {init_args: {norms:"
-         " mixed}}\n", "not zero-dp; drop --lora-rank"),
-    ]:
-        path.write_text("data: {init_args: {seq_len: 256}}\n" + body)
-        with pytest.raises(SystemExit) as exit_info:
-            main(["fit", "--config", str(path)])
-        assert exit_info.value.code == 2 and message in capsys.readouterr().err
-    assert _json(capsys, "fit", "--config", str(path), "--lora-rank", "0")["lora_rank"] == 0  # the fix it names
+    path.write_text("data: {init_args: {seq_len: 256}}\ntrainer: {devices: 1, precision: 16-mixed}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path)])
+    assert exit_info.value.code == 2 and "LongShieldStrategy refuses fp16" in capsys.readouterr().err
+    lora = "data: {init_args: {seq_len: 256}}\nmodel: {config: llama3.2-1b, lora: {rank: 8}}\ntrainer: {devices: 1}\n"
+    path.write_text(lora)
+    materialized = _json(capsys, "fit", "--config", str(path))
+    for norms in ("mixed", "ghost"):
+        path.write_text(lora.replace("devices: 1", f"devices: 1, strategy: {{init_args: {{norms: {norms}}}}}"))
+        out = _json(capsys, "fit", "--config", str(path))
+        assert (out["method"], out["lora_rank"], out["peak_memory_gib"]) == ("v2", 8, materialized["peak_memory_gib"])
+        assert any("planned as norms='materialize'" in note for note in out["notes"])
+    assert not any("planned as norms='materialize'" in note for note in materialized["notes"])
 
 
 def test_a_run_file_without_seq_len_is_planned_with_its_data_module_default(

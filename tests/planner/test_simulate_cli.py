@@ -93,6 +93,7 @@ def test_tables_render(capsys: pytest.CaptureFixture[str]) -> None:
     (["fit", "--seq-len", "4096", "--gpus", "0"], "positive integer or 'inf'"),
     (["fit", "--seq-len", "4096", "--cp", "3"], "must divide the GPU count"),
     (["max-seq", "--gpus", "inf", "--method", "v2"], "give --cp N with --gpus inf"),
+    (["recommend", "--gpus", "inf", "--seq-len", "4096"], "with --gpus inf, recommend --methods zero-dp alone"),
     (["fit", "--seq-len", "3M"], "must be a power of two, got 3145728 (3M); try 2097152 or 4194304"),
     (["fit", "--seq-len", "1.5M"], "such as 16384, 16k or 1M"),
     (["fit", "--seq-len", str(2**100)], "must be at most 16,777,216 (the planner's limit"),  # was 0 tokens/s
