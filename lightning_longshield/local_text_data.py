@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -163,14 +164,36 @@ class PaddedDocumentDataset(Dataset):
         return {"input_ids": input_ids, "labels": labels}
 
 
+#: Tokens past the ``keep`` a document's prefix must give before they are taken for its first ``keep`` (`_Encode`).
+PREFIX_MARGIN = 64
+#: Characters of text one ``datasets.map`` call tokenizes at most (whole documents: more where one is longer). A
+#: Hugging Face tokenizer takes about 240 bytes of memory a character while it runs.
+MAP_BATCH_CHARACTERS = 2**22
+_WHITESPACE = re.compile(r"\s")
+
+
+def _map_batch_size(paths: list[str], records: int) -> int:
+    """Documents per ``datasets.map`` call: ``datasets``' 1,000, fewer where the files' documents average more than
+    `MAP_BATCH_CHARACTERS` / 1,000 bytes (a folder of books), so that a call tokenizes about that much text."""
+    average = sum(os.path.getsize(path) for path in paths) / max(records, 1)
+    return max(1, min(1000, int(MAP_BATCH_CHARACTERS // max(average, 1.0))))
+
+
 class _Encode:
     """Texts -> token ids for ``datasets.map``: the tokenizer's own special tokens (e.g. a BOS), then ``eos`` unless
-    it is already last; an empty or missing text gives no tokens (the document is dropped)."""
+    it is already last; an empty or missing text gives no tokens (the document is dropped).
 
-    def __init__(self, tokenizer: Any, eos: Optional[int]) -> None:
+    With ``keep`` (the document unit, which trains on a document's first ``keep`` tokens), a long document's first
+    ``keep`` tokens are taken from a prefix cut before a whitespace character, at least `PREFIX_MARGIN` tokens past
+    them, grown four-fold until it holds enough: a 9 MB text is not tokenized whole for its first 1,025 tokens. A
+    tokenizer that splits words at whitespace before merging (Llama 3's and GPT-2's regular expressions, SentencePiece
+    pieces that start at a space) gives the prefix the whole text's tokens up to its last word, so the tokens kept are
+    the same; a text without whitespace past the prefix is tokenized whole."""
+
+    def __init__(self, tokenizer: Any, eos: Optional[int], keep: Optional[int] = None) -> None:
         transformers = sys.modules.get("transformers")
         self.batched = transformers is not None and isinstance(tokenizer, transformers.PreTrainedTokenizerBase)
-        self.tokenizer, self.eos = tokenizer, eos
+        self.tokenizer, self.eos, self.keep = tokenizer, eos, keep
         # Part of what `datasets` hashes into the cache's fingerprint: it pickles an object by its class's name and
         # its state, so without the code an edited `encode` (once reloaded), or this class's, would reuse old tokens.
         self.code = class_code_digest(type(self)) + ("" if self.batched else class_code_digest(type(tokenizer)))
@@ -179,12 +202,40 @@ class _Encode:
         self.options = {"split_special_tokens": True} if getattr(tokenizer, "is_fast", False) else {}
 
     def __call__(self, texts: list[Optional[str]]) -> dict[str, list[list[int]]]:
-        texts = [text or "" for text in texts]
+        ids: list[list[int]] = [[] for _ in texts]
+        whole = []  # the indices of the texts tokenized whole
+        for i, text in enumerate(texts):
+            if text:
+                prefix = self._prefix_tokens(text)
+                if prefix is None:
+                    whole.append(i)
+                else:
+                    ids[i] = prefix
+        for i, tokens in zip(whole, self._encode([texts[i] for i in whole]) if whole else []):
+            ids[i] = self._end(list(tokens))[:self.keep]
+        return {"input_ids": ids}
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
         if self.batched:
-            ids = self.tokenizer(texts, verbose=False, **self.options)["input_ids"]
-        else:
-            ids = [self.tokenizer.encode(text) for text in texts]
-        return {"input_ids": [self._end(list(tokens)) if text else [] for text, tokens in zip(texts, ids)]}
+            return self.tokenizer(texts, verbose=False, **self.options)["input_ids"]
+        return [self.tokenizer.encode(text) for text in texts]
+
+    def _prefix_tokens(self, text: str) -> Optional[list[int]]:
+        """The first ``keep`` tokens of ``text`` from a prefix of it (the class's doc), or None where the whole text
+        is to be tokenized."""
+        if self.keep is None:
+            return None
+        length = 8 * (self.keep + PREFIX_MARGIN)  # about 4 characters a token in English text and code
+        while length < len(text):
+            space = _WHITESPACE.search(text, length)
+            if space is None:
+                return None
+            cut = space.start()
+            tokens = list(self._encode([text[:cut]])[0])
+            if len(tokens) >= self.keep + PREFIX_MARGIN:
+                return tokens[:self.keep]
+            length = 4 * cut
+        return None
 
     def _end(self, tokens: list[int]) -> list[int]:
         return tokens + [self.eos] if self.eos is not None and tokens[-1:] != [self.eos] else tokens
@@ -392,7 +443,8 @@ class LocalTextDataModule(L.LightningDataModule):
     def _tokenize_files(self, files: list[Path], max_documents: Optional[int]) -> Any:
         datasets = require_hf("datasets")
         features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
-        encode = _Encode(self.tokenizer, self.eos_token_id if self.add_eos else None)
+        keep = self.seq_len + 1 if self.privacy_unit == "document" else None
+        encode = _Encode(self.tokenizer, self.eos_token_id if self.add_eos else None, keep)
         parts, remaining = [], max_documents
         for builder, group in itertools.groupby(files, key=lambda p: FORMATS[p.suffix.lower()][0]):
             paths = [str(p) for p in group]
@@ -426,7 +478,7 @@ class LocalTextDataModule(L.LightningDataModule):
             try:
                 parts.append(raw.map(
                     encode, batched=True, input_columns=[field], remove_columns=raw.column_names, features=features,
-                    num_proc=self.num_proc, desc="Tokenizing",
+                    num_proc=self.num_proc, desc="Tokenizing", batch_size=_map_batch_size(paths, len(raw)),
                 ))
             except UnicodeDecodeError as error:  # a JSON file's strings are decoded only when read
                 raise _unreadable(paths, builder, error) from error

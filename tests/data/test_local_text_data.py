@@ -161,6 +161,47 @@ def test_a_sentencepiece_tokenizer_without_its_packages_names_them(sentencepiece
         LocalTextDataModule(write(tmp_path, SHORT, "jsonl"), tokenizer=sentencepiece_dir)
 
 
+@pytest.mark.parametrize("which", ["byte-level-bpe", "sentencepiece"])
+def test_a_long_document_is_tokenized_only_as_far_as_its_sample_reaches(which, texts, tokenizer_dir,
+                                                                       sentencepiece_dir, tmp_path, monkeypatch):
+    """The document unit keeps a document's first seq_len + 1 tokens: they come from a prefix of it, equal to the
+    whole text's (Llama 3- and Llama 2-style tokenizers), and the tokenizer never sees the whole 300 KB text."""
+    directory = tokenizer_dir if which == "byte-level-bpe" else sentencepiece_dir
+    documents = ["".join(texts[:8]) * 10, "x" * 40_000 + " " + texts[0] * 10, texts[0], "y" * 60_000]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    expected = [tokenizer.encode(text) + [tokenizer.eos_token_id] for text in documents]
+    call, seen = type(tokenizer).__call__, []
+
+    def recording(self, text, *args, **kwargs):
+        seen.extend(len(t) for t in ([text] if isinstance(text, str) else text))
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", recording)
+    dm = module(write(tmp_path / "data", documents, "jsonl"), tmp_path, tokenizer=str(directory),
+                privacy_unit="document", seq_len=256)
+    for i, tokens in enumerate(expected):
+        assert_document_sample(dm.train_dataset[i], tokens, 256, dm.pad_token_id)
+        assert len(dm._tokenize()[i]["input_ids"]) == min(len(tokens), 257)  # nothing past the sample is kept
+    # The first and third documents by a prefix of 8 x (257 + 64) characters and the rest of a word, the second (a
+    # 40,000 character word first) up to that word's end, the last (no whitespace) whole.
+    *prefixes, word, whole = sorted(seen)
+    assert len(prefixes) == 2 and all(8 * (257 + 64) <= length < 8 * (257 + 64) + 100 for length in prefixes)
+    assert (word, whole) == (40_000, 60_000)
+
+
+def test_documents_of_a_map_call_add_up_to_a_bounded_length(tmp_path):
+    from lightning_longshield.local_text_data import MAP_BATCH_CHARACTERS, _map_batch_size
+
+    books = []
+    for i in range(3):
+        books.append(tmp_path / f"book{i}.txt")
+        books[-1].write_bytes(b"a" * (MAP_BATCH_CHARACTERS // 2))
+    assert _map_batch_size([str(book) for book in books], 3) == 2  # a folder of books: two at a time
+    lines = tmp_path / "lines.jsonl"
+    lines.write_text('{"text": "x"}\n' * 5000)
+    assert _map_batch_size([str(lines)], 5000) == 1000  # short documents: datasets' default
+
+
 def test_document_split_is_seeded_disjoint_and_drops_empty_documents(texts, tmp_path):
     data = write(tmp_path / "data", texts[:4] + [""] + texts[4:], "jsonl")  # document 4 has no text
     dm = module(data, tmp_path, privacy_unit="document", val_fraction=0.3, val_batch_size=2)
