@@ -170,8 +170,10 @@ def test_lora_fine_tune_from_flags_exports_a_checkpoint_transformers_loads(tmp_p
                    "--trainer.default_root_dir", str(tmp_path),
                    "--model.config", str(tmp_path / "hf"), "--data.init_args.data_files", str(tmp_path / "docs.jsonl"),
                    "--data.init_args.val_files", str(tmp_path / "val.jsonl"), "--data.init_args.seq_len", "64",
-                   "--data.init_args.cache_dir", str(tmp_path / "cache"), "--export_to", str(tmp_path / "out")])
+                   "--data.init_args.cache_dir", str(tmp_path / "cache"), "--export_to", str(tmp_path / "out"),
+                   "--export_max_shard_size", "64KB"])
     assert all(".lora_" in name for name, p in cli.model.named_parameters() if p.requires_grad)
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()  # in shards of at most 64 KB
     assert len(cli.datamodule.tokenizer) == 300  # the model directory's tokenizer, not given in the flags or YAML
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
     ids = torch.randint(0, 300, (2, 16))
