@@ -122,8 +122,12 @@ def _takes_every_record(dataloader: DataLoader) -> bool:
     if dataloader.batch_size is None:
         return False
     own = dataloader.sampler
-    every_record = isinstance(own, SequentialSampler) or (
-        isinstance(own, RandomSampler) and not own.replacement
+    # The default classes themselves, over this very dataset: a subclass may pick records in its own `__iter__`, and a
+    # sampler over another (smaller) data source leaves records out.
+    if getattr(own, "data_source", None) is not dataloader.dataset:
+        return False
+    every_record = type(own) is SequentialSampler or (
+        type(own) is RandomSampler and not own.replacement
         and own.num_samples == len(dataloader.dataset)  # type: ignore[arg-type]
     )
     return every_record and (dataloader.batch_sampler is None or type(dataloader.batch_sampler) is BatchSampler)

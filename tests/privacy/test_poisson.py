@@ -175,11 +175,19 @@ def test_a_collate_error_quotes_nothing_of_the_sampled_records():
     assert error.value.__cause__ is None and error.value.__suppress_context__
 
 
-@pytest.mark.parametrize("sampler", ["subset", "weighted", "batches"])
+class FirstHalf(torch.utils.data.SequentialSampler):
+    """A default sampler's subclass that picks records in its own ``__iter__``."""
+
+    def __iter__(self):
+        return iter(range(len(self.data_source) // 2))
+
+
+@pytest.mark.parametrize("sampler", ["subset", "weighted", "batches", "subclass", "other_source"])
 def test_a_sampler_that_selects_records_is_refused(sampler):
     """Poisson sampling draws from the whole dataset: a sampler that left records out would be dropped, and those
-    records trained on; the error says to select them in the dataset."""
-    from torch.utils.data import DataLoader, SubsetRandomSampler, WeightedRandomSampler
+    records trained on; the error says to select them in the dataset. A subclass of a default sampler, or a default
+    one over another data source, was taken for one that reads every record."""
+    from torch.utils.data import DataLoader, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler
 
     from lightning_longshield.dp_dataloaders import poisson_dataloader
 
@@ -188,6 +196,8 @@ def test_a_sampler_that_selects_records_is_refused(sampler):
         "subset": lambda: DataLoader(dataset, batch_size=4, sampler=SubsetRandomSampler(range(8))),
         "weighted": lambda: DataLoader(dataset, batch_size=4, sampler=WeightedRandomSampler([1.0] * 16, 16)),
         "batches": lambda: DataLoader(dataset, batch_sampler=[[0, 1], [2, 3]]),
+        "subclass": lambda: DataLoader(dataset, batch_size=4, sampler=FirstHalf(dataset)),
+        "other_source": lambda: DataLoader(dataset, batch_size=4, sampler=SequentialSampler(range(8))),
     }
     with pytest.raises(ValueError, match="would be replaced by Poisson sampling over all 16 records.*Subset"):
         poisson_dataloader(loaders[sampler](), SecretKey.from_seed(0), 0, 0, 1)
@@ -251,7 +261,7 @@ def test_an_evaluation_split_counts_every_record_once():
                                                              batch_size=2), 0, 2)
 
 
-@pytest.mark.parametrize("selecting", ["subset", "batch_sampler", "torch_batch_sampler"])
+@pytest.mark.parametrize("selecting", ["subset", "batch_sampler", "torch_batch_sampler", "subclass"])
 def test_a_split_over_data_parallel_groups_refuses_a_selecting_sampler(selecting):
     """With several data-parallel groups every loader is split over all records of its dataset: a sampler that
     selects records (validation indices of a dataset that also holds the training records) would be replaced, and
@@ -264,9 +274,11 @@ def test_a_split_over_data_parallel_groups_refuses_a_selecting_sampler(selecting
                                              sampler=torch.utils.data.SubsetRandomSampler(range(16, 20)))
     elif selecting == "batch_sampler":
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=[[16, 17], [18, 19]])
-    else:  # torch's own BatchSampler, over a sampler that selects: the DataLoader's sampler is a default one
+    elif selecting == "torch_batch_sampler":  # torch's BatchSampler over a selecting one; the loader's is a default
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=torch.utils.data.BatchSampler(
             torch.utils.data.SubsetRandomSampler(range(16, 20)), 2, False))
+    else:
+        loader = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=FirstHalf(dataset))
     for training in (False, True):
         with pytest.raises(ValueError, match=r"would be replaced by a split of all 20 records.*Subset\(dataset"):
             data_parallel_dataloader(loader, 0, 2, training=training)
