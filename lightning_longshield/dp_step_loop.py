@@ -24,12 +24,14 @@ class DPStepLoop:
 
     _scalar_loss_settled = False  # whether a scalar loss of several samples was checked (and warned about) yet
     _release_pending = False  # a logical batch ran through training_step and was not released yet
+    _released_batch: Optional[int] = None  # the fit loop's count of fetched batches at the last release
 
     def connect(self, model: pl.LightningModule) -> None:
         """Attach ``model``, its ``self.log`` guarded until `teardown` (`GuardedLog`): in every training hook it
         refuses what would quote sampled values, and in the hooks run per micro-batch a per-call sync."""
         super().connect(model)
         guard_logging(model, lambda: self.data_parallel_size)
+        self._release_pending, self._released_batch = False, None  # a new run's loop counts its batches anew
 
     def teardown(self) -> None:
         """Give the module its own ``self.log`` back (also after an error: Lightning tears down then too)."""
@@ -44,6 +46,7 @@ class DPStepLoop:
         FSDP2 over every rank, padding micro-batches follow (`ZeroWeightPadding`)."""
         batch, rest = args[0], args[1:]
         self._check_previous_batch_released()
+        self._check_batch_not_released()
         self._release_pending = True
         self.dp_engine.begin_logical_batch()
         microbatches = split_into_microbatches(batch, self.config.micro_batch_size)
@@ -75,6 +78,22 @@ class DPStepLoop:
                    " optimizer_closure() alone.")
         raise RuntimeError(why + " One optimizer step is one DP step over one logical batch: set the logical batch with"
                            " the DataLoader's batch_size and the memory with micro_batch_size.")
+
+    def _check_batch_not_released(self) -> None:
+        """Refuse to run a logical batch that was already released: an ``optimizer_step`` override calling
+        ``optimizer.step`` twice on one batch would release it twice with fresh noise (the same Poisson batch at noise
+        sigma / sqrt(2)), which the accountant would count as two independent batches."""
+        if self._released_batch is not None and self._released_batch == self._fetched_batches():
+            raise RuntimeError(
+                "This logical batch was already released by an optimizer step: a second optimizer.step(closure=...) on"
+                " the same batch (an optimizer_step override stepping twice) would release it again with fresh noise,"
+                " which the accountant would count as a new Poisson batch and the guarantee does not cover. Call"
+                " optimizer.step once per batch."
+            )
+
+    def _fetched_batches(self) -> int:
+        """How many training batches the fit loop has fetched (Lightning's progress counter, restored on resume)."""
+        return self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.total.ready
 
     def _microbatch_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         size = batch_size_of(microbatch)
@@ -171,6 +190,7 @@ class DPStepLoop:
             self.privacy.record_release()
             self.dp_engine.release(plan.noise_multiplier, plan.sample_rate, plan.expected_batch_size)
             self._release_pending = False
+            self._released_batch = self._fetched_batches()
             trainer = self.lightning_module.trainer
             if self.privacy.released(trainer.global_step):
                 trainer.should_stop = True

@@ -193,6 +193,23 @@ def test_an_optimizer_that_evaluates_its_closure_twice_is_refused_after_one_rele
     assert strategy.accountant.steps == 1
 
 
+def test_a_logical_batch_released_twice_is_refused():
+    """An ``optimizer_step`` override that steps twice on one batch ran ``training_step`` on it again and released it
+    with fresh noise: the same Poisson batch at noise sigma / sqrt(2), accounted as two independent batches (3
+    optimizer steps gave 6 accounted steps). The second run of the batch is refused; one release was made."""
+
+    class TwoStepsABatch(type(make_module(small_config(n_layers=1)))):
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+            optimizer.step(closure=optimizer_closure)
+            optimizer.step(closure=optimizer_closure)
+
+    strategy = LongShieldStrategy(noise_multiplier=1.0)
+    module = TwoStepsABatch(small_config(n_layers=1), optimizer="sgd", learning_rate=0.1)
+    with pytest.raises(RuntimeError, match="This logical batch was already released"):
+        make_trainer(strategy, max_steps=3).fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
+    assert strategy.accountant.steps == 1
+
+
 def test_a_logical_batch_left_unreleased_is_refused_before_the_next_one():
     """Two Poisson batches must never be released as one DP step (a sample drawn in both would add up to 2 C): an
     ``optimizer_step`` override that runs the closure without ``optimizer.step`` on some batches, and gradient
