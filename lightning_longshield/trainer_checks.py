@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateFinder, ThroughputMonitor
+from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateFinder, SpikeDetection, ThroughputMonitor
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.profilers import PassThroughProfiler
 
@@ -23,6 +23,14 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
             "The learning-rate finder (Tuner.lr_find, LearningRateFinder) is not supported: it picks the rate from the"
             " un-noised training losses of its trial steps, which are DP steps over the private data and spend the"
             " privacy budget. Choose the learning rate on public data, or account for the search."
+        )
+    if any(isinstance(callback, SpikeDetection) for callback in trainer.callbacks):
+        raise ValueError(
+            "SpikeDetection is not supported: it compares every training batch's loss, computed from the sampled"
+            " records without noise, with a running mean, keeps both in every checkpoint, writes the indices of"
+            " batches whose loss spiked to skip_batches.json and stops the run on them: decisions and files about the"
+            " private data outside the privacy guarantee. Remove the callback; watch the validation loss on public"
+            " data instead."
         )
     if any(isinstance(callback, ThroughputMonitor) for callback in trainer.callbacks):
         rank_zero_warn(

@@ -266,14 +266,18 @@ def test_an_iterable_training_dataset_is_refused_with_the_fix():
         fit(LongShieldStrategy(noise_multiplier=1.0), data=torch.utils.data.DataLoader(Stream(), batch_size=2))
 
 
-def test_the_learning_rate_finder_is_refused():
-    """Its trial steps are DP steps over the private data, and it picks the rate from their un-noised losses."""
-    from lightning.pytorch.callbacks import LearningRateFinder
+@pytest.mark.parametrize("callback", ["LearningRateFinder", "SpikeDetection"])
+def test_callbacks_that_act_on_unnoised_training_losses_are_refused(callback, tmp_path):
+    """The learning-rate finder's trial steps are DP steps over the private data, and it picks the rate from their
+    un-noised losses. SpikeDetection kept the sampled batches' losses in checkpoints, wrote the indices of spiking
+    batches to a file and stopped the run on them."""
+    from lightning.pytorch import callbacks
 
     strategy = LongShieldStrategy(noise_multiplier=1.0)
-    with pytest.raises(ValueError, match="learning-rate finder"):
-        fit(strategy, callbacks=[LearningRateFinder()])
-    assert strategy.accountant.steps == 0
+    message = {"LearningRateFinder": "learning-rate finder", "SpikeDetection": "SpikeDetection is not supported"}
+    with pytest.raises(ValueError, match=message[callback]):
+        fit(strategy, callbacks=[getattr(callbacks, callback)()], default_root_dir=tmp_path)
+    assert strategy.accountant.steps == 0 and not (tmp_path / "skip_batches.json").exists()
 
 
 @pytest.mark.parametrize("minimum", [dict(min_steps=50), dict(min_epochs=20)])
