@@ -133,7 +133,12 @@ def log_own(module: Any, name: str, value: Any, **options: Any) -> None:
 
 def _one_value(value: Any) -> bool:
     """Whether ``value`` is one number (a Python or NumPy number, a one-element tensor or array) or a torchmetrics
-    `Metric` (which Lightning computes itself), not a collection that Lightning's own error would print."""
+    `Metric` whose last call gave one (or that was only updated: Lightning computes it at the epoch's end), not a
+    collection that Lightning's own error would print (a per-class accuracy's ``forward`` result, for one)."""
+    if isinstance(value, Metric):
+        value = value._forward_cache
+        if value is None:
+            return True
     if isinstance(value, torch.Tensor):
         return value.numel() == 1
-    return isinstance(value, (numbers.Number, Metric)) or getattr(value, "size", None) == 1
+    return isinstance(value, numbers.Number) or getattr(value, "size", None) == 1

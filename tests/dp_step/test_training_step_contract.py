@@ -229,15 +229,22 @@ def test_gradient_hooks_on_trainable_parameters_are_refused(register):
         capture.check_trainable_unchanged()
 
 
-@pytest.mark.parametrize("form", ["tensor", "dict", "array"])
+@pytest.mark.parametrize("form", ["tensor", "dict", "array", "metric"])
 def test_logging_a_per_sample_vector_is_refused_without_its_values(form):
     """Lightning's own error for a non-scalar ``self.log`` prints the value: in ``training_step`` the sampled
-    records' losses (as a tensor, a dict of them or a NumPy array). The strategy's refusal quotes none of them."""
+    records' losses (as a tensor, a dict of them or a NumPy array), or a torchmetrics metric's per-element result
+    (here a metric of each sample's loss; a per-class accuracy alike). The strategy's refusal quotes none of them."""
+    from torchmetrics import CatMetric
 
     class LogsVector(PerSampleLosses):
         def training_step(self, batch, batch_idx):
             losses = super().training_step(batch, batch_idx)
             vector = losses.detach()
+            if form == "metric":
+                self.losses = getattr(self, "losses", None) or CatMetric()
+                self.losses(vector)  # forward: its result is the sampled records' losses
+                self.log("per_sample", self.losses)
+                return losses
             self.log("per_sample", {"tensor": vector, "dict": {"losses": vector}, "array": vector.numpy()}[form])
             return losses
 
