@@ -530,12 +530,13 @@ class LocalTextDataModule(L.LightningDataModule):
             self.val_dataset = self._samples(public.select(kept), "validation")
 
     def _split_digest(self) -> str:
-        """Which documents of which files train (the training dataset's ``split_digest``, which a resume compares):
-        their indices and the files' names and sizes, hashed; the same for the same split on any machine."""
-        files = [(path.name, path.stat().st_size) for path in self.files]
-        hashed = hashlib.sha256(json.dumps(files).encode())
-        hashed.update(torch.tensor(self.train_documents, dtype=torch.int64).numpy().tobytes())
-        return hashed.hexdigest()
+        """The settings that choose the training documents (the training dataset's ``split_digest``, which a resume
+        compares and the checkpoint keeps): the files' names, ``seed``, ``val_fraction``, ``max_documents`` and the
+        number of documents, hashed. Only public settings: the files' sizes, or which documents are empty, are
+        values of the private data, and would tell two datasets that differ in one document apart."""
+        settings = [[path.name for path in self.files], self.seed, self.val_fraction, self.max_documents,
+                    len(self.train_documents) + len(self.val_documents)]
+        return hashlib.sha256(json.dumps(settings).encode()).hexdigest()
 
     def _samples(self, documents: Any, split: str) -> Dataset:
         if self.privacy_unit == "document":

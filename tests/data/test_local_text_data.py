@@ -218,6 +218,11 @@ def test_document_split_is_seeded_disjoint_and_drops_empty_documents(texts, tmp_
     assert same.val_documents == dm.val_documents and other.val_documents != dm.val_documents
     # what a resume compares (the privacy plan keeps it): the same split, the same digest
     assert same.train_dataset.split_digest == dm.train_dataset.split_digest != other.train_dataset.split_digest
+    # Kept in checkpoints: from public settings only, so a dataset that differs in one document has the same digest
+    # (it hashed the files' sizes, which told the two apart).
+    neighbour = write(tmp_path / "neighbour", texts[:3] + ["a document of another length"] + [""] + texts[4:], "jsonl")
+    neighbouring = module(neighbour, tmp_path, privacy_unit="document", val_fraction=0.3)
+    assert neighbouring.train_dataset.split_digest == dm.train_dataset.split_digest
     assert dm.vocab_size == 256 and dm.describe_privacy_unit().startswith("one document (a .jsonl line)")
 
 
