@@ -20,7 +20,7 @@ class GaussianNoise:
 
     Three sources, from the default to the explicit opt-in:
 
-    - default: a 256-bit `SecretKey` from OS entropy when the object is built (per process, never stored); step
+    - default: a 256-bit `SecretKey` from OS entropy at the object's first step (per process, never stored); step
       ``k``'s draws are keyed by ``(key, stream, k)``. On CPU each draw (a tensor, or all of a release's tensors
       together: `add_to_scaled_all`) is an AES-256-CTR keystream keyed by 256 bits of that stream, its nonce the draw's
       index in the step, turned into fp32 normals by `keystream_normals`: a cryptographically secure stream, faster
@@ -50,7 +50,9 @@ class GaussianNoise:
             raise ValueError("secure_mode draws fresh OS entropy for every noise tensor; a key cannot be combined.")
         self.reproducible = key is not None
         self.secure_mode = secure_mode
-        self._key = SecretKey.fresh() if key is None else key
+        # A fresh key is drawn at the first step: until then the object holds no secret and may travel to other
+        # processes (the main process's copy of a finished spawned fit, pickled to the workers of a later validate).
+        self._key: Optional[SecretKey] = key
         self._stream = stream
         self._device = torch.device(device)
         self._generators: tuple[torch.Generator, ...] = ()
@@ -84,6 +86,8 @@ class GaussianNoise:
         if self.secure_mode:
             return
         self._draws = 0
+        if self._key is None:
+            self._key = SecretKey.fresh()
         if self.keystream:
             self._cpu_key = self._key.stream(KEY_BYTES, "noise-aes256-ctr", *self._stream, step)
             return

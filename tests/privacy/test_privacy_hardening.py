@@ -49,7 +49,9 @@ def test_checkpoint_holds_no_seed_or_generator_state(tmp_path, mode):
     checkpoint = torch.load(tmp_path / "dp.ckpt", weights_only=False)
 
     secret_ints = {987_654_321}
-    secret_keys = [strategy.privacy.noise._key._key, strategy.privacy.sampling._key]
+    noise_key = strategy.privacy.noise._key  # None in secure_mode, which keys each tensor afresh
+    assert (noise_key is None) == (mode == "secure_mode")
+    secret_keys = [strategy.privacy.sampling._key, *([noise_key._key] if noise_key is not None else [])]
     leaves = list(walk(checkpoint))
     assert len(leaves) > 20
     for path, leaf in leaves:

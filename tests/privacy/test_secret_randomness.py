@@ -162,6 +162,14 @@ def test_a_secret_key_is_never_pickled_or_copied():
     make_trainer(strategy, max_steps=1).fit(make_module(small_config(n_layers=1)), loader(RandomTokens(8, 8), 2))
     with pytest.raises(TypeError, match="never pickled or copied"):
         pickle.dumps(strategy)
+    # The main process's session of a fit that ran in spawned workers holds a noise that has drawn nothing, and so no
+    # key yet: its strategy pickles to the workers of a later validate or test (a TypeError before).
+    finished = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3)
+    finished.privacy.load_finished_fit(strategy.privacy.state_dict(), "cpu")
+    assert finished.privacy.noise is not None and pickle.loads(pickle.dumps(finished)).get_epsilon() > 0
+    finished.privacy.noise.start_step(0)  # its first draw takes a key, never pickled
+    with pytest.raises(TypeError, match="never pickled or copied"):
+        pickle.dumps(finished)
 
 
 def test_secure_gaussians_refuse_a_chunk_that_splits_a_block():
