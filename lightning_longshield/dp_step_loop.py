@@ -20,7 +20,7 @@ from lightning_longshield.privacy.rank_zero import rank_zero_warn
 class DPStepLoop:
     """Strategy mix-in (before Lightning's strategy in the bases): one optimizer step is one DP step over one logical
     batch. Uses the strategy's ``dp_engine``, ``privacy`` (`PrivacySession`), ``config``, ``data_parallel_size``,
-    ``_padding`` (`ZeroWeightPadding`), ``_check_logged_metrics`` and ``_shard_sequence``."""
+    ``_padding`` (`ZeroWeightPadding`), ``_metric_guard`` (`SampledBatchMetricGuard`) and ``_shard_sequence``."""
 
     _scalar_loss_settled = False  # whether a scalar loss of several samples was checked (and warned about) yet
     _release_pending = False  # a logical batch ran through training_step and was not released yet
@@ -30,7 +30,7 @@ class DPStepLoop:
         """Attach ``model``, its ``self.log`` guarded until `teardown` (`GuardedLog`): in every training hook it
         refuses what would quote sampled values, and in the hooks run per micro-batch a per-call sync."""
         super().connect(model)
-        guard_logging(model, lambda: self.data_parallel_size)
+        guard_logging(model, lambda: self.data_parallel_size, self._metric_guard)
         self._release_pending, self._released_batch = False, None  # a new run's loop counts its batches anew
 
     def teardown(self) -> None:
@@ -58,7 +58,6 @@ class DPStepLoop:
             self._padding_step(self._padding.microbatch(self.batch_to_device), rest, kwargs)
         if not microbatches:
             return torch.zeros((), device=self.root_device)
-        self._check_logged_metrics()
         return output
 
     def _check_previous_batch_released(self) -> None:

@@ -326,19 +326,6 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         if self.privacy.steps_left_in_budget is not None:
             check_minimums_within_budget(trainer, self.privacy.steps_left_in_budget)
 
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self._check_logged_metrics()  # what the training hooks after the last training_step logged
-
-    @override
-    def on_train_end(self) -> None:
-        self._check_logged_metrics()  # the last step's hooks, and the epoch's end
-        super().on_train_end()
-
-    def _check_logged_metrics(self) -> None:
-        self._metric_guard.check(self.lightning_module.trainer.fit_loop.epoch_loop._results or {})
-
     @property
     def accountant(self) -> PrivacyAccountant:
         """The privacy accountant (every released step; survives checkpoints)."""

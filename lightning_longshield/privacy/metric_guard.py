@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,11 +15,9 @@ from torchmetrics import Metric
 
 from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
-#: The key under which the strategy logs the privacy spent (`PrivacyMonitor`), reserved: a user's is refused.
+#: The key under which the strategy logs the privacy spent (`PrivacyMonitor`, past the guard: `log_own`), reserved:
+#: a user's is refused.
 EPSILON_KEY = "epsilon"
-#: What the strategy itself logs in the training loop: the privacy spent, not a value of the data. A user's
-#: ``self.log`` of the reserved key is refused (`GuardedLog`), so only the strategy's own call reaches these keys.
-OWN_KEYS = frozenset({f"on_train_batch_end.{EPSILON_KEY}"})
 #: The hooks that run once per micro-batch (`DPStepLoop`): each data-parallel group runs them as often as its Poisson
 #: sample has micro-batches, so a collective in them meets a different collective on another group.
 PER_MICROBATCH_HOOKS = frozenset({"training_step", "on_before_backward", "on_after_backward"})
@@ -27,24 +25,23 @@ PER_MICROBATCH_HOOKS = frozenset({"training_step", "on_before_backward", "on_aft
 
 class SampledBatchMetricGuard:
     """Warns once per metric name that a value logged in the training loop (``training_step`` or any training hook:
-    ``on_train_batch_end``, ``on_train_epoch_end``, ...) is outside the privacy guarantee."""
+    ``on_train_batch_end``, ``on_train_epoch_end``, ...) is outside the privacy guarantee: at the ``self.log`` call
+    (`GuardedLog`), before Lightning hands the value to a logger."""
 
     def __init__(self) -> None:
         self.warned: set[str] = set()
 
-    def check(self, logged_keys: Iterable[str]) -> None:
-        """``logged_keys``: the keys of the training loop's results (``"<hook>.<name>"``)."""
-        logged = {key.split(".", 1)[1]: key.split(".", 1)[0] for key in logged_keys if key not in OWN_KEYS}
-        new = sorted(set(logged) - self.warned)
-        if new:
-            self.warned.update(new)
-            hooks = ", ".join(sorted({logged[name] for name in new}))
-            rank_zero_warn(
-                f"The training loop ({hooks}) logged {new}: if computed from the sampled batch (a loss, a token count,"
-                " a norm) without noise, these values are NOT covered by the differential-privacy guarantee, which"
-                " protects only the noisy parameters (and what is computed from them alone). Log metrics on held-out"
-                " data (validation) instead, unless releasing them is acceptable."
-            )
+    def check(self, hook: str, name: str) -> None:
+        """``name`` is being logged in the training hook ``hook``: warn, the first time for that name."""
+        if name in self.warned:
+            return
+        self.warned.add(name)
+        rank_zero_warn(
+            f"The training loop ({hook}) logged {[name]}: if computed from the sampled batch (a loss, a token count,"
+            " a norm) without noise, these values are NOT covered by the differential-privacy guarantee, which"
+            " protects only the noisy parameters (and what is computed from them alone). Log metrics on held-out"
+            " data (validation) instead, unless releasing them is acceptable."
+        )
 
 
 class GuardedLog:
@@ -59,9 +56,11 @@ class GuardedLog:
       with the noisy gradient's all-reduce);
     - the key `EPSILON_KEY`, which the strategy logs itself (`log_own`)."""
 
-    def __init__(self, module: nn.Module, data_parallel_groups: Callable[[], int]) -> None:
+    def __init__(self, module: nn.Module, data_parallel_groups: Callable[[], int],
+                 metric_guard: SampledBatchMetricGuard) -> None:
         self.module = module
         self.data_parallel_groups = data_parallel_groups  # asked only for a sync in a per-micro-batch hook
+        self.metric_guard = metric_guard
         self.restores = module.__dict__.get("log")  # what `unguard_logging` puts back (an instance's own log)
         self.original = module.log
         self.signature = inspect.signature(self.original)
@@ -91,6 +90,8 @@ class GuardedLog:
                     " own value), with on_step=False (one sync at the epoch's end), or sync a held-out metric in"
                     " validation_step."
                 )
+        if trainer is not None and trainer.training:
+            self.metric_guard.check(hook, name)
         self.original(name, value, *args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -108,10 +109,12 @@ def _one_group() -> int:
     return 1
 
 
-def guard_logging(module: nn.Module, data_parallel_groups: Callable[[], int]) -> None:
+def guard_logging(module: nn.Module, data_parallel_groups: Callable[[], int],
+                  metric_guard: SampledBatchMetricGuard) -> None:
     """Route ``module.log`` through a `GuardedLog` (an instance attribute shadowing the method) until
-    `unguard_logging`. ``data_parallel_groups``: the run's number of data-parallel groups, once it is set up."""
-    module.__dict__["log"] = GuardedLog(module, data_parallel_groups)
+    `unguard_logging`. ``data_parallel_groups``: the run's number of data-parallel groups, once it is set up;
+    ``metric_guard``: the run's warnings for values logged in the training loop."""
+    module.__dict__["log"] = GuardedLog(module, data_parallel_groups, metric_guard)
 
 
 def unguard_logging(module: nn.Module) -> None:

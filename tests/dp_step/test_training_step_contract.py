@@ -18,7 +18,7 @@ from lightning_longshield import CausalLMModule, LongShieldStrategy, StrategyCon
 from lightning_longshield.loss import loss_divisors
 from lightning_longshield.module import unpack_batch
 from lightning_longshield.privacy import DPSGDEngine, GaussianNoise, PerSampleGradCapture, PrivacyAccountant
-from lightning_longshield.privacy.metric_guard import guard_logging, unguard_logging
+from lightning_longshield.privacy.metric_guard import SampledBatchMetricGuard, guard_logging, unguard_logging
 from lightning_longshield.privacy.randomness import SecretKey
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
@@ -319,7 +319,7 @@ def test_a_sync_at_every_call_in_a_per_microbatch_hook_is_refused_with_several_d
             logged.append((name, sync_dist, on_step))
 
     module, groups = Logging(), [2]
-    guard_logging(module, lambda: groups[0])
+    guard_logging(module, lambda: groups[0], SampledBatchMetricGuard())
     module._current_fx_name = hook
     with pytest.raises(ValueError, match=rf"self.log\('loss', ..., sync_dist=True\) in {hook} .* 2 data-parallel"):
         module.log("loss", 1.0, sync_dist=True)
