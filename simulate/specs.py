@@ -213,7 +213,8 @@ def get_model_spec(name: str) -> ModelSpec:
         found = "not a folder" if os.path.exists(path) else "no such folder"
         raise ValueError(
             f"No Hugging Face model directory at {path!r}: {found} (a relative path is read from the working"
-            f" directory, {os.getcwd()!r}). Create or fetch it, or give a preset: {sorted(MODEL_PRESETS)}."
+            f" directory, {os.getcwd()!r}). Fetch it (the planner reads only its config.json: hf download <repo>"
+            f" config.json --local-dir <folder>), or give a preset: {sorted(MODEL_PRESETS)}."
         )
     raise ValueError(
         f"Unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}, or give a local Hugging Face Llama"

@@ -49,6 +49,8 @@ TOKENIZER_AND_GENERATION_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "
                                   "chat_template.jinja", "chat_template.json", "generation_config.json", "vocab.json",
                                   "merges.txt")
 CARRIED_FILES = (*TOKENIZER_AND_GENERATION_FILES, "LICENSE", "LICENSE.txt", "LICENSE.md", "USE_POLICY.md", "NOTICE")
+#: How to download a model from the Hub (huggingface_hub's ``hf`` command; ``huggingface-cli`` before its 1.0).
+DOWNLOAD_COMMAND = "hf download <repo> --local-dir <folder> (huggingface-cli download with older huggingface_hub)"
 #: ``config.json`` entries an export takes from the source checkpoint: the special tokens' ids.
 CARRIED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -105,7 +107,8 @@ def read_config(directory: PathLike) -> LlamaConfig:
                  else f"no {CONFIG_FILE} in it")
         raise FileNotFoundError(
             f"No Hugging Face model directory at {os.fspath(directory)!r}: {found}. Pass a local directory holding"
-            f" {CONFIG_FILE} and safetensors weights (as written by save_pretrained)."
+            f" {CONFIG_FILE} and safetensors weights (as written by save_pretrained); a model on the Hub is read from"
+            f" a download, e.g. {DOWNLOAD_COMMAND}."
         )
     return config_from_hf(read_config_json(path))
 
@@ -208,14 +211,14 @@ def _check_downloaded(path: Path) -> None:
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} is missing: {WEIGHTS_INDEX_FILE} names it, so the checkpoint was not downloaded whole. Download"
-            " every file again (e.g. huggingface-cli download <repo> --local-dir <folder>)."
+            f" every file again (e.g. {DOWNLOAD_COMMAND})."
         )
     with path.open("rb") as handle:
         head = handle.read(len(_LFS_POINTER))
     if head == _LFS_POINTER:
         raise ValueError(
             f"{path} is a Git LFS pointer, not the weights: the repository was cloned without git-lfs. Run"
-            f" 'git lfs pull' in {path.parent}, or download it with huggingface-cli."
+            f" 'git lfs pull' in {path.parent}, or download the model with {DOWNLOAD_COMMAND}."
         )
 
 

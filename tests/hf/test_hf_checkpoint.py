@@ -82,12 +82,14 @@ def test_weights_not_downloaded_whole_are_refused_up_front_naming_the_fix(tmp_pa
     write_hf_llama(tmp_path / "sharded", max_shard_size="20KB")
     shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[-1]
     shard.unlink()
-    with pytest.raises(FileNotFoundError, match=rf"{re.escape(shard.name)} is missing: .* not downloaded whole"):
+    with pytest.raises(FileNotFoundError,
+                       match=rf"{re.escape(shard.name)} is missing: .* not downloaded whole.*hf download"):
         check_weights(tmp_path / "sharded")
     write_hf_llama(tmp_path / "pointer")
     (tmp_path / "pointer" / checkpoint.WEIGHTS_FILE).write_text(
         "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")
-    with pytest.raises(ValueError, match="is a Git LFS pointer, not the weights: .* 'git lfs pull'"):
+    with pytest.raises(ValueError,
+                       match="is a Git LFS pointer, not the weights: .* 'git lfs pull'.* hf download <repo>"):
         check_weights(tmp_path / "pointer")
 
 
@@ -349,7 +351,8 @@ def test_missing_files_and_tensors_are_named(tmp_path: Path) -> None:
     (tmp_path / checkpoint.WEIGHTS_FILE).unlink()
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}.*model.safetensors and model.safetensors.index.json"):
         checkpoint.load_model(tmp_path)
-    with pytest.raises(FileNotFoundError, match="No Hugging Face model directory at .*nowhere': no such directory"):
+    with pytest.raises(FileNotFoundError, match="No Hugging Face model directory at .*nowhere': no such directory.*"
+                                                "e.g. hf download <repo> --local-dir <folder>"):
         checkpoint.load_model(tmp_path / "nowhere")
     (tmp_path / checkpoint.CONFIG_FILE).write_text('{"model_type": "llama",')  # cut short
     with pytest.raises(ValueError, match=f"{tmp_path}/config.json is not valid JSON"):
