@@ -73,9 +73,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def demo_inputs(output_dir: Path, max_files: int = 120, val_files: int = 12) -> tuple[Path, Path, Path]:
-    """A tiny random Llama with a tokenizer, a .jsonl with one standard-library file per line to train on, and one
-    of other (public) standard-library files to validate on."""
+def demo_inputs(output_dir: Path, with_model: bool = True, max_files: int = 120,
+                val_files: int = 12) -> tuple[Optional[Path], Path, Path]:
+    """A tiny random Llama with a tokenizer (``with_model``; else None), a .jsonl with one standard-library file per
+    line to train on, and one of other (public) standard-library files to validate on."""
     sources = [p for p in python_stdlib_sources() if 2_000 < p.stat().st_size < 40_000][:max_files + val_files]
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in sources]
     texts, val_texts = texts[:max_files], texts[max_files:]
@@ -84,6 +85,8 @@ def demo_inputs(output_dir: Path, max_files: int = 120, val_files: int = 12) -> 
     for path, part in ((data, texts), (val_data, val_texts)):
         if not path.exists():
             path.write_text("".join(json.dumps({"text": text}) + "\n" for text in part))
+    if not with_model:
+        return None, data, val_data
     model_dir = output_dir / "tiny-llama"
     if not (model_dir / "config.json").exists():
         write_demo_llama(model_dir, texts)
@@ -94,13 +97,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     output_dir = args.output_dir or Path(tempfile.mkdtemp(prefix="finetune_hf_"))
     model_dir, data_files, val_files = args.model_dir, args.data, args.val_data
+    written: list[Path] = []  # the demo files this run wrote or reused: only what the arguments did not give
     if model_dir is None or data_files is None:
-        demo_model, demo_data, demo_val = demo_inputs(output_dir)
-        if data_files is None and val_files is None:
-            val_files = [demo_val]
-        model_dir, data_files = model_dir or demo_model, data_files or [demo_data]
+        demo_model, demo_data, demo_val = demo_inputs(output_dir, with_model=model_dir is None)
+        if model_dir is None:
+            assert demo_model is not None
+            model_dir = demo_model
+            written.append(demo_model)
+        if data_files is None:
+            data_files = [demo_data]
+            written.append(demo_data)
+            if val_files is None:
+                val_files = [demo_val]
+                written.append(demo_val)
     if args.prepare_only:
-        print(f"Wrote {model_dir} and {', '.join(str(path) for path in [*data_files, *(val_files or [])])}")
+        print(f"Wrote {', '.join(str(path) for path in written)}" if written else
+              "Nothing to prepare: --model-dir and --data are given.")
         return
     tokenizer = model_tokenizer(model_dir, "Put the model's tokenizer files in --model-dir.")
     data = LocalTextDataModule(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Literal, Optional, Union
 
 import lightning as L
@@ -197,6 +197,9 @@ class CausalLMModule(L.LightningModule):
                                    "lora": None if self.lora is None else asdict(self.lora),
                                    "loss_chunk_tokens": loss_chunk_tokens})
         self.model: Optional[Llama] = None
+        #: The positions a fit trained beyond the config's ``max_seq_len`` (the data's public ``seq_len``), declared
+        #: by `save_pretrained` as ``max_position_embeddings``.
+        self.trained_positions: Optional[int] = None
         self.val_perplexity = TokenPerplexity()
         self.test_perplexity = TokenPerplexity()
 
@@ -215,6 +218,16 @@ class CausalLMModule(L.LightningModule):
         check_vocab = getattr(datamodule, "check_vocab", None)
         if callable(check_vocab):
             check_vocab(self.config.vocab_size)
+        seq_len = getattr(datamodule, "seq_len", None)  # a public setting of the library's data modules
+        if stage == "fit" and isinstance(seq_len, int) and seq_len > self.config.max_seq_len:
+            self.trained_positions = seq_len
+            if self.pretrained_directory is not None:
+                rank_zero_warn(
+                    f"The data's seq_len {seq_len} is beyond the checkpoint's max_position_embeddings"
+                    f" ({self.config.max_seq_len}): positions past it were not pretrained, and a model whose RoPE was"
+                    " not scaled for the length may train worse there. An export declares max_position_embeddings"
+                    f" {seq_len}, the length trained."
+                )
 
     def configure_model(self) -> None:
         """Build the `Llama` (on the meta device under context parallelism), from the Hugging Face checkpoint if
@@ -237,8 +250,11 @@ class CausalLMModule(L.LightningModule):
     def save_pretrained(self, directory: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
                         max_shard_size: Union[int, str] = hf.DEFAULT_MAX_SHARD_SIZE) -> None:
         """Write the model (LoRA adapters merged) as a Hugging Face Llama directory, in safetensors files of at most
-        ``max_shard_size``; a collective under FSDP2."""
+        ``max_shard_size``; a collective under FSDP2. Its ``max_position_embeddings`` is the config's, or the length
+        a fit trained where that is longer (`trained_positions`)."""
         assert self.model is not None, "call configure_model() first"
+        if self.trained_positions is not None and self.trained_positions > self.model.config.max_seq_len:
+            self.model.config = replace(self.model.config, max_seq_len=self.trained_positions)
         hf.save_pretrained(self.model, directory, dtype, max_shard_size)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

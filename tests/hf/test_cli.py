@@ -160,6 +160,21 @@ def test_print_config_shows_the_strategy_and_lora(capsys):
     assert "class_path: lightning_longshield.LongShieldStrategy" in out and "rank: 8" in out
 
 
+def test_training_beyond_the_checkpoints_positions_is_warned_and_exported(tmp_path):
+    """A Llama-2-like window (max_position_embeddings 96) trained at seq_len 128: warned as the data is set up, and
+    the export declares the length trained (it kept 96, and serving stacks cap the context there)."""
+    texts = [p.read_text(encoding="utf-8") for p in python_stdlib_sources() if 2_000 < p.stat().st_size < 8_000][:12]
+    write_demo_llama(tmp_path / "hf", texts, vocab_size=300, hidden_size=32, intermediate_size=64,
+                     max_position_embeddings=96, rope_scaling=None)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    with pytest.warns(UserWarning, match=r"seq_len 128 is beyond the checkpoint's max_position_embeddings \(96\)"):
+        run_cli(["fit", "--config", str(CONFIGS / "finetune_lora.yaml"), *QUICK, "--trainer.default_root_dir",
+                 str(tmp_path), "--model.config", str(tmp_path / "hf"), "--data.init_args.data_files",
+                 str(tmp_path / "docs.jsonl"), "--data.init_args.val_files", "null", "--data.init_args.seq_len", "128",
+                 "--data.init_args.cache_dir", str(tmp_path / "cache"), "--export_to", str(tmp_path / "out")])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["max_position_embeddings"] == 128
+
+
 def test_lora_fine_tune_from_flags_exports_a_checkpoint_transformers_loads(tmp_path):
     texts = [p.read_text(encoding="utf-8") for p in python_stdlib_sources() if 2_000 < p.stat().st_size < 8_000][:34]
     texts, public = texts[:30], texts[30:]  # validation on public documents, not held out from the private ones

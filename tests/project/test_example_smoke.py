@@ -75,3 +75,22 @@ def test_finetune_hf_example_prints_guarantee_with_unit_and_exports(tmp_path):
     assert output_dir.parent == tmp_path / "tmp" and not list((tmp_path / "cwd").iterdir())
     exported = output_dir / "exported"
     assert (exported / "model.safetensors").exists() and (exported / "config.json").exists()
+
+
+def test_finetune_hf_prepares_only_what_its_arguments_do_not_give(tmp_path, capsys):
+    """With --model-dir it wrote the random demo model anyway, and --prepare-only then said it had written the user's
+    own model."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_hf", EXAMPLE.with_name("finetune_hf.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    mine = tmp_path / "my-llama"
+    mine.mkdir()
+    example.main(["--prepare-only", "--model-dir", str(mine), "--output-dir", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert not (tmp_path / "out" / "tiny-llama").exists() and str(mine) not in out
+    assert f"Wrote {tmp_path / 'out' / 'stdlib.jsonl'}, {tmp_path / 'out' / 'stdlib_val.jsonl'}" in out
+    example.main(["--prepare-only", "--model-dir", str(mine), "--data", str(tmp_path / "out" / "stdlib.jsonl"),
+                  "--output-dir", str(tmp_path / "out")])
+    assert "Nothing to prepare" in capsys.readouterr().out
