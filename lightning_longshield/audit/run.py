@@ -110,15 +110,30 @@ class AuditReport:
                 " guarantee broken (lower bound above the claim), never that it holds." + self._limits())
 
     def _limits(self) -> str:
-        """What limits this audit's reading: a claim it could not refute, or a bound capped by its size."""
+        """What limits this audit's reading: a claim it could not refute, or a bound at the most its size allows."""
         notes = ""
         if not self.can_refute_claim:
-            notes += (f" At this size and confidence no run can show more than {self.largest_reportable_bound:.3f},"
-                      " which is not above the claim: this audit could not detect a broken guarantee. Use more"
-                      " canaries or a lower confidence.")
-        if self.guesses and self.correct == self.guesses:
+            notes += " " + unrefutable_claim(self.m, self.delta, self.confidence, self.claimed_epsilon,
+                                             self.largest_reportable_bound)
+        at_ceiling = self.epsilon_lower_bound >= self.largest_reportable_bound * (1 - 1e-6)
+        if self.guesses and self.correct == self.guesses and at_ceiling:
             notes += " Every guess was right: the bound is capped by the audit's size, not measured."
         return notes
+
+
+def unrefutable_claim(m: int, delta: float, confidence: float, claimed: float, ceiling: float) -> str:
+    """Why an audit of ``m`` canaries could not refute ``claimed`` (its bound is at most ``ceiling``), and what would
+    raise the ceiling: more canaries only while the bound's delta term (2 m delta) leaves room (at a fixed delta the
+    ceiling peaks, about 5.67 near 5,000 canaries at delta 1e-5 and 95%, then falls)."""
+    if math.isinf(claimed):
+        return ("The claimed epsilon is infinite (a run without noise): no audit can show it broken, and the bound"
+                " only shows how much the run leaks.")
+    doubled = largest_reportable_bound(2 * m, delta, guess_candidates(2 * m), confidence)
+    more = f"Use more canaries (twice as many could show up to {doubled:.3f}) or a lower confidence."
+    fix = more if doubled > ceiling else ("More canaries would not raise it at this delta (the bound pays 2 x canaries"
+                                          " x delta): use a smaller delta or a lower confidence.")
+    return (f"At this size and confidence no run can show more than {ceiling:.3f}, which is not above the claim: this"
+            f" audit could not detect a broken guarantee. {fix}")
 
 
 def audit_training(
@@ -218,10 +233,11 @@ def audit_training(
                          top_guess_accuracy(scores, chosen.included),
                          largest_reportable_bound(canaries, plan.delta, candidates, confidence), chosen.seed)
     if not report.can_refute_claim:
-        warnings.warn(f"The audit of {canaries} canaries at {100 * confidence:.4g}% confidence can report at most"
-                      f" epsilon {report.largest_reportable_bound:.3f}, not above the claimed"
-                      f" {report.claimed_epsilon:.3f}: it could not detect a broken guarantee. Use more canaries or a"
-                      " lower confidence.", UserWarning, stacklevel=2)
+        warnings.warn(f"The audit of {canaries} canaries at {100 * confidence:.4g}% confidence (claimed epsilon"
+                      f" {report.claimed_epsilon:.3f}): " + unrefutable_claim(canaries, plan.delta, confidence,
+                                                                             report.claimed_epsilon,
+                                                                             report.largest_reportable_bound),
+                      UserWarning, stacklevel=2)
     return report
 
 

@@ -183,7 +183,18 @@ def test_an_audited_module_gets_its_training_step_back():
     assert "at 99.9% confidence" in dataclasses.replace(report, confidence=0.999).summary()
     assert report.largest_reportable_bound < report.claimed_epsilon  # 10 canaries show next to nothing
     assert "this audit could not detect a broken guarantee" in report.summary()
-    assert "Every guess was right" in dataclasses.replace(report, guesses=4, correct=4).summary()
+    # Its delta is large beside 10 canaries' reach: more of them would not help, a smaller delta would.
+    assert f"delta={report.delta:.3g}" in report.summary() and "use a smaller delta" in report.summary()
+    few = dataclasses.replace(report, m=1000, delta=1e-5, largest_reportable_bound=4.911, claimed_epsilon=8.0)
+    assert "Use more canaries (twice as many could show up to 5.468)" in few.summary()
+    # "Capped by the audit's size" only at the ceiling: a few right guesses measure a bound below it.
+    capped = dataclasses.replace(few, guesses=20, correct=20, epsilon_lower_bound=4.911)
+    assert "Every guess was right" in capped.summary()
+    assert "Every guess was right" not in dataclasses.replace(capped, epsilon_lower_bound=1.2).summary()
+    # At a fixed delta more canaries stop helping once 2 m delta dominates; an infinite claim cannot be refuted.
+    crowded = dataclasses.replace(report, m=20_000, delta=1e-5, largest_reportable_bound=5.53, claimed_epsilon=8.0)
+    assert "More canaries would not raise it at this delta" in crowded.summary()
+    assert "no audit can show it broken" in dataclasses.replace(report, claimed_epsilon=math.inf).summary()
 
 
 def test_a_head_with_a_trainable_bias_does_not_carry_the_canaries():
