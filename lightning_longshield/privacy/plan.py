@@ -12,6 +12,11 @@ from lightning_longshield.privacy.accountant import ACCOUNTANTS, PrivacyAccounta
 DEFAULT_TARGET_EPSILON = 8.0
 
 
+#: The smallest ``max_grad_norm`` taken: squares of fp32 values below 2^-63 lose relative precision (subnormal), so
+#: the clipping margin covers a norm's rounding only for bounds far above that (`PrivacyArguments.validate`).
+SMALLEST_MAX_GRAD_NORM = 1e-6
+
+
 @dataclass(frozen=True)
 class PrivacyArguments:
     """What the user asked for; `validate` rejects impossible or conflicting combinations up front."""
@@ -25,6 +30,13 @@ class PrivacyArguments:
     def validate(self) -> None:
         if not 0 < self.max_grad_norm < math.inf:
             raise ValueError(f"max_grad_norm must be > 0 and finite, got {self.max_grad_norm}.")
+        if self.max_grad_norm < SMALLEST_MAX_GRAD_NORM:
+            raise ValueError(
+                f"max_grad_norm={self.max_grad_norm:g} is below {SMALLEST_MAX_GRAD_NORM:g}: the norms are formed from"
+                " fp32 squares, whose rounding is relative only above fp32's smallest normal values, so the clipping"
+                " bound holds within its margin only for bounds far above what underflows (about 1e-12 at 10^10"
+                " parameters). Scale the loss instead (the learning rate absorbs it)."
+            )
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant={self.accountant!r} is not supported; choose one of {ACCOUNTANTS}.")
         if self.noise_multiplier is not None and not 0 <= self.noise_multiplier < math.inf:

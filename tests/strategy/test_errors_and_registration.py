@@ -51,6 +51,7 @@ def test_a_single_process_keeps_plain_tracebacks(monkeypatch):
         (dict(target_epsilon=0.0), "target_epsilon must be > 0"),
         (dict(target_delta=1.5), "target_delta must be in"),
         (dict(max_grad_norm=0.0), "max_grad_norm must be > 0"),
+        (dict(max_grad_norm=1e-20), "max_grad_norm=1e-20 is below 1e-06: the norms are formed from fp32 squares"),
         (dict(micro_batch_size=0), "micro_batch_size must be an integer >= 1"),
         (dict(accountant="gdp"), "accountant='gdp' is not supported"),
         (dict(exchange="diagonal"), "exchange='diagonal': choose one of"),
