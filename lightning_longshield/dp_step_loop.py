@@ -184,6 +184,7 @@ class DPStepLoop:
                 )
             evaluated = True
             result = closure()
+            self.dp_engine.forget_uncaptured_gradients(optimizer)
             plan = self.privacy.plan
             assert plan is not None
             self.privacy.record_release()

@@ -49,6 +49,7 @@ from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
 from lightning_longshield.privacy.session import PrivacySession
 from lightning_longshield.trainer_checks import (
     check_minimums_within_budget,
+    check_optimizers_hold_only_captured,
     check_same_training_data,
     check_trainer_for_dp_sgd,
     planned_fit_steps,
@@ -244,6 +245,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
             self._release_pending = False  # a fresh clipped sum: nothing of an interrupted fit is carried over
             add_training_callbacks(trainer)
             self.setup_optimizers(trainer)
+            check_optimizers_hold_only_captured(self.optimizers, self._engine.capture.parameters.values())
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
 

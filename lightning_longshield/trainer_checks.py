@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateFinder, SpikeDetection, ThroughputMonitor
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.profilers import PassThroughProfiler
+from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_longshield.dist_compat import all_gathered
 from lightning_longshield.evaluation_split import PaddingMarked
@@ -74,6 +77,22 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
             "precision='16-true' (fp16 without loss scaling) is not supported: per-sample gradients overflow fp16's"
             " range to inf, and a sample with a non-finite gradient is dropped from the update (clip factor 0), so"
             " training would silently lose samples. Use precision='bf16-true' or 'bf16-mixed' (or 32)."
+        )
+
+
+def check_optimizers_hold_only_captured(optimizers: Iterable[Optimizer], captured: Iterable[Tensor]) -> None:
+    """Refuse an optimizer holding a trainable tensor that the DP engine does not capture (not a parameter of the
+    module's layers: a tensor kept as a plain attribute, or a layer in a Python list): backward gives it its summed,
+    unclipped gradient, and the optimizer would apply it without noise."""
+    known = {id(tensor) for tensor in captured}
+    stray = [tuple(tensor.shape) for optimizer in optimizers for group in optimizer.param_groups
+             for tensor in group["params"] if tensor.requires_grad and id(tensor) not in known]
+    if stray:
+        raise ValueError(
+            f"The optimizer holds {len(stray)} trainable tensor(s) that are not parameters of the module (shapes"
+            f" {stray[:5]}): they would be updated from their raw gradients, summed over the batch without clipping"
+            " or noise. Register them in the module (nn.Parameter on a supported layer, nn.ModuleList for lists of"
+            " layers), freeze them (requires_grad=False), or leave them out of the optimizer."
         )
 
 

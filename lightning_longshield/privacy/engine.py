@@ -195,6 +195,15 @@ class DPSGDEngine:
         chosen = self.capture.bookkeeper.choices if self.capture.bookkeeper is not None else {}
         return {name: chosen.get(name, "materialize") for name in self.capture.parameters}
 
+    def forget_uncaptured_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the ``.grad`` of every tensor of ``optimizer`` that the capture does not know (a parameter unfrozen
+        during the step): only the released, private gradients reach the optimizer."""
+        captured = {id(param) for param in self.capture.parameters.values()}
+        for group in optimizer.param_groups:
+            for tensor in group["params"]:
+                if id(tensor) not in captured:
+                    tensor.grad = None
+
     def release(self, noise_multiplier: float, sample_rate: float, expected_batch_size: float) -> None:
         """Write the private gradient of the logical batch to ``param.grad`` and account for the step."""
         self.noise.start_step(self.accountant.steps)

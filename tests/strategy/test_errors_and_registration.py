@@ -402,3 +402,43 @@ def test_noise_calibrated_to_lightnings_default_of_1000_epochs_is_warned(limits)
     else:
         assert len(warned) == 1 and "plans 4000 steps" in warned[0] and "Set max_steps" in warned[0]
     assert trainer.global_step == 0
+
+
+def test_an_optimizer_tensor_the_module_does_not_register_is_refused():
+    """A trainable tensor kept as a plain attribute and handed to the optimizer got its summed, unclipped gradient
+    applied without noise (with ``optimizer_zero_grad`` overridden; else it silently never trained)."""
+
+    class WithTemperature(type(make_module(small_config(n_layers=1)))):
+        def configure_optimizers(self):
+            self.temperature = torch.ones((), requires_grad=True)
+            return torch.optim.SGD([*self.parameters(), self.temperature], lr=0.1)
+
+    strategy = LongShieldStrategy(noise_multiplier=1.0)
+    module = WithTemperature(small_config(n_layers=1), optimizer="sgd", learning_rate=0.1)
+    with pytest.raises(ValueError, match=r"holds 1 trainable tensor\(s\) that are not parameters of the module"):
+        fit(strategy, module=module)
+    assert strategy.accountant.steps == 0
+
+
+def test_a_parameter_unfrozen_during_a_step_gets_no_raw_update():
+    """Unfrozen inside ``training_step`` (after the step's check), a parameter's backward gave it a summed, unclipped
+    ``.grad``; with ``optimizer_zero_grad`` overridden the optimizer applied it. It is dropped before the release,
+    and the next step refuses the change."""
+
+    class Unfreezes(type(make_module(small_config(n_layers=1)))):
+        def training_step(self, batch, batch_idx):
+            self.model.norm.weight.requires_grad_(True)
+            return super().training_step(batch, batch_idx)
+
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+            pass
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Unfreezes(small_config(n_layers=1), optimizer="sgd", learning_rate=0.1)
+    module.configure_model()
+    module.model.norm.weight.requires_grad_(False)
+    before = module.model.norm.weight.detach().clone()
+    make_trainer(LongShieldStrategy(noise_multiplier=1.0), max_steps=1).fit(module, loader(RandomTokens(8, 8), 2))
+    assert torch.equal(module.model.norm.weight.detach(), before)
