@@ -10,9 +10,8 @@ before.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -22,20 +21,29 @@ CheckpointPolicy = Union[bool, int, Callable[[int, nn.Module], bool]]
 
 
 class CheckpointedForward:
-    """A module's forward run under non-reentrant `torch.utils.checkpoint` (installed as the instance's forward).
+    """A module's forward run under non-reentrant `torch.utils.checkpoint` (installed as the instance's forward;
+    ``replaced``: the instance's own forward it replaced, if it had one, put back by `remove_activation_checkpointing`).
 
-    The call's keyword arguments go to the module's forward, bound before `checkpoint` is called: given to
-    `checkpoint` they would be read as its own options (``debug``, ``context_fn``, ``determinism_check``,
-    ``preserve_rng_state``, ``use_reentrant``). Non-reentrant checkpointing recomputes the bound call as it is, and
-    gradients reach tensors among them as among the positional ones.
+    The call's keyword arguments reach `checkpoint` as positional arguments, turned back into keywords inside:
+    given to `checkpoint` by name they would be read as its own options (``debug``, ``context_fn``,
+    ``determinism_check``, ``preserve_rng_state``, ``use_reentrant``), and bound outside it (a ``partial``) their
+    tensors would be hidden from it, which saves and restores the RNG state (dropout's) only of the devices of the
+    tensors it is given: a block called with keywords alone would recompute other dropout masks on a GPU.
     """
 
-    def __init__(self, forward: Callable[..., Any]) -> None:
+    def __init__(self, forward: Callable[..., Any], replaced: Optional[Callable[..., Any]] = None) -> None:
         self.forward = forward
+        self.replaced = replaced
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = functools.partial(self.forward, **kwargs) if kwargs else self.forward
-        return checkpoint(forward, *args, use_reentrant=False)
+        if not kwargs:
+            return checkpoint(self.forward, *args, use_reentrant=False)
+        names, count = list(kwargs), len(args)
+
+        def forward(*values: Any) -> Any:
+            return self.forward(*values[:count], **dict(zip(names, values[count:])))
+
+        return checkpoint(forward, *args, *kwargs.values(), use_reentrant=False)
 
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
@@ -90,6 +98,19 @@ def apply_activation_checkpointing(module: nn.Module, policy: CheckpointPolicy =
         )
     selected = select_blocks(blocks, policy)
     for block in selected:
-        if not isinstance(block.__dict__.get("forward"), CheckpointedForward):
-            block.forward = CheckpointedForward(block.forward)
+        own = block.__dict__.get("forward")
+        if not isinstance(own, CheckpointedForward):
+            block.forward = CheckpointedForward(block.forward, own)
     return len(selected)
+
+
+def remove_activation_checkpointing(module: nn.Module) -> None:
+    """Give every checkpointed block of ``module`` its forward back (after a fit): a wrapper left in place would run
+    a layer frozen in that fit, and trainable in the next, inside a checkpoint beside its per-sample capture."""
+    for child in module.modules():
+        wrapper = child.__dict__.get("forward")
+        if isinstance(wrapper, CheckpointedForward):
+            if wrapper.replaced is None:
+                del child.forward
+            else:
+                child.forward = wrapper.replaced

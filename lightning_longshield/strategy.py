@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_longshield import dp_dataloaders
 from lightning_longshield import preflight as _preflight
+from lightning_longshield.activation_checkpointing import remove_activation_checkpointing
 from lightning_longshield.callbacks import add_training_callbacks
 from lightning_longshield.checkpoints import StrategyCheckpoints, check_checkpoint_options, mark_trained
 from lightning_longshield.context_parallel import (
@@ -376,6 +377,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
             mark_trained(self.lightning_module, self.privacy)
         if self._engine is not None:
             self._engine.remove()
+            if self.lightning_module is not None:
+                remove_activation_checkpointing(self.lightning_module)
         self.privacy.close_ledger()
         super().teardown()
 
