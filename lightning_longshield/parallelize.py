@@ -91,9 +91,11 @@ def shard_with_fsdp(
     def placement(param: nn.Parameter) -> Shard:
         return Shard(1) if id(param) in input_sharded else Shard(0)
 
-    for list_module in [m for m in module.modules() if isinstance(m, nn.ModuleList)]:
+    # The innermost lists first (a block's experts before the blocks): FSDP2 shards a module's submodules before it.
+    for list_module in reversed([m for m in module.modules() if isinstance(m, nn.ModuleList)]):
         for block in list_module:
-            if not isinstance(block, FSDPModule):  # an earlier fit of this module sharded it already
+            # Sharded already (an earlier fit of this module), or a list itself (stages of blocks), never called.
+            if not isinstance(block, (FSDPModule, nn.ModuleList)):
                 fully_shard(block, mesh=mesh, shard_placement_fn=placement, mp_policy=mp_policy)
     if any(p.requires_grad for p in module.parameters(recurse=False)):
         raise TypeError(f"{type(module).__name__} owns parameters directly; put them in a submodule to shard it.")

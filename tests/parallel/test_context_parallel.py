@@ -304,3 +304,11 @@ def test_output_stationary_shards_input_features_only_where_they_split_evenly():
     assert input_sharded_weights(model, 2) == [wide.weight]
     assert input_sharded_weights(model, 3) == [odd.weight]
     assert input_sharded_weights(model, 1) == [wide.weight, odd.weight]
+
+
+def test_blocks_holding_lists_of_their_own_are_sharded(tmp_path):
+    """A mixture's experts in a list inside each block (which activation checkpointing treats as part of the block):
+    the blocks were sharded before their experts, and FSDP2 failed at CP > 1 or with shard_over="all"."""
+    from tests.support import sharding_workers
+
+    run_processes(1, tmp_path, sharding_workers.shard_blocks_with_lists)
