@@ -255,6 +255,13 @@ class StrategyCheckpoints:
         if state is not None:
             self.privacy.load_state_dict(state)  # type: ignore[attr-defined]
             self.privacy.resume_from_ledger(self.privacy_ledger, self.broadcast)  # type: ignore[attr-defined]
+        elif checkpoint.get("global_step"):
+            rank_zero_warn(
+                f"Resuming {path}, which holds no privacy state (it was not saved by LongShieldStrategy during a DP"
+                f" fit) after {checkpoint['global_step']} steps: they are not accounted, so the printed guarantee"
+                " covers this fit's steps only, and none of the data those steps trained on if they ran without DP."
+                " Resume a checkpoint of the DP run itself."
+            )
         return checkpoint
 
     def _fitting(self) -> bool:

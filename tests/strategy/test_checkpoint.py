@@ -354,3 +354,18 @@ def test_several_processes_stop_together_on_sigterm_even_without_checkpointing()
                               _signal_connector=SimpleNamespace())
     preemption.PreemptionCheckpoint().on_exception(trainer, None, SIGTERMException())
     assert saved == []
+
+
+def test_resuming_a_checkpoint_without_privacy_state_is_warned_about(tmp_path):
+    """A checkpoint whose privacy state was taken out (or never written: saved outside a DP fit) started the
+    accounting at 0 in silence, the guarantee printed for the resumed fit's steps alone."""
+    trainer = make_trainer(strategy(), max_steps=2)
+    trainer.fit(module(), loader(DATA, 4))
+    trainer.save_checkpoint(tmp_path / "dp.ckpt")
+    checkpoint = torch.load(tmp_path / "dp.ckpt", weights_only=False)
+    del checkpoint["longshield"]
+    torch.save(checkpoint, tmp_path / "stripped.ckpt")
+    resumed = strategy()
+    with pytest.warns(UserWarning, match=r"holds no privacy state .* after 2 steps: they are not accounted"):
+        make_trainer(resumed, max_steps=3).fit(module(), loader(DATA, 4), ckpt_path=tmp_path / "stripped.ckpt")
+    assert resumed.accountant.steps == 1
