@@ -20,6 +20,8 @@ from lightning_longshield.privacy.session import PrivacySession
 
 #: Where rank 0's privacy state travels in the launcher's extra results.
 PRIVACY_RESULT_KEY = "longshield_privacy"
+#: Where `CausalLMModule.trained_positions` travels (set in the workers' set-up, read by an export here).
+TRAINED_POSITIONS_RESULT_KEY = "longshield_trained_positions"
 
 
 class GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
@@ -71,9 +73,12 @@ class GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """Lightning's (the callback metrics) and, after a fit, the privacy session's `state_dict` with the device its
-        noise was drawn on (rank 0 only)."""
+        """Lightning's (the callback metrics), the module's ``trained_positions`` where it has them and, after a fit,
+        the privacy session's `state_dict` with the device its noise was drawn on (rank 0 only)."""
         extra = super().get_extra_results(trainer)
+        positions = getattr(trainer.lightning_module, "trained_positions", None)  # `CausalLMModule`'s, for its export
+        if positions is not None:
+            extra[TRAINED_POSITIONS_RESULT_KEY] = positions
         session = self._privacy_session()
         state = session.state_dict() if session is not None and trainer.state.fn == TrainerFn.FITTING else None
         if session is not None and state is not None and session.noise is not None:
@@ -82,9 +87,11 @@ class GatheringMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
-        """Restore Lightning's results and load rank 0's privacy state into this process's session (the module is
-        marked trained by it, `mark_trained`, once its weights have loaded)."""
+        """Restore Lightning's results and the module's ``trained_positions``, and load rank 0's privacy state into
+        this process's session (the module is marked trained by it, `mark_trained`, once its weights have loaded)."""
         super().update_main_process_results(trainer, extra)
+        if TRAINED_POSITIONS_RESULT_KEY in extra:
+            trainer.lightning_module.trained_positions = extra[TRAINED_POSITIONS_RESULT_KEY]
         result = extra.get(PRIVACY_RESULT_KEY)
         session = self._privacy_session()
         if result is not None and session is not None:

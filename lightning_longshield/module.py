@@ -130,6 +130,10 @@ def unpack_batch(
     return batch["input_ids"], batch["labels"], batch.get("position_ids"), batch.get("token_counts")
 
 
+#: Where a checkpoint keeps `CausalLMModule.trained_positions`.
+TRAINED_POSITIONS_KEY = "longshield_trained_positions"
+
+
 class CausalLMModule(L.LightningModule):
     """Trains `Llama` on batches ``{"input_ids", "labels"}`` with the per-sample-mean token loss.
 
@@ -197,8 +201,9 @@ class CausalLMModule(L.LightningModule):
                                    "lora": None if self.lora is None else asdict(self.lora),
                                    "loss_chunk_tokens": loss_chunk_tokens})
         self.model: Optional[Llama] = None
-        #: The positions a fit trained beyond the config's ``max_seq_len`` (the data's public ``seq_len``), declared
-        #: by `save_pretrained` as ``max_position_embeddings``.
+        #: The positions a fit trained beyond the config's ``max_seq_len`` (the data module's public ``seq_len``),
+        #: declared by `save_pretrained` as ``max_position_embeddings``; kept in checkpoints and brought back from
+        #: spawned processes. Set it where weights come from a ``state_dict`` alone.
         self.trained_positions: Optional[int] = None
         self.val_perplexity = TokenPerplexity()
         self.test_perplexity = TokenPerplexity()
@@ -246,6 +251,14 @@ class CausalLMModule(L.LightningModule):
         adapters as PEFT does (A random, B zero). The strategy calls it; the model knows nothing of LoRA."""
         if self.lora is not None and self.model is not None:
             reset_adapters(self.model)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep `trained_positions` with the weights, for an export from the checkpoint."""
+        if self.trained_positions is not None:
+            checkpoint[TRAINED_POSITIONS_KEY] = self.trained_positions
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.trained_positions = checkpoint.get(TRAINED_POSITIONS_KEY, self.trained_positions)
 
     def save_pretrained(self, directory: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
                         max_shard_size: Union[int, str] = hf.DEFAULT_MAX_SHARD_SIZE) -> None:

@@ -377,8 +377,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
             mark_trained(self.lightning_module, self.privacy)
         if self._engine is not None:
             self._engine.remove()
-            if self.lightning_module is not None:
-                remove_activation_checkpointing(self.lightning_module)
+        if self.lightning_module is not None:  # also after a set-up that failed once the blocks were wrapped
+            remove_activation_checkpointing(self.lightning_module)
         self.privacy.close_ledger()
         super().teardown()
 

@@ -28,13 +28,14 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2*
 
 
 def shard_bytes(size: Union[int, str]) -> int:
-    """``size`` in bytes: an int, or a string such as ``"5GB"`` (10^9 bytes) or ``"2GiB"`` (2^30), as transformers
-    reads ``max_shard_size``."""
+    """``size`` in bytes: an int, or a string such as ``"5GB"`` (10^9 bytes), ``"2GiB"`` (2^30) or ``"1000000"``
+    (bytes), as transformers reads ``max_shard_size``."""
     if isinstance(size, str):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*", size, flags=re.IGNORECASE)
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", size, flags=re.IGNORECASE)
         if match is None:
-            raise ValueError(f"max_shard_size={size!r} is not a size: give bytes as an int, or e.g. '5GB' or '2GiB'.")
-        size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+            raise ValueError(f"max_shard_size={size!r} is not a size: give bytes (1000000000), or e.g. '5GB' or"
+                             " '2GiB'.")
+        size = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise ValueError(f"max_shard_size must be a positive number of bytes, not {size!r}.")
     return size

@@ -78,15 +78,19 @@ class _Shards:
     def publish(self, previous_index: bool) -> list[str]:
         """Rename the shards into place and write the index if there are several; their names. Loaders read
         ``model.safetensors`` before an index, so one shard replaces the weights in one rename. Several shards are
-        renamed under a previous index only after it is removed: a cut-short export then leaves no index, never an
-        index over a mix of old and new shards."""
+        renamed in only after a previous ``model.safetensors`` and index are removed: a cut-short export then leaves
+        no weights to load, never the old ones beside the new or an index over a mix."""
         if self._tensors:
             self._flush()
         count = len(self._written)
         names = [WEIGHTS_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in
                                                    range(1, count + 1)]
-        if count > 1 and previous_index:
-            (self.directory / WEIGHTS_INDEX_FILE).unlink()
+        single = self.directory / WEIGHTS_FILE
+        if count > 1 and (previous_index or single.is_file()):
+            # Loaders read model.safetensors before an index, and an old index over new shards would mix them: both
+            # go first, so a cut-short export leaves no weights to load rather than the old ones or a mix.
+            single.unlink(missing_ok=True)
+            (self.directory / WEIGHTS_INDEX_FILE).unlink(missing_ok=True)
             fsync_directory(self.directory)
         for (temporary, _), name in zip(self._written, names):
             os.replace(temporary, self.directory / name)

@@ -230,6 +230,27 @@ def test_a_sharded_export_cut_short_leaves_the_checkpoint_there_as_it_was(tmp_pa
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == contents
 
 
+def test_a_sharded_export_cut_short_after_its_shards_never_leaves_the_old_file_in_charge(tmp_path, monkeypatch):
+    """Loaders read model.safetensors before an index: an export into several files over one file, cut short after
+    renaming its shards in (here writing config.json), left the old file beside them, and loading gave the old
+    weights."""
+    write_hf_llama(tmp_path)
+    model = checkpoint.load_model(tmp_path)
+    randomize_(model)
+    replace_durably = export.replace_durably
+
+    def config_fails(target, write):
+        if target.name == checkpoint.CONFIG_FILE:
+            raise OSError("No space left on device")
+        return replace_durably(target, write)
+
+    monkeypatch.setattr(export, "replace_durably", config_fails)
+    with pytest.raises(OSError, match="No space left"):
+        export.save_pretrained(model, tmp_path, max_shard_size="40KB")
+    assert not (tmp_path / checkpoint.WEIGHTS_FILE).exists()
+    assert len(set(checkpoint.weight_map(tmp_path).values())) > 1  # the new shards, under their index
+
+
 @pytest.mark.parametrize("before", ["one-file", "sharded"])
 def test_a_sharded_export_replaces_the_weights_there(tmp_path: Path, ids: torch.Tensor, before: str) -> None:
     """Over one file (which loaders read before an index) or over more shards of an earlier export: nothing of the
@@ -276,6 +297,7 @@ def test_an_export_writes_each_shard_as_it_fills(tmp_path: Path, monkeypatch) ->
 def test_shard_sizes_read_as_transformers_reads_them() -> None:
     assert shard_bytes("5GB") == 5 * 10**9 and shard_bytes("2GiB") == 2**31 and shard_bytes("20 kb") == 20_000
     assert shard_bytes(4096) == 4096 and shard_bytes("1.5MB") == 1_500_000
+    assert shard_bytes("1000000000") == 10**9  # a command line's bytes
     for bad in ("5 parsecs", "GB", 0, -1, True, "0KB"):
         with pytest.raises(ValueError, match="max_shard_size"):
             shard_bytes(bad)

@@ -105,6 +105,28 @@ def test_the_trained_weights_load_into_the_model_configure_model_builds_here(tmp
     assert not weights.exists()
 
 
+def test_the_trained_positions_come_back_from_the_workers_and_stay_in_checkpoints(tmp_path):
+    """Set in the workers' set-up (the data's seq_len beyond the checkpoint's positions), they were lost in the main
+    process, whose export declared the checkpoint's shorter length; a checkpoint keeps them too."""
+    worker_module = CausalLMModule(small_config(), optimizer="sgd", learning_rate=1.0)
+    worker_module.trained_positions = 8192
+    worker_trainer, worker_spawn = _main_process(worker_module)
+    extra = worker_spawn.get_extra_results(worker_trainer)
+    trained = make_module(small_config(), seed=1)
+    weights = tmp_path / "weights.ckpt"
+    torch.save(trained.state_dict(), weights)
+    module = CausalLMModule(small_config(), optimizer="sgd", learning_rate=1.0)
+    trainer, spawn = _main_process(module)
+    output = _worker_output(trainer, weights)
+    spawn._recover_results_in_main_process(output._replace(extra={**output.extra, **extra}), trainer)
+    assert module.trained_positions == 8192
+    checkpoint: dict = {}
+    module.on_save_checkpoint(checkpoint)
+    reloaded = CausalLMModule(small_config(), optimizer="sgd", learning_rate=1.0)
+    reloaded.on_load_checkpoint(checkpoint)
+    assert reloaded.trained_positions == 8192
+
+
 @pytest.mark.parametrize("fits", [True, False], ids=["fits", "does-not-fit"])
 def test_the_privacy_state_is_recovered_and_the_module_marked_trained_only_by_weights_that_load(tmp_path, fits):
     """The fit's privacy state (epsilon, the guarantee) reads in the main process whether or not the weights load;

@@ -102,12 +102,17 @@ def test_fp64_parameters_are_refused_before_training():
 
 
 def test_unsupported_layer_is_refused_before_training():
+    """Refused as the DP engine is built, after the blocks were wrapped for checkpointing: the wrappers are taken off
+    again (left on, a later fit's per-sample capture would run inside them)."""
+    from lightning_longshield.activation_checkpointing import CheckpointedForward
+
     module = make_module(small_config(n_layers=1))
     module.model.extra = torch.nn.Conv1d(2, 2, 1)
     before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(TypeError, match=r"model.extra \(Conv1d\)"):
-        fit(LongShieldStrategy(noise_multiplier=1.0), module=module)
+        fit(LongShieldStrategy(noise_multiplier=1.0, activation_checkpointing=True), module=module)
     assert all(torch.equal(v, before[k]) for k, v in full_state(module).items())
+    assert not any(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in module.modules())
 
 
 def test_embedding_with_max_norm_is_refused_before_training():
