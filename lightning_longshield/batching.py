@@ -34,20 +34,28 @@ def split_into_microbatches(batch: Any, micro_batch_size: int) -> list[Any]:
     return [samples_of(batch, start, start + micro_batch_size) for start in range(0, size, micro_batch_size)]
 
 
+#: What a per-sample list or tuple of a collated batch holds (one value per sample).
+_SCALARS = (str, bytes, int, float, bool, type(None))
+
+
 def samples_of(batch: Any, start: int, stop: int) -> Any:
-    """Samples ``start`` to ``stop`` of a collated batch: the rows of every tensor (0-d ones kept) and of every list
-    of strings (what ``default_collate`` makes of a per-sample string, e.g. a document id), through nested
-    collections; other values are kept. Shared ``position_ids`` are expanded to (B, T) first."""
+    """Samples ``start`` to ``stop`` of a collated batch: the rows of every tensor (0-d ones kept) and of every list or
+    tuple of B plain values (strings, numbers, None: what ``default_collate`` makes of a per-sample string, or of
+    each position of a per-sample sequence of strings, or a collate's per-sample weights), through nested
+    collections; other values are kept. A micro-batch never sees another's per-sample values, which would make a
+    sample's gradient depend on other records. Shared ``position_ids`` are expanded to (B, T) first."""
     batch = with_shared_positions_expanded(batch)
+    size = batch_size_of(batch)
 
     def take(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value[start:stop] if value.dim() else value
-        if value and all(isinstance(item, (str, bytes)) for item in value):
-            return value[start:stop]
-        return type(value)(apply_to_collection(item, (torch.Tensor, list), take) for item in value)
+        if len(value) == size and not hasattr(value, "_fields") and all(isinstance(i, _SCALARS) for i in value):
+            return type(value)(value[start:stop])
+        items = [apply_to_collection(item, (torch.Tensor, list, tuple), take) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple's fields
 
-    return apply_to_collection(batch, (torch.Tensor, list), take)
+    return apply_to_collection(batch, (torch.Tensor, list, tuple), take)
 
 
 def with_shared_positions_expanded(batch: Any) -> Any:

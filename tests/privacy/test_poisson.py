@@ -114,6 +114,20 @@ def test_per_sample_strings_follow_their_samples():
     assert [micro["input_ids"].shape[0] for micro in split_into_microbatches(batch, 2)] == [2, 1]
 
 
+def test_per_sample_values_of_any_plain_kind_follow_their_samples():
+    """A collate's per-sample weights (a list of floats) and ``default_collate``'s per-sample sequences of strings
+    (a list of B-tuples, one per position) went whole into every micro-batch: a sample's loss could read another
+    sampled record's values, and its clipped gradient depend on them."""
+    from lightning_longshield.batching import split_into_microbatches
+
+    samples = [{"input_ids": torch.full((3,), i), "tags": [f"x{i}", f"y{i}"]} for i in range(4)]
+    batch = {**default_collate(samples), "weight": [0.1, 0.2, 0.3, 0.4], "vocab": [7, 8, 9]}
+    first, second = split_into_microbatches(batch, 2)
+    assert (first["weight"], second["weight"]) == ([0.1, 0.2], [0.3, 0.4])
+    assert first["tags"] == [("x0", "x1"), ("y0", "y1")] and second["tags"] == [("x2", "x3"), ("y2", "y3")]
+    assert first["vocab"] == second["vocab"] == [7, 8, 9]  # not one value per sample: kept whole
+
+
 @pytest.mark.parametrize("shape", [(-1,), (1, -1)], ids=["T", "1xT"])
 def test_positions_shared_by_the_samples_follow_them(shape):
     """``position_ids`` (T,) or (1, T) from the collate_fn count as (B, T): in the empty Poisson batch, in the batch
