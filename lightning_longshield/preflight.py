@@ -271,7 +271,9 @@ def _lighter_layouts(strategy: StrategyConfig) -> list[StrategyConfig]:
     layouts = [strategy]
     if strategy.exchange == "all_reduce":
         layouts.append(layouts[-1].replace(exchange="reduce_scatter"))
-    if strategy.activation_checkpointing is not True and strategy.shard_over != "all":
+    # Not for book-kept norms, planned as ZeRO-DP+ without checkpointing (`method_for`): with shard_over="all" and
+    # materialised norms it is tried like any other layout.
+    if strategy.activation_checkpointing is not True and method_for(strategy)[0] != "zero-dp":
         layouts.append(layouts[-1].replace(activation_checkpointing=True))
     return layouts
 
@@ -333,11 +335,13 @@ def run_preflight(
                    private_length=public_length is None,
                    # A module of its own computes its loss as it likes: planned over the whole logits.
                    loss_chunk_tokens=getattr(module, "loss_chunk_tokens", None), lora_rank=lora_rank)
-    if not is_cuda(device):
+    unchecked = _unchecked_reason(precision, config)
+    if not is_cuda(device) or unchecked is not None:
         result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, **options)
         prediction = "planned" if result.private_length else f"on CUDA, {result.peak()}"
+        why = f"{device.type}" if unchecked is None else f"{unchecked}"
         rank_zero_info(
-            f"LongShield pre-flight ({device.type}: logged, not checked): {prediction} for"
+            f"LongShield pre-flight ({why}: logged, not checked): {prediction} for"
             f" {result.describe_run()}. {_details(result)}{_joined(result.notes)}"
         )
         return result
@@ -364,6 +368,18 @@ def _details(result: PreflightResult) -> str:
 
 def _joined(notes: tuple[str, ...]) -> str:
     return "".join(f" {note}" for note in notes)
+
+
+def _unchecked_reason(precision: str, config: StrategyConfig) -> Optional[str]:
+    """Why a run is planned too far from what it runs to be refused on a plan, or None: ``bf16-true`` is planned as
+    bf16-mixed (fp32 master weights and AdamW moments: about 6 bytes a parameter above its bf16 ones, so a fitting
+    run would be refused), and a policy checkpointing only some blocks as every block checkpointed (below its peak,
+    so the plan would pass a run that does not fit)."""
+    if str(precision).startswith("bf16-true"):
+        return "precision='bf16-true' is planned as bf16-mixed, above its peak"
+    if config.activation_checkpointing is not False and not config.checkpoints_every_block:
+        return "a policy checkpointing some blocks is planned as every block checkpointed, below its peak"
+    return None
 
 
 def _skip_reason(

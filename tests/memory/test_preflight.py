@@ -321,3 +321,30 @@ def test_shard_over_all_plans_model_states_over_every_process():
     longer = predict("llama3.1-8b", "v3", 4, 2, 2, 65536, choices={"shard_over": "all"})
     alternative = preflight.find_alternative(longer.strategy, longer.config, 4)
     assert not longer.fits and alternative is not None and alternative.memory.fits and alternative.gpus is None
+
+
+@pytest.mark.parametrize("setting", [dict(precision="bf16-true"), dict(activation_checkpointing=2)],
+                         ids=["bf16-true", "every-2nd-block"])
+def test_runs_planned_far_from_what_they_run_are_logged_not_checked_on_cuda(monkeypatch, setting):
+    """bf16-true is planned as bf16-mixed (fp32 master weights and moments: refused a 3B run that fits on an H100),
+    a policy checkpointing some blocks as every block (passed an 8B run predicted at 31.6 GiB that needs about
+    110): neither is refused on the plan, and the log says why."""
+    messages = []
+    monkeypatch.setattr(preflight, "rank_zero_info", messages.append)
+    monkeypatch.setattr(preflight, "is_cuda", lambda device: True)
+    monkeypatch.setattr(preflight, "device_properties", lambda device: ("NVIDIA H100 80GB HBM3", GIB // 1000))
+    precision = setting.pop("precision", "32-true")
+    strategy = LongShieldStrategy(noise_multiplier=1.0, **setting)
+    make_trainer(strategy, max_steps=1, precision=precision).fit(make_module(small_config(n_layers=2)),
+                                                                 loader(RandomTokens(size=8, seq_len=8), 2))
+    assert strategy.lightning_module.trainer.global_step == 1
+    assert any("logged, not checked" in m and "planned as" in m for m in messages), messages
+
+
+def test_checkpointing_is_tried_for_runs_sharded_over_all_processes():
+    """With shard_over="all" and materialised norms the search skipped checkpointing, and suggested 256 GPUs where
+    checkpointing on the same 8 fits."""
+    result = predict("llama3.1-8b", "v2", 8, 8, 1, 131072, choices={"shard_over": "all"})
+    alternative = preflight.find_alternative(result.strategy, result.config, world_size=8)
+    assert not result.fits and alternative is not None and alternative.gpus is None
+    assert "activation_checkpointing=True" in alternative.arguments, alternative.arguments
