@@ -31,7 +31,6 @@ class DPStepLoop:
         refuses what would quote sampled values, and in the hooks run per micro-batch a per-call sync."""
         super().connect(model)
         guard_logging(model, lambda: self.data_parallel_size, self._metric_guard)
-        self._release_pending, self._released_batch = False, None  # a new run's loop counts its batches anew
 
     def teardown(self) -> None:
         """Give the module its own ``self.log`` back (also after an error: Lightning tears down then too)."""
@@ -184,7 +183,8 @@ class DPStepLoop:
                 )
             evaluated = True
             result = closure()
-            self.dp_engine.forget_uncaptured_gradients(optimizer)
+            for tensor in self.dp_engine.uncaptured(optimizer):  # a parameter unfrozen during the step: no raw update
+                tensor.grad = None
             plan = self.privacy.plan
             assert plan is not None
             self.privacy.record_release()

@@ -50,7 +50,7 @@ from lightning_longshield.privacy.plan import PrivacyArguments, PrivacyPlan
 from lightning_longshield.privacy.session import PrivacySession
 from lightning_longshield.trainer_checks import (
     check_minimums_within_budget,
-    check_optimizers_hold_only_captured,
+    check_no_stray_trainable_tensors,
     check_same_training_data,
     check_trainer_for_dp_sgd,
     planned_fit_steps,
@@ -243,10 +243,12 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
             if self.root_device.type == "cpu":
                 retain_freed_memory()  # per-sample gradients reuse the last micro-batch's pages
             self._engine = self._build_engine()
-            self._release_pending = False  # a fresh clipped sum: nothing of an interrupted fit is carried over
+            # A fresh clipped sum, and a fresh count of the loop's batches: nothing of an earlier fit is carried over.
+            self._release_pending, self._released_batch = False, None
             add_training_callbacks(trainer)
             self.setup_optimizers(trainer)
-            check_optimizers_hold_only_captured(self.optimizers, self._engine.capture.parameters.values())
+            check_no_stray_trainable_tensors(tensor for optimizer in self.optimizers
+                                             for tensor in self._engine.uncaptured(optimizer))
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
 

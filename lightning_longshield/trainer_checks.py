@@ -10,7 +10,6 @@ from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateFinder, 
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.profilers import PassThroughProfiler
 from torch import Tensor
-from torch.optim import Optimizer
 
 from lightning_longshield.dist_compat import all_gathered
 from lightning_longshield.evaluation_split import PaddingMarked
@@ -80,13 +79,11 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
         )
 
 
-def check_optimizers_hold_only_captured(optimizers: Iterable[Optimizer], captured: Iterable[Tensor]) -> None:
-    """Refuse an optimizer holding a trainable tensor that the DP engine does not capture (not a parameter of the
-    module's layers: a tensor kept as a plain attribute, or a layer in a Python list): backward gives it its summed,
-    unclipped gradient, and the optimizer would apply it without noise."""
-    known = {id(tensor) for tensor in captured}
-    stray = [tuple(tensor.shape) for optimizer in optimizers for group in optimizer.param_groups
-             for tensor in group["params"] if tensor.requires_grad and id(tensor) not in known]
+def check_no_stray_trainable_tensors(uncaptured: Iterable[Tensor]) -> None:
+    """Refuse trainable tensors among the optimizers' that the DP engine does not capture (``uncaptured``: not
+    parameters of the module's layers, such as a tensor kept as a plain attribute or a layer in a Python list):
+    backward gives them their summed, unclipped gradient, and the optimizer would apply it without noise."""
+    stray = [tuple(tensor.shape) for tensor in uncaptured if tensor.requires_grad]
     if stray:
         raise ValueError(
             f"The optimizer holds {len(stray)} trainable tensor(s) that are not parameters of the module (shapes"

@@ -195,14 +195,11 @@ class DPSGDEngine:
         chosen = self.capture.bookkeeper.choices if self.capture.bookkeeper is not None else {}
         return {name: chosen.get(name, "materialize") for name in self.capture.parameters}
 
-    def forget_uncaptured_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Drop the ``.grad`` of every tensor of ``optimizer`` that the capture does not know (a parameter unfrozen
-        during the step): only the released, private gradients reach the optimizer."""
+    def uncaptured(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The tensors of ``optimizer`` that the capture does not know (not among the module's trainable parameters
+        at the step's start): whatever gradient they hold is raw, neither clipped nor noised."""
         captured = {id(param) for param in self.capture.parameters.values()}
-        for group in optimizer.param_groups:
-            for tensor in group["params"]:
-                if id(tensor) not in captured:
-                    tensor.grad = None
+        return [tensor for group in optimizer.param_groups for tensor in group["params"] if id(tensor) not in captured]
 
     def release(self, noise_multiplier: float, sample_rate: float, expected_batch_size: float) -> None:
         """Write the private gradient of the logical batch to ``param.grad`` and account for the step."""
