@@ -75,7 +75,7 @@ class _Shards:
             os.fsync(file.fileno())
         self._tensors, self._bytes = {}, 0
 
-    def publish(self, previous_index: bool) -> list[str]:
+    def publish(self) -> list[str]:
         """Rename the shards into place and write the index if there are several; their names. Loaders read
         ``model.safetensors`` before an index, so one shard replaces the weights in one rename. Several shards are
         renamed in only after a previous ``model.safetensors`` and index are removed: a cut-short export then leaves
@@ -85,12 +85,13 @@ class _Shards:
         count = len(self._written)
         names = [WEIGHTS_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in
                                                    range(1, count + 1)]
-        single = self.directory / WEIGHTS_FILE
-        if count > 1 and (previous_index or single.is_file()):
+        previous = [path for path in (self.directory / WEIGHTS_FILE, self.directory / WEIGHTS_INDEX_FILE)
+                    if path.is_file()]
+        if count > 1 and previous:
             # Loaders read model.safetensors before an index, and an old index over new shards would mix them: both
             # go first, so a cut-short export leaves no weights to load rather than the old ones or a mix.
-            single.unlink(missing_ok=True)
-            (self.directory / WEIGHTS_INDEX_FILE).unlink(missing_ok=True)
+            for path in previous:
+                path.unlink()
             fsync_directory(self.directory)
         for (temporary, _), name in zip(self._written, names):
             os.replace(temporary, self.directory / name)
@@ -145,7 +146,7 @@ def write_pretrained(
     try:
         config, embedding_dtype = _add_tensors(shards, state.items() if isinstance(state, Mapping) else state,
                                                config, dtype)
-        names = shards.publish(previous_index=(directory / WEIGHTS_INDEX_FILE).is_file())
+        names = shards.publish()
     finally:
         shards.discard()
     config_dict = hf_config_dict(config, dtype or embedding_dtype)
