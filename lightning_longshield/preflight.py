@@ -339,9 +339,8 @@ def run_preflight(
     if not is_cuda(device) or unchecked is not None:
         result = predict(*run, GPU_PRESETS[DEFAULT_GPU].memory_bytes, **options)
         prediction = "planned" if result.private_length else f"on CUDA, {result.peak()}"
-        why = f"{device.type}" if unchecked is None else f"{unchecked}"
         rank_zero_info(
-            f"LongShield pre-flight ({why}: logged, not checked): {prediction} for"
+            f"LongShield pre-flight ({unchecked or device.type}: logged, not checked): {prediction} for"
             f" {result.describe_run()}. {_details(result)}{_joined(result.notes)}"
         )
         return result

@@ -24,7 +24,8 @@ class TokenPerplexity(Metric):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], exclude_state: Sequence[str] = ()) -> Module:
         """As torchmetrics moves and converts states, but the loss sum keeps fp64 and only follows the device: under
         ``precision="bf16-true"`` Lightning converts the module with ``.to(torch.bfloat16)``, which torchmetrics does
-        not guard, and an 8-bit mantissa put the perplexity of 200 batches of loss 3 a token at 35.25, not e^3 = 20.09."""
+        not guard, and an 8-bit mantissa put the perplexity of 200 batches of loss 3 a token at 35.25, not
+        e^3 = 20.09."""
         this = super()._apply(fn, exclude_state=(*exclude_state, "loss_sum"))
         device = fn(this.loss_sum).device
         this._defaults["loss_sum"] = this._defaults["loss_sum"].to(device)
