@@ -404,8 +404,9 @@ def _recommend(args: argparse.Namespace, console: Console) -> dict[str, object]:
            "seq_len": args.seq_len, "fits": bool(plans), "recommendations": recommendations}
     if not args.json:
         if not plans:
+            more = "" if math.isinf(args.gpus) else " or more GPUs"
             console.print(f"[bold red]No configuration fits {args.seq_len:,} tokens[/] on {_gpus_text(args.gpus)} x "
-                          f"{args.gpu}; try `longshield-plan max-seq` or more GPUs.")
+                          f"{args.gpu}; try `longshield-plan max-seq`{more}.")
             return out
         table = Table(title=f"{args.model}, T = {args.seq_len:,} on {_gpus_text(args.gpus)} x {args.gpu}: "
                             "configurations that fit, fastest first")

@@ -127,9 +127,7 @@ def model_state_bytes(cfg: RunConfig) -> float:
     logical batch), sharded over the CP group, or whole on every CP rank in the paper's V1 (``whole_clipped_sum``);
     LongShield's ZeRO-DP+ (CP 1) keeps the whole clipped sum on every rank and reduce-scatters it once per step.
     """
-    shards = cfg.shard_size
-    if math.isinf(shards):
-        return 0.0
+    shards = cfg.shard_size  # infinite (``--gpus inf``): what is sharded over every GPU vanishes, nothing else
     params, trainable, master = cfg.model.num_parameters, cfg.trainable.total, cfg.precision.master_bytes
     accumulator_shards = shards
     book_kept = cfg.method.per_sample_grads == "ghost" and not cfg.method.retained_norm_pass

@@ -33,7 +33,12 @@ def test_cp_attention_saves_the_gathered_kv() -> None:
 def test_model_states_are_16_bytes_per_parameter_sharded_over_all_gpus() -> None:
     cfg = make_config(model="llama3.1-8b", gpus=4, method="v2", seq_len=4096)
     assert model_state_bytes(cfg) == pytest.approx(16 * cfg.model.num_parameters / 4)
-    assert model_state_bytes(cfg.replace(gpus="inf", cp=4, shard_over="all")) == 0.0
+    # Infinitely many GPUs: only the DP clipped sum remains, sharded over one CP group (whole under ZeRO-DP+).
+    p = cfg.model.num_parameters
+    assert model_state_bytes(cfg.replace(gpus="inf", cp=4, shard_over="all")) == pytest.approx(4 * p / 4)
+    zero_dp_plus = planned_as_run(cfg.replace(gpus="inf", method="zero-dp", cp=1, shard_over="all"))
+    assert model_state_bytes(zero_dp_plus) == pytest.approx(4 * p)
+    assert model_state_bytes(cfg.replace(gpus="inf", method="nondp-fsdp", cp=1, shard_over="all")) == 0.0
     per_group = cfg.replace(gpus="inf", cp=4)  # the strategy's default: each CP group holds its own copy
     assert model_state_bytes(per_group) == pytest.approx(model_state_bytes(cfg))
 
