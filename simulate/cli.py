@@ -98,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, ImportError) as err:  # the file cannot be read, or the run would refuse it
         parser.subcommands.get(argv[0], parser).error(str(err))  # type: ignore[attr-defined]
     args = parser.parse_args(argv)
+    _lay_out_book_kept_norms(args)
     console = Console(highlight=False, soft_wrap=True)
     try:
         result = args.handler(args, console)
@@ -138,7 +139,7 @@ def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) ->
     strategy, lora_notes = planned_with_lora(run.strategy, run.lora_rank)
     run = dataclasses.replace(run, strategy=strategy, notes=(*run.notes, *lora_notes))
     known = {action.dest: action for action in command._actions if action.nargs not in ("+", "*")}  # not lists
-    values = _run_file_values(run, path)
+    values = _run_file_values(run, path, model_given="model" in known and _given(argv, "--model"))
     method_notes = method_for(run.strategy)[1] if "method" in known else ()  # the file's own method approximated
     notes = (*run.notes, *method_notes)
     if run.gpus is None:
@@ -147,15 +148,26 @@ def _defaults_from_run_file(parser: argparse.ArgumentParser, argv: list[str]) ->
     values = {name: value for name, value in values.items() if (value is not None or name == "loss_chunk_tokens")
               and name in known}
     command.set_defaults(**values, as_run=True,  # the strategy's own variant of each method, not the prototype
-                         norms=run.strategy.per_sample, run_file_notes=notes, run_file_values=values)
+                         norms=run.strategy.per_sample, overlap_communication=run.strategy.overlap_communication,
+                         run_file_cp=run.strategy.context_parallel_size, run_file_notes=notes, run_file_values=values)
     if "seq_len" in values:
         known["seq_len"].required = False
 
 
-def _run_file_values(run: PlannedRun, path: str) -> dict[str, object]:
+def _given(argv: list[str], flag: str) -> bool:
+    """Whether ``flag`` is on the command line (``--flag value`` or ``--flag=value``)."""
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+
+
+def _run_file_values(run: PlannedRun, path: str, model_given: bool = False) -> dict[str, object]:
     """The options a run file gives, by ``dest`` (``None``: not in the file). Book-kept norms are planned as ZeRO-DP+
-    at CP 1 on the GPUs `zero_dp_layout` names."""
-    if run.model is not None:
+    at CP 1 (on the GPUs `zero_dp_layout` names, once the command line's flags are applied). The file's model is
+    checked unless ``--model`` replaces it, and must be given that way where the file's module is not the
+    library's."""
+    if run.model is None and not model_given:
+        raise ValueError(f"{path}: model.class_path is a LightningModule of its own, whose model the planner cannot"
+                         " read: give --model (a preset, such as llama3.2-1b, or a Hugging Face model folder).")
+    if run.model is not None and not model_given:
         try:
             get_model_spec(run.model)
         except ValueError as err:
@@ -163,8 +175,6 @@ def _run_file_values(run: PlannedRun, path: str) -> dict[str, object]:
     strategy, per_layer = run.strategy, run.strategy.per_layer
     method = method_for(strategy)[0]
     gpus, cp, shard_over = run.gpus, strategy.context_parallel_size, strategy.shard_over
-    if method == "zero-dp" and gpus is not None:
-        gpus, shard_over = zero_dp_layout(shard_over, cp or gpus, gpus)
     return dict(
         model=run.model, gpus=None if gpus is None else float(gpus), precision=run.precision, seq_len=run.seq_len,
         method=method, mbs=strategy.micro_batch_size, cp=1 if method == "zero-dp" else cp, shard_over=shard_over,
@@ -173,10 +183,20 @@ def _run_file_values(run: PlannedRun, path: str) -> dict[str, object]:
     )
 
 
+def _lay_out_book_kept_norms(args: argparse.Namespace) -> None:
+    """A run file's book-kept norms, planned as ZeRO-DP+ at CP 1: on the GPUs and ``shard_over`` that
+    `zero_dp_layout` names for the GPU count and ``shard_over`` left after the command line's flags, as the pre-flight
+    check plans them."""
+    if not getattr(args, "as_run", False) or getattr(args, "method", None) != "zero-dp" or args.gpus is None:
+        return
+    args.gpus, args.shard_over = zero_dp_layout(args.shard_over, args.run_file_cp or args.gpus, args.gpus)
+
+
 def _method(args: argparse.Namespace) -> str | MethodSpec:
     """``--method`` as the planner's name, or, for a ``--config`` run, as `LongShieldStrategy` runs it."""
     if getattr(args, "as_run", False):
-        return as_run_by_strategy(args.method, args.mbs, getattr(args, "norms", "mixed"))
+        return as_run_by_strategy(args.method, args.mbs, getattr(args, "norms", "mixed"),
+                                  getattr(args, "overlap_communication", True))
     return args.method
 
 
@@ -458,8 +478,8 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
                          help="micro-batch sizes to try")
     compare.add_argument("--cp", type=positive_int, default=None, help="CP size for CP methods (default: all GPUs)")
     recommend = add_command(sub, "recommend", _recommend, "ranked (method, MBS, CP, AC) that fit a target length")
-    recommend.add_argument("--seq-len", type=power_of_two, required=True,
-                           help="target T, a power of two (16k and 1M ok)")
+    recommend.add_argument("--seq-len", type=sequence_length, required=True,
+                           help="target T (16k and 1M ok)")
     recommend.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(planner.DP_METHODS),
                            metavar="METHOD", help="methods to consider")
     recommend.add_argument("--mbs", nargs="+", type=positive_int, default=list(planner.MBS_OPTIONS),
@@ -535,8 +555,8 @@ def _add_run_args(p: argparse.ArgumentParser, seq_len: bool) -> None:
                         " all GPUs (all); default: context_parallel, all for zero-dp and nondp-fsdp")
     _add_training_args(p)
     if seq_len:
-        p.add_argument("--seq-len", type=power_of_two, required=True,
-                       help="sequence length, a power of two (16k and 1M ok)")
+        p.add_argument("--seq-len", type=sequence_length, required=True,
+                       help="sequence length (16k and 1M ok)")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -589,20 +609,26 @@ def positive_int(text: str) -> int:
 _SEQ_LEN_SUFFIXES = {"k": 2**10, "m": 2**20}  # binary, as sequence lengths are quoted: 16k = 16384, 1M = 2**20
 
 
-def power_of_two(text: str) -> int:
-    """A sequence length such as ``16384``, ``16k`` or ``1M``; anything but a positive power of two is refused."""
+def sequence_length(text: str) -> int:
+    """A sequence length such as ``12000``, ``16k`` or ``1M`` (k and M binary), up to the planner's limit."""
     raw = text.strip().lower()
     scale = _SEQ_LEN_SUFFIXES.get(raw[-1:], 1)
     digits = raw[:-1] if scale > 1 else raw
     if not digits.isdigit() or int(digits) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive power of two such as 16384, 16k or 1M, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive length such as 16384, 16k or 1M, got {text!r}")
     value = int(digits) * scale
     if value > planner.SEARCH_LIMIT:
         raise argparse.ArgumentTypeError(f"must be at most {planner.SEARCH_LIMIT:,} (the planner's limit, as"
                                          f" max-seq's), got {value:,}")
+    return value
+
+
+def power_of_two(text: str) -> int:
+    """A `sequence_length` that is a power of two (the lengths `plot` steps through)."""
+    value = sequence_length(text)
     if value & (value - 1):
         lower = 1 << (value.bit_length() - 1)
-        given = f" ({text.strip()})" if scale > 1 else ""
+        given = f" ({text.strip()})" if text.strip().lower()[-1:] in _SEQ_LEN_SUFFIXES else ""
         raise argparse.ArgumentTypeError(f"must be a power of two, got {value}{given}; try {lower} or {2 * lower}")
     return value
 

@@ -19,6 +19,7 @@ from simulate.specs import (
 )
 from simulate.strategy_config import (
     CLIPPING_MODES,
+    DEFAULT_BUCKET_MB,
     METHOD_PRESETS,
     PER_LAYER_KERNELS,
     SHARD_OVER,
@@ -152,6 +153,8 @@ class RunConfig:
                      "shard_over": self.shard_over}
         if self.method.book_keep_all:
             arguments["norms"] = "ghost"
+        if self.method.per_sample_grads == "sharded" and not self.method.overlap_grad_comm:
+            arguments["overlap_communication"] = False
         return StrategyConfig(**arguments, micro_batch_size=self.micro_batch_size, clipping=clipping)
 
     @property
@@ -323,13 +326,15 @@ def as_run_by_longshield(method: str, mbs: int) -> str:
     return "v2" if method == "v1" and mbs == 1 else method
 
 
-def as_run_by_strategy(method: str, mbs: int, norms: str = "mixed") -> MethodSpec:
+def as_run_by_strategy(method: str, mbs: int, norms: str = "mixed", overlap_communication: bool = True) -> MethodSpec:
     """The spec of ``method`` as `LongShieldStrategy` runs it (`as_run_by_longshield`): its V1 keeps only its shard of
     each clipped gradient (not the whole clipped sum), its ZeRO-DP+ runs one backward with book-keeping (no retained
-    norm pass; with ``norms="ghost"`` every weight book-kept); the non-DP baselines and V2 / V3 are as they are."""
+    norm pass; with ``norms="ghost"`` every weight book-kept), V2 / V3 reduce-scatter behind the backward unless
+    ``overlap_communication`` is off; the non-DP baselines are as they are."""
     spec = METHODS[as_run_by_longshield(method, mbs)]
     return replace(spec, whole_clipped_sum=False, retained_norm_pass=False,
-                   book_keep_all=spec.per_sample_grads == "ghost" and norms == "ghost")
+                   book_keep_all=spec.per_sample_grads == "ghost" and norms == "ghost",
+                   overlap_grad_comm=spec.overlap_grad_comm and overlap_communication)
 
 
 def longshield_config(
@@ -347,6 +352,7 @@ def longshield_config(
     loss_chunk_tokens: LossChunking = "auto",
     shard_over: str | None = None,
     norms: str = "mixed",
+    overlap_communication: bool = True,
 ) -> RunConfig:
     """`LongShieldStrategy` as the planner sees it, with the method the strategy really runs (`as_run_by_longshield`;
     its V1 keeps only its shard of each clipped gradient, not the whole clipped sum), on ``cp x data_parallel`` GPUs:
@@ -357,9 +363,10 @@ def longshield_config(
     ``"zero-dp"`` is the strategy's ZeRO-DP+ (``context_parallel_size=1, shard_over="all", norms="mixed"``, or
     ``norms="ghost"``): model states sharded over all ``data_parallel`` GPUs (with ``shard_over="context_parallel"``:
     whole on each), one backward with book-keeping (no retained norm pass).
-    ``loss_chunk_tokens`` is `CausalLMModule`'s setting.
+    ``loss_chunk_tokens`` is `CausalLMModule`'s setting; ``overlap_communication`` the strategy's.
     """
-    return make_config(model=model, gpus=cp * data_parallel, method=as_run_by_strategy(method, mbs, norms), mbs=mbs,
+    spec = as_run_by_strategy(method, mbs, norms, overlap_communication)
+    return make_config(model=model, gpus=cp * data_parallel, method=spec, mbs=mbs,
                        seq_len=seq_len, cp=cp, gpu=gpu, precision=precision, lora_rank=lora_rank, clipping=clipping,
                        per_layer_kernel=per_layer_kernel, loss_chunk_tokens=loss_chunk_tokens, shard_over=shard_over)
 
@@ -380,6 +387,9 @@ def method_for(strategy: StrategyConfig) -> tuple[str, tuple[str, ...]]:
     if strategy.output_stationary:
         notes.append("Note: exchange='output_stationary' is planned as V2's reduce-scatter of per-sample gradients;"
                      " its all-to-alls and re-gathered linear inputs are not modelled, so the estimate is approximate.")
+    if (strategy.shards_per_sample_grads and strategy.context_parallel_size != 1
+            and strategy.communication_bucket_mb != DEFAULT_BUCKET_MB):
+        notes.append(BUCKET_NOTE)
     if strategy.activation_checkpointing is False:
         return ("v2" if strategy.shards_per_sample_grads else "v1"), tuple(notes)
     if not strategy.checkpoints_every_block:
@@ -436,7 +446,8 @@ def plan_strategy(
     clipping = "flat" if strategy.per_layer is None else "per_layer"
     return longshield_config(model, method, cp, mbs, padded, precision, gpu, lora_rank=lora_rank,
                              data_parallel=gpus // cp, clipping=clipping, per_layer_kernel=per_layer_kernel,
-                             loss_chunk_tokens=loss_chunk_tokens, shard_over=strategy.shard_over), notes
+                             loss_chunk_tokens=loss_chunk_tokens, shard_over=strategy.shard_over,
+                             overlap_communication=strategy.overlap_communication), notes
 
 
 def zero_dp_layout(shard_over: str, cp: int, gpus: int) -> tuple[int, str]:
@@ -459,6 +470,12 @@ def planned_as_run(cfg: RunConfig) -> RunConfig:
     planned, _ = plan_strategy(cfg.model, cfg.strategy, gpus, cfg.seq_len, cfg.precision.name,  # type: ignore[arg-type]
                                cfg.gpu, cfg.per_layer_kernel, cfg.loss_chunk_tokens, cfg.lora_rank)
     return planned
+
+
+#: How `plan_strategy` plans a reduce-scatter bucket size other than the default.
+BUCKET_NOTE = (
+    "Note: communication_bucket_mb is planned as the default bucket: a larger bucket keeps more per-sample gradient"
+    " partials in flight (up to its size), and a smaller one issues more collectives; neither is modelled.")
 
 
 RANDOMIZED_CLIPPING_NOTE = (

@@ -318,7 +318,7 @@ def test_a_run_file_is_planned_as_longshield_train_reads_it(tmp_path: Path,
     path.write_text("data: {init_args: {seq_len: 256}}\ntrainer: {devices: 1}\n")
     assert _json(capsys, "fit", "--config", str(path))["model"] == "tiny"
     path.write_text("model: {class_path: my.Module}\ndata: {init_args: {seq_len: 256}}\ntrainer: {devices: 1}\n")
-    assert _json(capsys, "fit", "--config", str(path), status=1)["model"] == "llama3.1-8b"  # --model's default
+    assert _json(capsys, "fit", "--config", str(path), "--model", "llama3.2-1b")["model"] == "llama3.2-1b"
     path.write_text("data: {init_args: {seq_len: 256}}\ntrainer: {devices: 1, precision: 16-mixed}\n")
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(path)])
@@ -439,3 +439,53 @@ def test_every_one_string_form_of_the_strategy_longshield_train_builds_is_planne
     from lightning_longshield.cli import strategy_class
 
     assert all(issubclass(strategy_class(name), LongShieldStrategy) for name in STRATEGY_NAMES)
+
+
+def test_a_run_files_overlap_and_bucket_are_planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``overlap_communication: false`` reduce-scatters after each block's backward instead of behind the next
+    one's: slower, and named in the arguments it is planned as; a bucket size other than the default is noted."""
+    path = tmp_path / "run.yaml"
+    run = ("model: {config: llama3.2-1b}\ndata: {init_args: {seq_len: 8192}}\ntrainer:\n  devices: 8\n"
+           "  precision: bf16-mixed\n  strategy:\n    init_args: {micro_batch_size: 4%s}\n")
+    path.write_text(run % "")
+    overlapped = _json(capsys, "fit", "--config", str(path))
+    path.write_text(run % ", overlap_communication: false, communication_bucket_mb: 0")
+    exposed = _json(capsys, "fit", "--config", str(path))
+    assert exposed["tokens_per_second_per_gpu"] < 0.97 * overlapped["tokens_per_second_per_gpu"]
+    assert exposed["strategy_arguments"]["overlap_communication"] is False
+    assert "overlap_communication" not in overlapped["strategy_arguments"]
+    assert any("communication_bucket_mb" in note for note in exposed["notes"])
+    assert not any("communication_bucket_mb" in note for note in overlapped["notes"])
+
+
+def test_gpus_given_on_the_command_line_lay_out_book_kept_norms_as_the_file_would(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Book-kept norms at CP 2 plan one context-parallel group's GPUs (`zero_dp_layout`) from the GPU count that
+    stands after ``--gpus``, as a file with that many devices plans."""
+    run = ("model: {config: llama3.1-8b}\ndata: {init_args: {seq_len: 2048}}\ntrainer: {devices: %d, precision:"
+           " bf16-mixed, strategy: {init_args: {context_parallel_size: 2, norms: mixed}}}\n")
+    (tmp_path / "four.yaml").write_text(run % 4)
+    (tmp_path / "eight.yaml").write_text(run % 8)
+    overridden = _json(capsys, "fit", "--config", str(tmp_path / "four.yaml"), "--gpus", "8", status=1)
+    as_file = _json(capsys, "fit", "--config", str(tmp_path / "eight.yaml"), status=1)
+    assert overridden["peak_memory_gib"] == as_file["peak_memory_gib"] and overridden["gpus"] == as_file["gpus"] == 2
+
+
+def test_a_module_of_its_own_needs_model_and_model_replaces_the_files(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A module whose model the planner cannot read is not planned as a default preset in silence; ``--model``
+    replaces a file's model even where the file's folder is missing."""
+    own = tmp_path / "own.yaml"
+    own.write_text("model: {class_path: my.Module, init_args: {hidden: 128}}\ndata: {init_args: {seq_len: 2048}}\n"
+                   "trainer: {devices: 2, precision: bf16-mixed}\n")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(own)])
+    assert "give --model" in capsys.readouterr().err
+    assert _json(capsys, "fit", "--config", str(own), "--model", "llama3.2-1b")["model"] == "llama3.2-1b"
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(f"model: {{config: {tmp_path / 'no-such-model'}}}\ndata: {{init_args: {{seq_len: 2048}}}}\n"
+                       "trainer: {devices: 2, precision: bf16-mixed}\n")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(missing)])
+    assert "no-such-model" in capsys.readouterr().err
+    assert _json(capsys, "fit", "--config", str(missing), "--model=llama3.2-1b")["model"] == "llama3.2-1b"

@@ -88,13 +88,14 @@ def test_tables_render(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["fit", "--model", "llama9", "--seq-len", "4096"], "Unknown model preset 'llama9'"),
-    (["fit", "--seq-len", "1000"], "must be a power of two, got 1000; try 512 or 1024"),
+    (["plot", "--max-seq-len", "1000"], "must be a power of two, got 1000; try 512 or 1024"),
     (["fit", "--seq-len", "4096", "--mbs", "0"], "positive integer"),
     (["fit", "--seq-len", "4096", "--gpus", "0"], "positive integer or 'inf'"),
     (["fit", "--seq-len", "4096", "--cp", "3"], "must divide the GPU count"),
     (["max-seq", "--gpus", "inf", "--method", "v2"], "give --cp N with --gpus inf"),
     (["recommend", "--gpus", "inf", "--seq-len", "4096"], "with --gpus inf, recommend --methods zero-dp alone"),
-    (["fit", "--seq-len", "3M"], "must be a power of two, got 3145728 (3M); try 2097152 or 4194304"),
+    (["plot", "--min-seq-len", "3M"], "must be a power of two, got 3145728 (3M); try 2097152 or 4194304"),
+    (["fit", "--seq-len", "12001"], "12001"),
     (["fit", "--seq-len", "1.5M"], "such as 16384, 16k or 1M"),
     (["fit", "--seq-len", str(2**100)], "must be at most 16,777,216 (the planner's limit"),  # was 0 tokens/s
 ])
@@ -113,6 +114,13 @@ def test_plot_writes_a_png(tmp_path, capsys: pytest.CaptureFixture[str]) -> None
                 "--min-seq-len", "4096", "--max-seq-len", "65536", "--out", str(path))
     assert out["path"] == str(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fit_and_recommend_take_lengths_that_are_not_powers_of_two(capsys: pytest.CaptureFixture[str]) -> None:
+    """The strategy trains any multiple of 2 x CP; fit's advice for such a run names a recommend that runs."""
+    out = _json(capsys, "fit", "--model", "llama3.1-8b", "--gpus", "4", "--mbs", "4", "--seq-len", "12000", status=1)
+    assert out["seq_len"] == 12000
+    assert _json(capsys, "recommend", "--model", "llama3.2-1b", "--gpus", "4", "--seq-len", "12000")["seq_len"] == 12000
 
 
 def test_seq_len_takes_k_and_m_suffixes(capsys: pytest.CaptureFixture[str]) -> None:
