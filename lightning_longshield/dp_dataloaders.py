@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
@@ -18,7 +19,7 @@ from torch.utils.data import (
 
 from lightning_longshield.evaluation_split import MarkedPaddingSampler, PaddingMarked
 from lightning_longshield.privacy.poisson import CollateAllowingEmpty, PoissonBatchSampler
-from lightning_longshield.privacy.randomness import SecretKey
+from lightning_longshield.privacy.randomness import SecretKey, derive_seed
 from lightning_longshield.privacy.rank_zero import rank_zero_info, rank_zero_warn
 
 
@@ -155,17 +156,24 @@ def _refuse_a_selecting_sampler(dataloader: DataLoader, size: int) -> None:
 
 
 def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, data_parallel_size: int,
-                             training: bool = False) -> DataLoader:
+                             training: bool = False, context_parallel_size: int = 1,
+                             shuffle_seed: int = 0) -> DataLoader:
     """Split ``dataloader`` over data-parallel groups (group ``g`` takes samples g, g+D, ...); CP peers share a split.
 
-    The DataLoader's own shuffling is kept (a `RandomSampler` becomes a shuffling `DistributedSampler`). For
+    The DataLoader's own shuffling is kept: a `RandomSampler` becomes a shuffling `DistributedSampler` whose order
+    comes from ``shuffle_seed`` (the same on every rank) and the epoch, also in one data-parallel group of several
+    context-parallel ranks. Each peer's `RandomSampler` would draw from its own global RNG, which one draw on one
+    rank sets apart: the peers would then shard different records as one sample. For
     ``training`` the last ``N mod D`` samples of an epoch are left out: the sampler would otherwise pad its last round
     with repeated samples, one of them then in two groups' parts of one logical batch. Evaluation pads it with
     repeats whose labels are all ignored (`evaluation_split`), so that every record counts once. A sampler that
     selects or weights records, or a custom batch sampler, is refused (a split of every record would replace it); an
     `IterableDataset` (evaluation) is read whole by every group.
     """
-    if data_parallel_size == 1 or isinstance(dataloader.dataset, IterableDataset):  # a stream: each group reads it
+    if isinstance(dataloader.dataset, IterableDataset):  # a stream: each group reads it
+        return dataloader
+    shuffled_by_peers = context_parallel_size > 1 and type(dataloader.sampler) is RandomSampler
+    if data_parallel_size == 1 and not shuffled_by_peers:
         return dataloader
     if not _takes_every_record(dataloader):
         used = _sampling_name(dataloader)
@@ -179,11 +187,21 @@ def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, da
     shuffle = isinstance(dataloader.sampler, RandomSampler)
     if training:
         sampler = DistributedSampler(dataloader.dataset, num_replicas=data_parallel_size, rank=data_parallel_rank,
-                                     shuffle=shuffle, drop_last=True)
+                                     shuffle=shuffle, seed=shuffle_seed, drop_last=True)
         return rebuild_dataloader(dataloader, sampler=sampler)
     marked = PaddingMarked(dataloader.dataset)
-    sampler = MarkedPaddingSampler(marked, num_replicas=data_parallel_size, rank=data_parallel_rank, shuffle=shuffle)
+    sampler = MarkedPaddingSampler(marked, num_replicas=data_parallel_size, rank=data_parallel_rank, shuffle=shuffle,
+                                   seed=shuffle_seed)
     return rebuild_dataloader(dataloader, sampler=sampler, dataset=marked)
+
+
+def shared_shuffle_seed(seed: Optional[int], broadcast: Callable[[Any], Any]) -> int:
+    """The seed of shuffled DataLoaders' order (without Poisson sampling, and in evaluation), the same on every rank:
+    derived from the strategy's public ``seed``, else drawn by rank 0 and broadcast (``broadcast``: the strategy's).
+    Never from the global RNG, whose state a draw on one rank sets apart."""
+    if seed is not None:
+        return derive_seed(seed, "shuffle")
+    return int(broadcast(secrets.randbits(62)))
 
 
 def training_dataloader(
@@ -192,11 +210,15 @@ def training_dataloader(
     steps_done: Callable[[], int],
     data_parallel_rank: int,
     data_parallel_size: int,
+    context_parallel_size: int = 1,
+    shuffle_seed: int = 0,
 ) -> DataLoader:
     """Poisson logical batches from ``sampling`` (each pass's draws numbered from ``steps_done()``, the DP steps
-    taken when it starts), or, without it, the DataLoader's own batches split over data-parallel groups."""
+    taken when it starts), or, without it, the DataLoader's own batches split over data-parallel groups
+    (`data_parallel_dataloader`)."""
     if sampling is None:
-        return data_parallel_dataloader(dataloader, data_parallel_rank, data_parallel_size, training=True)
+        return data_parallel_dataloader(dataloader, data_parallel_rank, data_parallel_size, training=True,
+                                        context_parallel_size=context_parallel_size, shuffle_seed=shuffle_seed)
     return poisson_dataloader(dataloader, sampling, steps_done, data_parallel_rank, data_parallel_size)
 
 

@@ -44,8 +44,8 @@ class MarkedPaddingSampler(DistributedSampler):
     """`DistributedSampler` (``drop_last=False``: every record evaluated) whose padding indices are offset by ``N``,
     so that `PaddingMarked` makes them count nothing; the same records in the same order otherwise."""
 
-    def __init__(self, dataset: PaddingMarked, num_replicas: int, rank: int, shuffle: bool) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, drop_last=False)
+    def __init__(self, dataset: PaddingMarked, num_replicas: int, rank: int, shuffle: bool, seed: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
         padding = self.total_size - len(dataset)
         if padding and not _labelled_dict(dataset.dataset):
             rank_zero_warn(

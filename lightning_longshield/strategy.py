@@ -213,6 +213,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
             sys.excepthook = excepthook  # one process: tracebacks need no "[rank0]:" prefix on every line
         if self.seed is not None:
             seed_everything(self.seed, verbose=False)
+        self._shuffle_seed = dp_dataloaders.shared_shuffle_seed(self.seed, self.broadcast)
         sizes = resolve_parallel_sizes(self.world_size, self.config.context_parallel_size)
         self._device_mesh = build_device_mesh(self.root_device.type, *sizes)
         self._submeshes = {name: self._device_mesh[name] for name in (DATA_PARALLEL, CONTEXT_PARALLEL)}
@@ -291,12 +292,12 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         """Training: Poisson logical batches keyed to the data-parallel rank. Evaluation: a data-parallel split."""
         if not isinstance(dataloader, DataLoader):
             return dataloader
-        rank, size = self.data_parallel_rank, self.data_parallel_size
+        rank, size, cp = self.data_parallel_rank, self.data_parallel_size, self.context_parallel_mesh.size()
         trainer = self.lightning_module.trainer
         if not trainer.training:
             if trainer.state.fn == TrainerFn.FITTING:  # validation during fit, before or after the training data
                 warn_validation_on_training_data(getattr(self, "_training_dataset", None), dataloader)
-            return dp_dataloaders.data_parallel_dataloader(dataloader, rank, size)
+            return dp_dataloaders.data_parallel_dataloader(dataloader, rank, size, False, cp, self._shuffle_seed)
         self._training_dataset = dataloader.dataset
         warn_validation_on_training_data(dataloader.dataset, trainer.val_dataloaders)
         dataset_size = dp_dataloaders.training_set_size(dataloader)
@@ -305,7 +306,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
                                           getattr(dataloader.dataset, "split_digest", None))
         warn_micro_batch_above_batch(self.config.micro_batch_size, dataloader.batch_size)
         if (length := _preflight.public_sequence_length(dataloader.dataset)) is not None:  # else checked per batch
-            check_shardable(length, self.context_parallel_mesh.size())  # before any step, on every rank
+            check_shardable(length, cp)  # before any step, on every rank
         self._padding.use_data(dataloader.dataset, dataloader.collate_fn)
         if self.preflight:
             _preflight.run_preflight(
@@ -314,7 +315,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
                 precision=str(self.precision_plugin.precision), config=self.config,
             )
         return dp_dataloaders.training_dataloader(dataloader, self.privacy.poisson_key, lambda: self.accountant.steps,
-                                                  rank, size)
+                                                  rank, size, cp, self._shuffle_seed)
 
     # ------------------------------------------------------------------ privacy
 

@@ -246,6 +246,28 @@ def test_without_poisson_sampling_no_sample_is_in_two_groups_parts_of_a_batch():
     assert evaluation == [[0, 2], [1, 3]]  # every sample; 3 is a repeat of 0 that counts nothing (below)
 
 
+def test_context_parallel_peers_shuffle_alike_whatever_their_global_rngs():
+    """A shuffled DataLoader at data-parallel size 1 and CP 2: each peer's own `RandomSampler` drew its order from its
+    global RNG, which one draw on one rank set apart, so the peers sharded different records as one sample (a record
+    then in two clipped slots). The order now comes from one shared seed; one group without CP keeps its loader."""
+    from lightning_longshield.dp_dataloaders import data_parallel_dataloader, shared_shuffle_seed
+
+    shuffled = torch.utils.data.DataLoader(RandomTokens(size=16), batch_size=4, shuffle=True)
+    orders = []
+    for peer in range(2):
+        torch.manual_seed(0)
+        torch.rand(peer)  # a draw on one peer only
+        for training in (True, False):
+            loader = data_parallel_dataloader(shuffled, 0, 1, training=training, context_parallel_size=2,
+                                              shuffle_seed=7)
+            orders.append((training, list(loader.sampler)))
+    assert orders[:2] == orders[2:]
+    assert sorted(orders[0][1]) == list(range(16)) and orders[0][1] != list(range(16))
+    assert data_parallel_dataloader(shuffled, 0, 1) is shuffled
+    assert shared_shuffle_seed(3, broadcast=lambda value: 0) == shared_shuffle_seed(3, broadcast=lambda value: 1)
+    assert shared_shuffle_seed(None, broadcast=lambda value: 5) == 5  # rank 0's draw
+
+
 def test_an_evaluation_split_counts_every_record_once():
     """Evaluation pads the last round so that every data-parallel group runs as many batches (their collectives and
     the epoch's metric sync pair up); the repeated records were evaluated twice (N 5 over 2 groups: record 0 in both
