@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Optional, Union
@@ -147,12 +148,15 @@ def steps_after(entries: list[LedgerEntry], checkpoint_steps: int) -> list[Ledge
     return sorted((entry for entry in entries if entry.index >= checkpoint_steps), key=lambda entry: entry.index)
 
 
-def steps_beside(entries: list[LedgerEntry], since: Optional[int], checkpoint_steps: int) -> list[LedgerEntry]:
+def steps_beside(entries: list[LedgerEntry], since: Optional[int], checkpoint_steps: int,
+                 without_lines: AbstractSet[int] = frozenset()) -> list[LedgerEntry]:
     """Lines of indices a checkpoint holds (``since``, where its run opened this ledger, up to ``checkpoint_steps``)
     beyond one each: steps that another attempt ran from an earlier checkpoint beside the checkpoint's own (two jobs
     resumed from one checkpoint at once number their steps alike), which the checkpoint does not hold. Of each index's
     lines, the one with the most noise and the lowest sampling rate is taken to be the checkpoint's own (the others,
-    counted, then cost at least as much)."""
+    counted, then cost at least as much); at the indices ``without_lines`` (where the checkpoint's accountant holds a
+    step that no line of its own names: a stand-in for a lost line, a step counted beside an earlier checkpoint's)
+    every line is another attempt's."""
     if since is None:
         return []
     by_index: dict[int, list[LedgerEntry]] = {}
@@ -160,9 +164,9 @@ def steps_beside(entries: list[LedgerEntry], since: Optional[int], checkpoint_st
         if since <= entry.index < checkpoint_steps:
             by_index.setdefault(entry.index, []).append(entry)
     extra = []
-    for lines in by_index.values():
+    for index, lines in by_index.items():
         lines.sort(key=cost_order, reverse=True)  # the least costly first: taken as the checkpoint's own
-        extra += lines[1:]
+        extra += lines if index in without_lines else lines[1:]
     return sorted(extra, key=lambda entry: entry.index)
 
 

@@ -346,8 +346,8 @@ class PrivacySession:
                 # history counted are in its accountant already: only more of them are new.
                 damaged = max(reading.damaged, self.damaged_counted)
                 lost = missing_indices(entries, checkpoint_steps) + damaged - self.damaged_counted
-                beside = _most_costly(steps_beside(reading.entries, self.ledger_since, checkpoint_steps),
-                                      self.beside_counted)
+                beside = _most_costly(steps_beside(reading.entries, self.ledger_since, checkpoint_steps,
+                                                   self.without_lines), self.beside_counted)
                 unrecorded = self._steps_not_in(reading.entries, checkpoint_steps)
                 if unrecorded:
                     problem = (f"The privacy ledger {path} lacks {unrecorded} of this run's steps before the checkpoint"

@@ -401,6 +401,40 @@ def test_two_attempts_resumed_from_one_checkpoint_at_once_are_both_accounted(tmp
     assert again.accountant.steps == 12 and not again.accounting_incomplete
 
 
+def test_lines_another_attempt_writes_where_a_checkpoint_counts_steps_without_lines_are_counted(tmp_path):
+    """A resume that counted another attempt's steps holds them at indices no line of its own names. An attempt
+    still running from an earlier checkpoint later writes its own lines at those indices: a resume took each for the
+    checkpoint's own step and dropped it (16 steps ran, 14 were counted)."""
+    plan = PrivacyPlan(1.0, DELTA, 0.125, 4, 32, 6, None)
+    run = _session_at(plan)
+    run.noise = SimpleNamespace(tail=KEYSTREAM_TAIL)
+    run.open_ledger(tmp_path / LEDGER_FILE, writer=True)
+    _release(run, 2)
+    checkpoint = run.state_dict()
+    _release(run, 2)  # steps 2-3, then a crash
+    run.close_ledger()
+    first, second = _session_at(plan, checkpoint), _session_at(plan, checkpoint)  # both count 2-3: at step 4
+    for attempt in (first, second):
+        attempt.open_ledger(attempt.ledger_path, writer=True)
+        attempt.noise = SimpleNamespace(tail=KEYSTREAM_TAIL)
+    _release(first, 4)  # steps 4-7
+    at_eight = first.state_dict()
+    _release(second, 2)  # steps 4-5, then a crash
+    second.close_ledger()
+    with pytest.warns(UserWarning, match="records 2 steps of this run beside"):
+        third = _session_at(plan, at_eight)  # counts the second's two steps as 8-9, which no line names
+    third.open_ledger(third.ledger_path, writer=True)
+    third.noise = SimpleNamespace(tail=KEYSTREAM_TAIL)
+    _release(first, 4)  # the first runs on: its lines 8-11
+    first.close_ledger()
+    _release(third, 2)  # steps 10-11
+    at_twelve = third.state_dict()
+    third.close_ledger()
+    with pytest.warns(UserWarning, match="records 4 steps of this run beside"):
+        resumed = _session_at(plan, at_twelve)
+    assert resumed.accountant.steps == 16 == len(read_ledger(tmp_path / LEDGER_FILE, run.run_id).entries)
+
+
 def test_a_replaced_ledger_is_noticed_when_the_run_opened_it_at_its_checkpoint(tmp_path):
     """A run without ModelCheckpoint opens its ledger at its first save: the checkpoint's own step. With nothing of
     the run before that step to look for, a ledger replaced by another run's went unnoticed and the steps after the
