@@ -9,12 +9,13 @@ checkpoint's.
 
 One line per step, JSON: ``{"run": run id, "index": the step's position in the run's accounting, "noise_multiplier",
 "sample_rate", "poisson": whether its batch was Poisson-sampled, "reproducible": whether its randomness came from a
-noise_seed}``; and, where a run first opens the file, ``{"run": run id, "opened_at": index}``, the step index from
-which it records (a file replaced by another run's then lacks it). Nothing secret (no seed, no sample, no norm). A
-line torn by a crash during its write belongs to a
-step that never released and is skipped, also where another run sharing the file appended its next line to the
-fragment. Any other line that does not read as a step is damaged: `read_ledger` counts it, and a resume counts it
-as a step of the run.
+noise_seed}``; where a run first opens the file, ``{"run": run id, "opened_at": index}``, the step index from which
+it records (a file replaced by another run's then lacks it); and where a run moves on to another ledger
+(``privacy_ledger`` given at a resume), ``{"run": run id, "moved_to": path, "at": index}`` in the one it leaves, so
+that a resume from a checkpoint that names the old file reads the new one too. Nothing secret (no seed, no sample,
+no norm). A line torn by a crash during its write belongs to a step that never released and is skipped, also where
+another run sharing the file appended its next line to the fragment. Any other line that does not read as a step is
+damaged: `read_ledger` counts it, and a resume counts it as a step of the run.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class PrivacyLedger:
         if opened_at is not None:
             self._write({"run": run_id, "opened_at": opened_at})
 
+    def record_move(self, path: Union[str, os.PathLike], index: int) -> None:
+        """Durably note that this run records its steps from ``index`` on in the ledger at ``path``."""
+        self._write({"run": self.run_id, "moved_to": os.fspath(Path(path).absolute()), "at": index})
+
     def record(self, index: int, noise_multiplier: float, sample_rate: float, poisson: bool = True,
                reproducible: bool = False) -> None:
         """Durably note that step ``index`` is about to release (returns once the line is on disk)."""
@@ -87,18 +92,19 @@ class PrivacyLedger:
 
 @dataclass(frozen=True)
 class LedgerReading:
-    """What a ledger holds for one run: its steps in file order, how many lines of any run are damaged, and the step
-    indices at which the run opened the file."""
+    """What a ledger holds for one run: its steps in file order, how many lines of any run are damaged, the step
+    indices at which the run opened the file, and the ledgers it moved on to."""
 
     entries: list[LedgerEntry]
     damaged: int
     opened_at: frozenset[int] = frozenset()
+    moved_to: tuple[str, ...] = ()
 
 
 def read_ledger(path: Union[str, os.PathLike], run_id: str) -> LedgerReading:
     """The steps ``path`` records for ``run_id``; torn and other runs' lines are skipped, damaged ones counted.
     Raises `FileNotFoundError` when there is no ledger."""
-    entries, damaged, opened_at = [], 0, set()
+    entries, damaged, opened_at, moved_to = [], 0, set(), []
     with open(path, encoding="utf-8", errors="replace") as file:
         for line in file:
             record = _parse(line.rstrip("\n"))
@@ -108,9 +114,32 @@ def read_ledger(path: Union[str, os.PathLike], run_id: str) -> LedgerReading:
                 damaged += 1
             elif record[0] == run_id and isinstance(record[1], int):
                 opened_at.add(record[1])
+            elif record[0] == run_id and isinstance(record[1], str):
+                moved_to.append(record[1])
             elif record[0] == run_id:
                 entries.append(record[1])
-    return LedgerReading(entries, damaged, frozenset(opened_at))
+    return LedgerReading(entries, damaged, frozenset(opened_at), tuple(moved_to))
+
+
+def read_ledgers(paths: list[Union[str, os.PathLike]], run_id: str) -> tuple[LedgerReading, list[str]]:
+    """`read_ledger` of every one of ``paths`` that exists and of every ledger the run moved on to from them, each
+    file once, merged; and the files read. Raises `FileNotFoundError` when none of ``paths`` exists."""
+    pending = [os.fspath(path) for path in paths]
+    read: dict[str, LedgerReading] = {}
+    while pending:
+        path = pending.pop(0)
+        key = os.path.realpath(path)
+        if key in read or not os.path.exists(path):
+            continue
+        read[key] = reading = read_ledger(path, run_id)
+        pending += reading.moved_to
+    if not read:
+        raise FileNotFoundError(os.fspath(paths[0]))
+    readings = list(read.values())
+    merged = LedgerReading([entry for reading in readings for entry in reading.entries],
+                           sum(reading.damaged for reading in readings),
+                           frozenset().union(*(reading.opened_at for reading in readings)))
+    return merged, list(read)
 
 
 _TORN = object()
@@ -129,12 +158,15 @@ def _parse(line: str) -> object:
     return record
 
 
-def _record(text: str) -> Optional[tuple[str, Union[LedgerEntry, int]]]:
-    """``(run id, entry)`` of a step's line, ``(run id, index)`` of a line opening the file; None if damaged."""
+def _record(text: str) -> Optional[tuple[str, Union[LedgerEntry, int, str]]]:
+    """``(run id, entry)`` of a step's line, ``(run id, index)`` of a line opening the file, ``(run id, path)`` of a
+    line moving on to another; None if damaged."""
     try:
         fields = json.loads(text)
         if "opened_at" in fields and "index" not in fields:
             return str(fields["run"]), int(fields["opened_at"])
+        if "moved_to" in fields and "index" not in fields:
+            return str(fields["run"]), str(fields["moved_to"])
         entry = LedgerEntry(int(fields["index"]), float(fields["noise_multiplier"]), float(fields["sample_rate"]),
                             bool(fields.get("poisson", True)), bool(fields.get("reproducible", False)))
         return str(fields["run"]), entry

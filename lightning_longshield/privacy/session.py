@@ -25,7 +25,7 @@ from lightning_longshield.privacy.ledger import (
     PrivacyLedger,
     cost_order,
     missing_indices,
-    read_ledger,
+    read_ledgers,
     steps_after,
     steps_beside,
 )
@@ -306,6 +306,11 @@ class PrivacySession:
         self.run_id = self.run_id or self._new_run_id or uuid.uuid4().hex
         path = os.fspath(os.path.abspath(path))
         new = path != self.ledger_path or self.ledger_since is None
+        if new and writer and self.ledger_path is not None and os.path.exists(self.ledger_path):
+            # Where a checkpoint that names the old ledger is resumed, its reading follows this line to the new one.
+            moving = PrivacyLedger(self.ledger_path, self.run_id)
+            moving.record_move(path, self.accountant.steps)
+            moving.close()
         if new:  # a new ledger: it records the steps from now on, from a first line that says so
             self.ledger_since, self.ledger_marked = self.accountant.steps, True
         self.ledger_path = path
@@ -323,16 +328,13 @@ class PrivacySession:
                                poisson=self.poisson_sampling, reproducible=self.reproducible)
 
     def resume_from_ledger(self, path: Optional[str | os.PathLike], broadcast: Callable[[T], T]) -> None:
-        """After `load_state_dict`: add to the accountant every step the ledger at ``path`` (default: the one the
-        checkpoint names) records for this run beyond the checkpoint's, read on rank 0 (``broadcast``)."""
+        """After `load_state_dict`: add to the accountant every step that the ledger at ``path`` and the one the
+        checkpoint names (and those the run moved on to from them) record for this run beyond the checkpoint's, read
+        on rank 0 (``broadcast``)."""
         if self.run_id is None:
             return  # a checkpoint from before the ledger
         path = os.fspath(path) if path is not None else self.ledger_path
         own = self.ledger_path  # the checkpoint's
-        if path is not None and own is not None and not os.path.exists(path) and os.path.exists(own):
-            rank_zero_info(f"privacy_ledger names {path}, which does not exist: the steps of this run after the"
-                           f" checkpoint are read from the checkpoint's ledger {own}; new steps go to {path}.")
-            path = own
         checkpoint_steps = self.accountant.steps
         problem: Optional[str] = None
         entries: list[LedgerEntry] = []
@@ -340,7 +342,8 @@ class PrivacySession:
         lost, damaged = 0, self.damaged_counted
         if path is not None:
             try:
-                reading = read_ledger(path, self.run_id)
+                reading, files = read_ledgers([name for name in (path, own) if name is not None], self.run_id)
+                path = " and ".join(files)
                 entries = steps_after(reading.entries, checkpoint_steps)
                 # Damaged lines and lines beside the checkpoint's own that an earlier resume in the checkpoint's
                 # history counted are in its accountant already: only more of them are new.

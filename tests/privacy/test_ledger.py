@@ -354,14 +354,44 @@ def test_a_resume_from_last_warns_when_a_newer_checkpoint_is_beside_it(tmp_path)
         _fit(_strategy(), tmp_path, max_steps=7, ckpt_path="last")
 
 
-def _session_at(plan: PrivacyPlan, state=None) -> PrivacySession:
-    """A session that releases under ``plan`` (from a checkpoint's ``state``, resumed from its ledger)."""
+def _session_at(plan: PrivacyPlan, state=None, ledger=None) -> PrivacySession:
+    """A session that releases under ``plan`` (from a checkpoint's ``state``, resumed from its ledger or
+    ``ledger``, as ``privacy_ledger`` names one)."""
     session = PrivacySession(PrivacyArguments(1.0, None, DELTA, 1.0, "rdp"))
     if state is not None:
         session.load_state_dict(state)
-        session.resume_from_ledger(None, broadcast=lambda value: value)
+        session.resume_from_ledger(ledger, broadcast=lambda value: value)
     session.plan = plan
     return session
+
+
+def test_a_resume_reads_every_ledger_the_run_recorded_steps_in(tmp_path):
+    """``privacy_ledger`` given at a resume sends the run's next steps to another file, while its earlier
+    checkpoints name the first: a resume from one of them read one file only (6 of 8 steps counted, then 8 of 10,
+    with a warning that the second file lacked the run's first steps)."""
+    plan = PrivacyPlan(1.0, DELTA, 0.125, 4, 32, 6, None)
+    first_file, second_file = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    run = _session_at(plan)
+    run.noise = SimpleNamespace(tail=KEYSTREAM_TAIL)
+    run.open_ledger(first_file, writer=True)
+    _release(run, 2)
+    at_two = run.state_dict()
+    _release(run, 2)  # steps 2-3, then a crash
+    run.close_ledger()
+    moved = _session_at(plan, at_two, ledger=second_file)  # counts 2-3 from the first file
+    moved.open_ledger(second_file, writer=True)
+    _release(moved, 2)  # steps 4-5, in the second file
+    moved.close_ledger()
+    assert moved.accountant.steps == 6
+    without_the_argument = _session_at(plan, at_two)
+    assert without_the_argument.accountant.steps == 6 and not without_the_argument.accounting_incomplete
+    without_the_argument.open_ledger(without_the_argument.ledger_path, writer=True)
+    _release(without_the_argument, 2)  # steps 6-7, in the first file
+    without_the_argument.close_ledger()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is missing from either file
+        named = _session_at(plan, at_two, ledger=second_file)
+    assert named.accountant.steps == 8 and not named.accounting_incomplete
 
 
 def _release(session: PrivacySession, steps: int) -> None:
