@@ -155,7 +155,8 @@ def materialize_meta_parameters(
 
     The initial distribution is the model's own; the draws come from a generator seeded by a hash of one draw of
     the global RNG and ``rank``, so a run seeded the same way on the same layout is reproducible and the ranks'
-    shards are independent (on CPU, DTensor random ops would otherwise draw the same values on every rank).
+    shards are independent (on CPU, DTensor random ops would otherwise draw the same values on every rank). What
+    FSDP2 leaves whole (buffers, frozen parameters outside its units) is then rank 0's on every rank of ``group``.
     """
     if not any(p.is_meta for p in module.parameters()):
         return False
@@ -189,6 +190,7 @@ def materialize_meta_parameters(
         if initialize is not None:
             initialize()
     _refuse_unset(module, unset, group)
+    _broadcast_whole_tensors(module, group)  # each rank drew them with its own seed
     return True
 
 
@@ -200,12 +202,25 @@ def sync_data_parallel_replicas(module: nn.Module, group: Optional[dist.ProcessG
     process) would otherwise train different models from one released gradient. With ``sharded_over_all`` (FSDP2
     over every rank, ``shard_over="all"``: its parameters are each rank's own shards, not replicas) only the tensors
     FSDP2 leaves whole, buffers and unsharded frozen parameters."""
+    if sharded_over_all:
+        _broadcast_whole_tensors(module, group)
+        return
     if group is None or dist.get_world_size(group) == 1:
         return
     source = dist.get_global_rank(group, 0)
     for _, tensor in _named_tensors(module):
-        if not (sharded_over_all and isinstance(tensor, DTensor)):
-            dist.broadcast(_local(tensor), src=source, group=group)
+        dist.broadcast(_local(tensor), src=source, group=group)
+
+
+def _broadcast_whole_tensors(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    """Give every rank of ``group`` its rank 0's copy of the tensors FSDP2 leaves whole (buffers, unsharded frozen
+    parameters): the ranks that share a model's shards must hold one value of each of them."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    source = dist.get_global_rank(group, 0)
+    for _, tensor in _named_tensors(module):
+        if not isinstance(tensor, DTensor):
+            dist.broadcast(tensor.detach(), src=source, group=group)
 
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

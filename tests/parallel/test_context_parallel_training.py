@@ -341,6 +341,9 @@ def test_model_built_in_configure_model_is_initialised_shard_by_shard(tmp_path):
     assert all(not torch.equal(value, other[name]) for name, value in first.items() if "norm" not in name)
     local0, local1 = (results["first"]["local"]["tok_embeddings.weight"] for results in (rank0, rank1))
     assert local0.shape == local1.shape and not torch.equal(local0, local1)
+    # What FSDP2 leaves whole is one value on both ranks (each drew its own before).
+    whole0, whole1 = (results["first"]["buffers"]["random_projection.projection"] for results in (rank0, rank1))
+    assert torch.equal(whole0, whole1) and whole0.std() > 0.5
     config = small_config()
     assert abs(first["tok_embeddings.weight"].std().item() - 1.0) < 0.1
     layers = range(config.n_layers)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch import nn
 
 from lightning_longshield import LongShieldStrategy, PerLayerClipping, ProjectedNorms
 from tests.support.helpers import (
@@ -279,25 +280,43 @@ class InitialShards(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.local = {name: p.to_local().detach().clone() for name, p in pl_module.model.named_parameters()}
+        self.buffers = {name: b.detach().clone() for name, b in pl_module.model.named_buffers()}
         state = full_state(trainer.strategy.lightning_module_state_dict())
         self.full = {k.removeprefix("model."): v.clone() for k, v in state.items()}
+
+
+class RandomProjection(nn.Module):
+    """A fixed random buffer drawn in ``init_weights``, which FSDP2 leaves whole on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("projection", torch.empty(4, 4))
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.projection)
 
 
 def meta_initialisation(rank: int, world_size: int, out_dir: str) -> None:
     """CP 2, a model built in configure_model (not before fit): twice with seed=0, once with seed=1."""
     from lightning_longshield import CausalLMModule
 
+    class WithRandomProjection(CausalLMModule):
+        def configure_model(self) -> None:
+            super().configure_model()
+            if not hasattr(self.model, "random_projection"):
+                self.model.random_projection = RandomProjection()
+
     results = {}
     for run, seed in (("first", 0), ("again", 0), ("other", 1)):
         torch.manual_seed(1000 + rank + len(results))  # the strategy's seed alone must decide the init
-        module = CausalLMModule(small_config(), optimizer="sgd", learning_rate=0.0)
+        module = WithRandomProjection(small_config(), optimizer="sgd", learning_rate=0.0)
         recorder = InitialShards()
         strategy = LongShieldStrategy(context_parallel_size=world_size, noise_multiplier=0.0, micro_batch_size=2,
                                       poisson_sampling=False, seed=seed)
         make_trainer(strategy, max_steps=1, devices=world_size, callbacks=[recorder]).fit(
             module, loader(RandomTokens(**DATASET), LOGICAL_BATCH)
         )
-        results[run] = {"local": recorder.local, "full": recorder.full}
+        results[run] = {"local": recorder.local, "full": recorder.full, "buffers": recorder.buffers}
     torch.save(results, Path(out_dir) / f"meta{rank}.pt")
 
 
