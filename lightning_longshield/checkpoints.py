@@ -139,11 +139,16 @@ class StrategyCheckpoints:
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state
         if not self.sharded_checkpoints:
-            sharded = self._sharded_checkpoint_at(filepath) if storage_options is None and is_local(filepath) else None
+            local = storage_options is None and is_local(filepath)
+            sharded = self._sharded_checkpoint_at(filepath) if local else None
             if sharded is not None:
                 self._replace_sharded_by_one_file(checkpoint, sharded)
-                return
-            super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+            elif local and self.broadcast(Path(filepath).is_symlink()):  # type: ignore[attr-defined]
+                # A link (``last.ckpt``) to a checkpoint: the file replaces the link. ModelParallelStrategy's save
+                # would remove a sharded folder at the path, and fails on a link to one.
+                ParallelStrategy.save_checkpoint(self, checkpoint, filepath)  # type: ignore[arg-type]
+            else:
+                super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
             return
         if storage_options is not None:
             raise TypeError("Sharded checkpoints take no storage_options; use checkpoint_format='full' with a"
@@ -157,7 +162,9 @@ class StrategyCheckpoints:
                             background_group=self._background_group())
         self._pending_save = save if save.pending is not None else None
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        if not trainer.training or trainer.interrupted:  # no later step to finish it (e.g. a save at SIGTERM)
+        # No later step to finish it (a save at SIGTERM); or a ModelCheckpoint links ``last.ckpt`` to it as soon as
+        # this returns, and a link to a save that a crash cuts short leaves no last checkpoint to resume.
+        if not trainer.training or trainer.interrupted or _links_last(trainer):
             self.commit_pending_save()
 
     def _sharded_checkpoint_at(self, filepath: Any) -> Optional[Path]:
@@ -371,3 +378,9 @@ def _drop_empty_loader_states(checkpoint: dict[str, Any]) -> None:
     states = loop.get("combined_loader")
     if states and all(state == {} for state in states):
         del loop["combined_loader"]
+
+
+def _links_last(trainer: Any) -> bool:
+    """Whether a ModelCheckpoint of ``trainer`` links ``last.ckpt`` to every checkpoint it saves
+    (``save_last="link"``)."""
+    return any(getattr(callback, "save_last", None) == "link" for callback in trainer.checkpoint_callbacks)

@@ -327,6 +327,27 @@ def test_an_asynchronous_save_removes_the_checkpoint_it_supersedes_once_committe
     assert sorted(p.name for p in folder.iterdir()) == ["step=4.ckpt"]
 
 
+def test_an_asynchronous_save_that_last_ckpt_links_to_is_whole_before_the_link(tmp_path):
+    """``save_last="link"`` links ``last.ckpt`` to a save as soon as it returns: a crash before a background save was
+    committed left the link dangling, and ``fit(ckpt_path="last")`` then started from scratch. Such saves are
+    committed before they return."""
+    folder = tmp_path / "checkpoints"
+
+    class Crash(Callback):
+        def on_train_batch_start(self, trainer, *_) -> None:
+            if trainer.global_step == 2:
+                raise RuntimeError("crash")
+
+    run = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3, async_checkpoints=True)
+    saves = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=1, save_last="link")
+    with pytest.raises(RuntimeError, match="crash"):
+        make_trainer(run, max_steps=4, enable_checkpointing=True, callbacks=[saves, Crash()]).fit(module(),
+                                                                                                  loader(DATA, 4))
+    last = folder / "last.ckpt"
+    assert last.is_symlink() and is_whole_sharded_checkpoint(last.resolve())
+    assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 2
+
+
 def test_several_processes_stop_together_on_sigterm_even_without_checkpointing():
     """Lightning's SIGTERM handler deadlocks several processes signalled apart: every fit of several processes gets a
     `PreemptionCheckpoint`, which without checkpointing stops them together and saves nothing; one process without

@@ -52,6 +52,21 @@ def test_saving_twice_over_a_last_link_replaces_the_link_and_keeps_its_target(tm
         torch.testing.assert_close(tensor, live[name])
 
 
+def test_a_one_file_save_over_a_link_to_a_sharded_checkpoint_replaces_the_link(tmp_path):
+    """A sharded run with ``last.ckpt`` linked to its checkpoint, resumed where one-file saves are chosen (one
+    process under ``checkpoint_format="auto"``): its first save to ``last.ckpt`` (a `PreemptionCheckpoint` at
+    SIGTERM) failed, torch refusing to remove a link as a folder."""
+    trainer = _sharded_fit(tmp_path)
+    target, last = tmp_path / "step=2.ckpt", tmp_path / "last.ckpt"
+    trainer.save_checkpoint(target)
+    last.symlink_to(target.name)
+    before = _contents(target)
+    trainer.strategy.checkpoint_format = "full"
+    trainer.save_checkpoint(last)
+    assert not last.is_symlink() and last.is_file() and _contents(target) == before
+    assert torch.load(last, weights_only=False)["global_step"] == 2
+
+
 def _link(final: Path, kind: str, tmp_path: Path) -> Path:
     """Make ``final`` a link to a sharded checkpoint's folder, a one-file checkpoint, or nothing; returns its
     target."""
