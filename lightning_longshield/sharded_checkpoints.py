@@ -14,6 +14,7 @@ and refuses a missing or damaged file by name (`CorruptCheckpointError`), loadin
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import os
 import shutil
@@ -67,11 +68,13 @@ def optimizer_key(index: int) -> str:
 @dataclass
 class ShardedSave:
     """One sharded save: its shards written, or being written in the background (``pending``); `commit` (a
-    collective) adds Lightning's state and the manifest and renames the folder into place."""
+    collective) adds Lightning's state (``metadata``, serialised when the save began: its objects live on, and a
+    callback's, such as ModelCheckpoint's best checkpoints, would be written as they are at the commit) and the
+    manifest, and renames the folder into place."""
 
     temporary: Path
     final: Path
-    metadata: dict[str, Any]
+    metadata: bytes
     rank: int
     pending: Optional[Future] = None
 
@@ -85,7 +88,7 @@ class ShardedSave:
             self.pending = None
         rank, temporary = self.rank, self.temporary
         if rank == 0:
-            write_durably(temporary / METADATA_FILE, lambda file: torch.save(self.metadata, file))
+            write_durably(temporary / METADATA_FILE, lambda file: file.write(self.metadata))
         barrier()
         files = _checksums(temporary, own=lambda name: name.startswith(f"__{rank}_") or (rank == 0 and not
                                                                                              name.startswith("__")))
@@ -130,7 +133,10 @@ def save_sharded(
     for index, optimizer in enumerate(optimizers):
         state[optimizer_key(index)] = get_optimizer_state_dict(model, optimizer, options=options)
     writer = dcp.FileSystemWriter(temporary, sync_files=True)
-    save = ShardedSave(temporary, final, metadata, rank)
+    serialised = io.BytesIO()
+    if rank == 0:
+        torch.save(metadata, serialised)
+    save = ShardedSave(temporary, final, serialised.getvalue(), rank)
     if background_group is None:
         dcp.save(state, storage_writer=writer)
         save.commit(barrier)

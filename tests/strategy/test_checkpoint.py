@@ -3,6 +3,8 @@ state; a resumed run continues exactly where it stopped."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -346,6 +348,22 @@ def test_an_asynchronous_save_that_last_ckpt_links_to_is_whole_before_the_link(t
     last = folder / "last.ckpt"
     assert last.is_symlink() and is_whole_sharded_checkpoint(last.resolve())
     assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 2
+
+
+def test_an_asynchronous_save_holds_lightnings_state_of_its_step(tmp_path):
+    """Lightning's state (``meta.pt``) was serialised at the commit, a step later, from objects that live on: the
+    step-1 checkpoint's ModelCheckpoint state listed the step-2 checkpoint among its best, which a resume would keep
+    (and later delete files by)."""
+    folder = tmp_path / "checkpoints"
+    run = LongShieldStrategy(noise_multiplier=1.0, accountant="rdp", target_delta=1e-3, async_checkpoints=True)
+    saves = ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=1, save_top_k=-1, monitor="step",
+                            mode="max")
+    make_trainer(run, max_steps=3, enable_checkpointing=True, callbacks=[saves]).fit(module(), loader(DATA, 4))
+    for step in (1, 2, 3):
+        meta = torch.load(folder / f"step={step}.ckpt" / "meta.pt", weights_only=False)
+        state = next(value for key, value in meta["callbacks"].items() if key.startswith("ModelCheckpoint"))
+        assert sorted(Path(name).name for name in state["best_k_models"]) == [f"step={s}.ckpt" for s in
+                                                                               range(1, step + 1)]
 
 
 def test_several_processes_stop_together_on_sigterm_even_without_checkpointing():
