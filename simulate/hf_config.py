@@ -69,7 +69,8 @@ def spec_from_hf_config(hf_config: Mapping[str, Any], spec_class: type[Spec] = M
     return spec_class(
         vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads", heads), ffn_dim=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"], rope_theta=float(rope_theta), norm_eps=float(hf["rms_norm_eps"]),
+        max_seq_len=hf["max_position_embeddings"], rope_theta=rope_theta,
+        norm_eps=_number(hf["rms_norm_eps"], "rms_norm_eps"),
         tie_embeddings=bool(hf["tie_word_embeddings"]), rope_scaling=rope_scaling,
     )
 
@@ -87,10 +88,14 @@ def _check_sizes(hf: Mapping[str, Any]) -> None:
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
-    """RoPE base and scaling from ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling``."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    """RoPE base and scaling as transformers reads them: ``rope_scaling`` where it is set (transformers 4, and 5 gives
+    it priority over ``rope_parameters``), else ``rope_parameters``; the base from that mapping's ``rope_theta``,
+    else the top-level one. ValueError naming the key of a value that is not a number."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(key) or {}
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    theta = params.get("rope_theta") or hf["rope_theta"]
+    theta_key = f"{key}.rope_theta" if params.get("rope_theta") is not None else "rope_theta"
+    theta = _number(params.get("rope_theta") if theta_key != "rope_theta" else hf["rope_theta"], theta_key)
     if rope_type == "default":
         return theta, RopeScaling()
     if rope_type != "llama3":
@@ -98,13 +103,25 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
             f"RoPE type {rope_type!r} is not supported; Llama implements the default RoPE and Llama-3 scaling"
             " ('llama3')."
         )
-    missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in params]
+    missing = [name for name in ("factor", "low_freq_factor", "high_freq_factor") if name not in params]
     if missing:
         raise ValueError(f"Llama-3 RoPE scaling {dict(params)} lacks {missing}.")
-    original = params.get("original_max_position_embeddings", hf["max_position_embeddings"])
-    return theta, RopeScaling(
-        float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"]), int(original)
-    )
+    factors = [_number(params[name], f"{key}.{name}") for name in ("factor", "low_freq_factor", "high_freq_factor")]
+    original_key = (f"{key}.original_max_position_embeddings" if "original_max_position_embeddings" in params
+                    else "original_max_position_embeddings" if "original_max_position_embeddings" in hf
+                    else "max_position_embeddings")
+    original = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings",
+                                                                      hf["max_position_embeddings"]))
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ValueError(f"{original_key}={original!r}: must be a positive integer.")
+    return theta, RopeScaling(*factors, original)
+
+
+def _number(value: Any, key: str) -> float:
+    """``value`` as a float; ValueError naming ``key`` where it is not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key}={value!r}: must be a number.")
+    return float(value)
 
 
 def read_hf_config(directory: Union[str, Path], spec_class: type[Spec] = ModelSpec) -> Spec:  # type: ignore[assignment]

@@ -323,6 +323,38 @@ def test_legacy_rope_fields_read_like_rope_parameters() -> None:
     assert checkpoint.config_from_hf(checkpoint.hf_config_dict(config)) == config
 
 
+@pytest.mark.parametrize("fields", [
+    # An export (both forms) whose legacy fields were edited for a longer context, as transformers 4's docs describe.
+    dict(rope_theta=1e6, rope_scaling={**LLAMA3, "factor": 32.0}, rope_parameters={**LLAMA3, "rope_theta": 5e5}),
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5}, rope_scaling=LLAMA3, rope_theta=1e4),
+    dict(rope_theta=5e5, rope_scaling={key: value for key, value in LLAMA3.items()
+                                       if key != "original_max_position_embeddings"},
+         original_max_position_embeddings=8),
+], ids=["edited-legacy-fields", "scaling-beside-default-parameters", "top-level-original-length"])
+def test_rope_fields_are_read_as_transformers_reads_them(tmp_path: Path, ids: torch.Tensor, fields: dict) -> None:
+    """``rope_scaling`` takes priority over ``rope_parameters``, a mapping's ``rope_theta`` over the top-level one,
+    and a top-level ``original_max_position_embeddings`` counts: read otherwise, the logits differed by up to 3.3."""
+    write_hf_llama(tmp_path)
+    config = json.loads((tmp_path / checkpoint.CONFIG_FILE).read_text())
+    config.pop("rope_parameters", None)
+    config.pop("rope_scaling", None)
+    (tmp_path / checkpoint.CONFIG_FILE).write_text(json.dumps({**config, **fields}))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    torch.testing.assert_close(our_logits(checkpoint.load_model(tmp_path), ids), hf_logits(hf_model, ids), **CLOSE)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    (dict(rope_scaling={**LLAMA3, "factor": None}), r"rope_scaling.factor=None: must be a number"),
+    (dict(rope_theta="abc"), r"rope_theta='abc': must be a number"),
+    (dict(rms_norm_eps="1e-5"), r"rms_norm_eps='1e-5': must be a number"),
+    (dict(rope_scaling={**LLAMA3, "original_max_position_embeddings": 8.5}),
+     r"rope_scaling.original_max_position_embeddings=8.5: must be a positive integer"),
+])
+def test_a_value_of_the_wrong_type_is_named(override: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        checkpoint.config_from_hf({"model_type": "llama", **SIZES, **override})
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
