@@ -191,7 +191,8 @@ class LongShieldCLI(LightningCLI):
         if export_to:
             try:
                 self.model.save_pretrained(export_to, export_dtype(config.get("export_dtype")),
-                                           config.get("export_max_shard_size", DEFAULT_MAX_SHARD_SIZE))
+                                           config.get("export_max_shard_size", DEFAULT_MAX_SHARD_SIZE),
+                                           tokenizer=getattr(self.datamodule, "tokenizer", None))
             except Exception:
                 self._keep_the_trained_model(export_to)
                 raise

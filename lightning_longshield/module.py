@@ -261,14 +261,15 @@ class CausalLMModule(L.LightningModule):
         self.trained_positions = checkpoint.get(TRAINED_POSITIONS_KEY, self.trained_positions)
 
     def save_pretrained(self, directory: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
-                        max_shard_size: Union[int, str] = hf.DEFAULT_MAX_SHARD_SIZE) -> None:
+                        max_shard_size: Union[int, str] = hf.DEFAULT_MAX_SHARD_SIZE, tokenizer: Any = None) -> None:
         """Write the model (LoRA adapters merged) as a Hugging Face Llama directory, in safetensors files of at most
         ``max_shard_size``; a collective under FSDP2. Its ``max_position_embeddings`` is the config's, or the length
-        a fit trained where that is longer (`trained_positions`)."""
+        a fit trained where that is longer (`trained_positions`). ``tokenizer``: the Hugging Face tokenizer it was
+        trained with, saved beside it where the model was not loaded from a checkpoint (whose own is carried)."""
         assert self.model is not None, "call configure_model() first"
         if self.trained_positions is not None and self.trained_positions > self.model.config.max_seq_len:
             self.model.config = replace(self.model.config, max_seq_len=self.trained_positions)
-        hf.save_pretrained(self.model, directory, dtype, max_shard_size)
+        hf.save_pretrained(self.model, directory, dtype, max_shard_size, tokenizer)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         assert self.model is not None, "call configure_model() first"

@@ -11,7 +11,7 @@ import importlib
 import os
 import re
 from types import ModuleType
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
     import torch
@@ -76,13 +76,14 @@ def load_model(
 
 def save_pretrained(model: torch.nn.Module, directory: Union[str, os.PathLike],
                     dtype: Optional[torch.dtype] = None,
-                    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> None:
+                    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE, tokenizer: Any = None) -> None:
     """Write ``model`` (a `Llama`, possibly FSDP2-sharded, LoRA adapters merged) as a Hugging Face Llama directory
     that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, in safetensors files of at most
-    ``max_shard_size`` (bytes, or e.g. ``"5GB"``); a collective when the model is sharded."""
+    ``max_shard_size`` (bytes, or e.g. ``"5GB"``); a collective when the model is sharded. A Hugging Face
+    ``tokenizer`` (the one it trained with) is saved with a model not loaded from a checkpoint."""
     from lightning_longshield.hf import export
 
-    export.save_pretrained(model, directory, dtype, max_shard_size)
+    export.save_pretrained(model, directory, dtype, max_shard_size, tokenizer)
 
 
 def read_config(directory: Union[str, os.PathLike]) -> LlamaConfig:

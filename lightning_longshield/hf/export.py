@@ -16,7 +16,7 @@ import shutil
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -123,7 +123,7 @@ def exported_tensor(name: str, tensor: torch.Tensor, config: LlamaConfig,
 def write_pretrained(
     state: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]], config: LlamaConfig,
     directory: PathLike, dtype: Optional[torch.dtype] = None, source: Optional[PathLike] = None,
-    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE, tokenizer: Any = None,
 ) -> None:
     """Write full tensors under `Llama`'s names (a mapping, or pairs one at a time as `merged_tensors` yields them)
     and ``config`` as a Hugging Face Llama directory: ``config.json`` and safetensors weights in shards of at most
@@ -132,14 +132,16 @@ def write_pretrained(
     A tied model whose output weight no longer equals its embedding (a LoRA adapter on the head, merged) is written
     untied, with ``lm_head.weight``. With ``source``, the Hugging Face directory the model was loaded from, the
     special tokens' ids of its ``config.json`` and its `CARRIED_FILES` (tokenizer, generation defaults, license) come
-    along, and tokenizer files in ``directory`` that it lacks (another model's) are removed. The weights of an
+    along, and tokenizer files in ``directory`` that it lacks (another model's) are removed. Without ``source``, a
+    Hugging Face ``tokenizer`` (the one the model was trained with) is saved there and gives those ids. Ids known
+    from neither are written as null: transformers would otherwise read Llama 2's 1 and 2. The weights of an
     earlier export there are replaced: its index and shards that the new export does not overwrite are removed.
     """
     limit = shard_bytes(max_shard_size)
     directory = Path(directory).expanduser()  # as loading and the CLI's up-front check read it
     directory.mkdir(parents=True, exist_ok=True)
     previous = _previous_weights(directory)
-    carried = read_config_json(Path(source).expanduser()) if source is not None else {}
+    carried = read_config_json(Path(source).expanduser()) if source is not None else _token_ids(tokenizer)
     # Everything that can fail on its own is done first; the weights are written aside and renamed into place once
     # all are written, so an export cut short leaves no partial file beside (or shadowing) the checkpoint there.
     shards = _Shards(directory, limit)
@@ -150,8 +152,10 @@ def write_pretrained(
     finally:
         shards.discard()
     config_dict = hf_config_dict(config, dtype or embedding_dtype)
-    config_dict.update((key, carried[key]) for key in CARRIED_CONFIG_KEYS if key in carried)
+    config_dict.update((key, carried.get(key)) for key in CARRIED_CONFIG_KEYS)
     replace_durably(directory / CONFIG_FILE, lambda path: path.write_text(json.dumps(config_dict, indent=2) + "\n"))
+    if source is None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(os.fspath(directory))
     if source is not None:
         source = Path(source).expanduser()
         for name in CARRIED_FILES:
@@ -160,6 +164,13 @@ def write_pretrained(
                 shutil.copyfile(carried_file, target)
         _remove_other_tokenizer_files(directory, source)
     _remove_replaced(previous, names, directory)
+
+
+def _token_ids(tokenizer: Any) -> dict[str, Any]:
+    """The special tokens' ids of a Hugging Face ``tokenizer`` (none for another kind, or none given)."""
+    if not hasattr(tokenizer, "save_pretrained"):
+        return {}
+    return {key: getattr(tokenizer, key, None) for key in CARRIED_CONFIG_KEYS}
 
 
 def _add_tensors(shards: _Shards, pairs: Iterable[tuple[str, torch.Tensor]], config: LlamaConfig,
@@ -237,13 +248,14 @@ def _remove_replaced(previous: list[Path], written: list[str], directory: Path) 
 
 @torch.no_grad()
 def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch.dtype] = None,
-                    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> None:
+                    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE, tokenizer: Any = None) -> None:
     """Write ``model`` (a `Llama`, possibly FSDP2-sharded, possibly with LoRA adapters, which are merged into their
     base weights) as a Hugging Face Llama directory that ``transformers.AutoModelForCausalLM.from_pretrained``
     loads, in weights files of at most ``max_shard_size`` (bytes, or e.g. ``"5GB"``). A model loaded by
     `load_model` carries its checkpoint's tokenizer, generation defaults and special tokens' ids into the export
     (`write_pretrained`), and ``dtype`` defaults to the checkpoint's (a bf16 checkpoint trained in fp32 is exported
-    in bf16); otherwise to the parameters'.
+    in bf16); otherwise to the parameters', and a Hugging Face ``tokenizer`` given (the one it was trained with)
+    is saved with it.
 
     Sharded parameters are gathered one at a time to the CPU, a collective: with more than one process every rank
     calls this, only rank 0 keeps the gathered tensors (one shard's at a time) and writes them, and all return once
@@ -263,7 +275,7 @@ def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch
     failure: Optional[Exception] = None
     if writer:
         try:
-            write_pretrained(tensors, model.config, directory, dtype, source, max_shard_size)
+            write_pretrained(tensors, model.config, directory, dtype, source, max_shard_size, tokenizer)
         except Exception as error:
             if not distributed:
                 raise

@@ -554,6 +554,25 @@ def test_an_export_carries_the_checkpoints_tokenizer_special_tokens_and_dtype(tm
     assert not (tmp_path / "orphan" / "tokenizer.json").exists()
 
 
+def test_an_export_of_a_model_built_here_declares_the_tokenizers_ids_or_none(tmp_path: Path) -> None:
+    """A model built from a preset or a config has no checkpoint to take special tokens' ids from: none were
+    written, and transformers read Llama 2's bos 1 and eos 2, on which generation would stop. With the tokenizer it
+    trained with, its ids and files are written; without, the ids are null."""
+    from lightning_longshield.hf.demo import train_bpe_tokenizer
+
+    model = Llama(LlamaConfig(vocab_size=96, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                              max_seq_len=64))
+    export.save_pretrained(model, tmp_path / "bare")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "bare")
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (None, None, None)
+    tokenizer = train_bpe_tokenizer(["def f(x):\n    return x + 1\n"] * 4, tmp_path / "tokenizer", vocab_size=96)
+    export.save_pretrained(model, tmp_path / "with-tokenizer", tokenizer=tokenizer)
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "with-tokenizer")
+    assert (config.eos_token_id, config.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "with-tokenizer")
+    assert saved("return x").input_ids == tokenizer("return x").input_ids
+
+
 @pytest.mark.parametrize("tokenizer", ["sentencepiece", "vocab-and-merges"])
 def test_an_export_carries_tokenizers_saved_without_tokenizer_json_and_the_license(tmp_path: Path,
                                                                                    tokenizer: str) -> None:
