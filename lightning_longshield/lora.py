@@ -47,8 +47,10 @@ class LoraOptions:
     target_modules: Union[AllLinear, Sequence[str]] = LORA_TARGETS
 
     def __post_init__(self) -> None:
-        if int(self.rank) != self.rank or self.rank < 1:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, (int, float)) or int(self.rank) != self.rank \
+                or self.rank < 1:
             raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}.")
+        object.__setattr__(self, "rank", int(self.rank))  # 4.0 (a YAML or JSON number) builds adapters of rank 4
         if self.alpha <= 0:
             raise ValueError(f"LoRA alpha must be positive, got {self.alpha!r}.")
         if not 0 <= self.dropout < 1:

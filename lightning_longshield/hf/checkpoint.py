@@ -194,7 +194,7 @@ def weight_map(directory: PathLike) -> dict[str, Path]:
         with require_hf("safetensors").safe_open(single, framework="pt") as handle:
             return dict.fromkeys(handle.keys(), single)
     if index.is_file():
-        files = {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        files = {name: directory / file for name, file in _read_index(index).items()}
         for path in sorted(set(files.values())):
             _check_downloaded(path)
         return files
@@ -205,9 +205,48 @@ def weight_map(directory: PathLike) -> dict[str, Path]:
     )
 
 
+def _read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a sharded checkpoint's index: ValueError naming the file and the fix where it is not
+    one (a download cut short)."""
+    try:
+        mapping = json.loads(index.read_text())["weight_map"]
+        if not isinstance(mapping, dict) or not all(isinstance(file, str) for file in mapping.values()):
+            raise TypeError("weight_map is not a mapping of tensor names to files")
+        return mapping
+    except (ValueError, KeyError, TypeError) as error:
+        reason = "no weight_map" if isinstance(error, KeyError) else str(error)
+        raise ValueError(f"{index} is not a whole safetensors index ({reason}): download it again"
+                         f" ({DOWNLOAD_COMMAND}).") from None
+
+
+def _check_whole_safetensors(path: Path) -> None:
+    """Raise, naming the file and the fix, if ``path`` is cut short or its header is damaged: safetensors says
+    only "incomplete metadata" or "invalid header", without the file."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        length = int.from_bytes(handle.read(8), "little") if size >= 8 else None
+        problem = "shorter than a header" if length is None else None
+        if length is not None and 8 + length > size:
+            problem = f"its header says {length} bytes, the file holds {size}"
+        if problem is None:
+            try:
+                header = json.loads(handle.read(length))
+                end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
+                          default=0)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                problem = "its header is not safetensors'"
+            else:
+                if 8 + length + end > size:
+                    problem = f"its tensors end at byte {8 + length + end}, the file holds {size}"
+    if problem is not None:
+        raise ValueError(f"{path} is not a whole safetensors file ({problem}): the download was cut short or the file"
+                         f" is damaged. Download it again ({DOWNLOAD_COMMAND}).")
+
+
 def _check_downloaded(path: Path) -> None:
-    """Raise, naming the fix, if a weights file the checkpoint names is missing (a download cut short) or is a Git
-    LFS pointer (a repository cloned without git-lfs), which safetensors would only call a bad header."""
+    """Raise, naming the fix, if a weights file the checkpoint names is missing (a download cut short), is a Git
+    LFS pointer (a repository cloned without git-lfs), which safetensors would only call a bad header, or is cut
+    short (`_check_whole_safetensors`)."""
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} is missing: {WEIGHTS_INDEX_FILE} names it, so the checkpoint was not downloaded whole. Download"
@@ -220,6 +259,7 @@ def _check_downloaded(path: Path) -> None:
             f"{path} is a Git LFS pointer, not the weights: the repository was cloned without git-lfs. Run"
             f" 'git lfs pull' in {path.parent}, or download the model with {DOWNLOAD_COMMAND}."
         )
+    _check_whole_safetensors(path)
 
 
 @torch.no_grad()

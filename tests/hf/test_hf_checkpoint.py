@@ -91,6 +91,17 @@ def test_weights_not_downloaded_whole_are_refused_up_front_naming_the_fix(tmp_pa
     with pytest.raises(ValueError,
                        match="is a Git LFS pointer, not the weights: .* 'git lfs pull'.* hf download <repo>"):
         check_weights(tmp_path / "pointer")
+    # Cut short: safetensors said "incomplete metadata, file not fully covered", naming no file.
+    write_hf_llama(tmp_path / "cut")
+    weights = tmp_path / "cut" / checkpoint.WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(weights))} is not a whole safetensors file .*hf download"):
+        check_weights(tmp_path / "cut")
+    index = tmp_path / "sharded" / checkpoint.WEIGHTS_INDEX_FILE
+    for damaged, reason in ((json.dumps({"metadata": {}}), "no weight_map"), ('{"weight_map": {', "Expecting")):
+        index.write_text(damaged)
+        with pytest.raises(ValueError, match=rf"is not a whole safetensors index \({reason}.*hf download"):
+            check_weights(tmp_path / "sharded")
 
 
 @pytest.mark.parametrize(("tie", "rope_scaling"), list(VARIANTS.values()), ids=list(VARIANTS))

@@ -142,6 +142,9 @@ def test_targets_that_match_nothing_name_the_layers():
 
 @pytest.mark.parametrize("options, match", [
     (dict(rank=0), "rank must be a positive integer"),
+    (dict(rank=2.5), "rank must be a positive integer"),
+    (dict(rank="8"), "rank must be a positive integer"),
+    (dict(rank=True), "rank must be a positive integer"),
     (dict(alpha=0), "alpha must be positive"),
     (dict(dropout=1.0), r"dropout must be in \[0, 1\)"),
     (dict(target_modules="wq"), "non-empty list of layer names"),
@@ -149,3 +152,11 @@ def test_targets_that_match_nothing_name_the_layers():
 def test_bad_lora_options_are_refused(options, match):
     with pytest.raises(ValueError, match=match):
         LoraOptions(**options)
+
+
+def test_a_whole_float_rank_builds_adapters_of_that_rank():
+    """``rank: 4.0`` (a JSON or YAML number) passed the check and failed in torch's ``empty`` at ``apply_lora``."""
+    options = LoraOptions(rank=4.0, target_modules=("wq",))
+    assert options.rank == 4 and type(options.rank) is int
+    model = apply_lora(Llama(small_config()), options)
+    assert any(param.shape[0] == 4 for name, param in model.named_parameters() if "lora_a" in name.lower())
