@@ -506,5 +506,5 @@ def _resolve_cp(method: MethodSpec, num_gpus: float, cp: int | None) -> int:
     if int(cp) != cp or cp < 1:
         raise ValueError(f"CP size must be a positive integer, got {cp!r}.")
     if not math.isinf(num_gpus) and int(num_gpus) % cp:
-        raise ValueError(f"CP size {cp} must divide the GPU count {int(num_gpus)}; pick a divisor.")
+        raise ValueError(f"CP size {cp} (--cp) must divide the GPU count {int(num_gpus)} (--gpus); pick a divisor.")
     return int(cp)

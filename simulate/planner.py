@@ -172,6 +172,8 @@ def _candidates(probe: RunConfig, methods: tuple[str, ...], mbs_options: tuple[i
     candidates, errors = [], []
     for name in methods:
         for cp in _cp_sizes(probe, METHODS[name].context_parallel, probe.seq_len):
+            if name == "v1" and cp == 1 and "v2" in methods:
+                continue  # at CP 1 the strategy's V1 is V2's run (nothing to exchange), with a needless argument
             layouts = SHARD_OVER if cp is not None and cp < probe.num_gpus else (None,)
             for shard_over, mbs in itertools.product(layouts, mbs_options):
                 try:
@@ -192,6 +194,9 @@ def compare(model: str, gpus: int | float | str, gpu: str = "h100", precision: s
     With infinite GPUs and no ``cp``, CP methods have no CP size and are left out (the FSDP ceiling view).
     """
     unbounded = math.isinf(parse_gpus(gpus)) and cp is None
+    if unbounded and all(METHODS[name].context_parallel for name in methods):
+        raise ValueError("With --gpus inf, CP methods need a CP size: give --cp N, or compare zero-dp or nondp-fsdp"
+                         " (the FSDP ceiling).")
     rows = []
     for name in methods:
         context_parallel = METHODS[name].context_parallel

@@ -91,11 +91,12 @@ def test_tables_render(capsys: pytest.CaptureFixture[str]) -> None:
     (["plot", "--max-seq-len", "1000"], "must be a power of two, got 1000; try 512 or 1024"),
     (["fit", "--seq-len", "4096", "--mbs", "0"], "positive integer"),
     (["fit", "--seq-len", "4096", "--gpus", "0"], "positive integer or 'inf'"),
-    (["fit", "--seq-len", "4096", "--cp", "3"], "must divide the GPU count"),
+    (["fit", "--seq-len", "4096", "--cp", "3"], "CP size 3 (--cp) must divide the GPU count 4 (--gpus)"),
     (["max-seq", "--gpus", "inf", "--method", "v2"], "give --cp N with --gpus inf"),
     (["recommend", "--gpus", "inf", "--seq-len", "4096"], "with --gpus inf, recommend --methods zero-dp alone"),
     (["plot", "--min-seq-len", "3M"], "must be a power of two, got 3145728 (3M); try 2097152 or 4194304"),
     (["fit", "--seq-len", "12001"], "12001"),
+    (["compare", "--gpus", "inf", "--methods", "v2"], "CP methods need a CP size: give --cp N"),
     (["fit", "--seq-len", "1.5M"], "such as 16384, 16k or 1M"),
     (["fit", "--seq-len", str(2**100)], "must be at most 16,777,216 (the planner's limit"),  # was 0 tokens/s
 ])
@@ -259,3 +260,13 @@ def test_dp_pays_what_the_strategy_communicates(capsys: pytest.CaptureFixture[st
     faster = _json(capsys, "fit", "--model", "llama3.1-8b", "--gpus", "8", "--seq-len", "2048", "--method", "v3",
                    "--mbs", "2")
     assert faster["dp_gap"] >= 1 or any("DP is predicted faster" in note for note in faster["notes"])
+
+
+def test_recommend_lists_v1_at_cp_1_once_as_v2(capsys: pytest.CaptureFixture[str]) -> None:
+    """At CP 1 the strategy's V1 runs V2's step (one rank: nothing to exchange): the same run was listed twice."""
+    rows = _json(capsys, "recommend", "--model", "llama3.2-1b", "--gpus", "4", "--seq-len", "4096", "--methods",
+                 "v1", "v2", "--mbs", "2")["recommendations"]
+    assert any(row["cp"] == 1 for row in rows) and not any(row["cp"] == 1 and row["method"] == "v1" for row in rows)
+    alone = _json(capsys, "recommend", "--model", "llama3.2-1b", "--gpus", "4", "--seq-len", "4096", "--methods",
+                  "v1", "--mbs", "2")["recommendations"]
+    assert any(row["cp"] == 1 for row in alone)  # asked for alone, V1 at CP 1 is still an answer
