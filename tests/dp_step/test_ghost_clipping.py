@@ -299,6 +299,36 @@ def test_cancelling_token_gradients_stay_within_the_bound(kind, cancellation):
             assert norms.squared.sqrt() / exact - 1 < 1e-6 and norms.rounding / exact < 1e-4
 
 
+@pytest.mark.parametrize("per_sample", ["ghost", "mixed"])
+def test_a_weight_used_many_times_stays_within_the_bound(per_sample):
+    """Each use of a book-kept weight (a head applied chunk by chunk, a tied weight) adds its part of the clipped sum
+    into the fp32 sum apart: 202 uses whose parts are -1, 200 x 2^-24 (1 + 2^-10), +1 lost the small ones to fp32's
+    rounding at every addition, and with the allowance of one rounding the sample added 1.83 C."""
+
+    class CalledPerPosition(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(512, 512, bias=False)  # wide: "mixed" book-keeps it too
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.stack([self.linear(x[:, position]) for position in range(x.shape[1])], 1)
+
+    torch.manual_seed(0)
+    model = CalledPerPosition()
+    small = 2.0**-24 * (1 + 2.0**-10)
+    inputs = torch.zeros(2, 202, 512)
+    inputs[0, 0, 0], inputs[0, 1:-1, 0], inputs[0, -1, 0] = -1.0, small, 1.0
+    bound = 1.3e-5  # above the sample's norm, 200 x small: its factor would be 1
+    engine = DPSGDEngine(model, bound, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
+                         config=StrategyConfig(norms=per_sample, micro_batch_size=2))
+    engine.begin_logical_batch()
+    engine.prepare_microbatch(2)
+    model(inputs)[..., 0].sum().backward()  # the second sample's inputs are 0: it adds nothing
+    engine.accumulate_microbatch(2)
+    assert engine.per_sample_methods()["linear.weight"] == "ghost"
+    assert engine.accumulator.sums["linear.weight"].double().norm() <= bound
+
+
 @pytest.mark.parametrize("seq, chunk", [(64, 8), (22, 21)])
 def test_mixed_rule_judges_a_head_applied_chunk_by_chunk_by_all_its_tokens(seq, chunk):
     """A chunked loss calls the head once per chunk. Judged by one chunk's tokens (T 8 of 64) the 64 x 32 head was

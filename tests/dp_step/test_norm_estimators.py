@@ -453,6 +453,6 @@ def test_the_rounding_allowance_counts_every_use_of_a_weight():
     products = sum((g.norm(dim=-1) * a.norm(dim=-1)).double().sum(1) for a, g in parts)
     projection = gaussian_projection(5, k, key.generators(torch.device("cpu"), "projection", 0, "w")).double()
     rho = sketch_rounding(5, 7 + 2, 1, projection.norm() * (1 + 2**-20))
-    expected = sum_rounding(1) * products + rho * products
+    expected = sum_rounding(1, uses=2) * products + rho * products
     torch.testing.assert_close(bounds.rounding, expected, rtol=1e-5, atol=0.0)  # S_i is an upper bound
     assert rho > sketch_rounding(5, 7, 1, projection.norm())  # more than the first use's tokens would give

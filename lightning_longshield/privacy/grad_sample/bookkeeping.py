@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -259,11 +259,13 @@ def norm_rounding(tokens: int, widths: int) -> float:
     return 2 * (tokens * tokens + tokens * widths + widths + 8) * FP64_EPSILON
 
 
-def sum_rounding(world: int) -> float:
+def sum_rounding(world: int, uses: Union[int, torch.Tensor] = 1) -> Union[float, torch.Tensor]:
     """``k``: what a book-kept clipped sum adds for a sample differs from its exact ``c_i W_i`` by at most
-    ``c_i k S_i``: fp64 sums over tokens, an fp32 rounding of the result (or of an embedding's summed rows), one of the
-    factor's product, and an fp32 sum of ``world`` ranks' partial sums under context parallelism."""
-    return (world + 3) * FP32_EPSILON
+    ``c_i k S_i``: fp64 sums over tokens, then for each of the weight's ``uses`` (a head applied chunk by chunk, a
+    tied weight) an fp32 rounding of its result (or of an embedding's summed rows) and one of its addition into the
+    fp32 sum, one rounding of the factor's product, and an fp32 sum of ``world`` ranks' partial sums under context
+    parallelism. Each use's roundings count: an fp32 sum of many uses' parts can lose small ones entirely."""
+    return (world + 1 + 2 * uses) * FP32_EPSILON
 
 
 def sketch_rounding(rows: int, tokens: int, world: int, scale: torch.Tensor) -> torch.Tensor:
@@ -339,6 +341,8 @@ class BookKeeper:
         # Per book-kept parameter: this rank's part of S_i (summed over the group) and its gamma (`norm_rounding`).
         self._token_norm_products: dict[str, torch.Tensor] = {}
         self._norm_roundings: dict[str, float] = {}
+        self._use_tokens: dict[str, int] = {}  # per book-kept parameter: tokens a sample over its uses
+        self._use_counts: dict[str, int] = {}  # and its uses (calls) in this micro-batch
         self._sketch_roundings: dict[str, torch.Tensor] = {}  # estimated parameters' rho (`sketch_rounding`)
 
     @staticmethod
@@ -389,7 +393,10 @@ class BookKeeper:
         products = use.token_norm_products()
         previous = self._token_norm_products.get(name)
         self._token_norm_products[name] = products if previous is None else previous + products
-        gamma = norm_rounding(use.tokens * self.world, use.left_width + use.right.shape[-1])
+        # A weight used several times has a Gram norm over the tokens of all its uses (their cross terms included).
+        tokens = self._use_tokens[name] = self._use_tokens.get(name, 0) + use.tokens
+        self._use_counts[name] = self._use_counts.get(name, 0) + 1
+        gamma = norm_rounding(tokens * self.world, use.left_width + use.right.shape[-1])
         self._norm_roundings[name] = max(gamma, self._norm_roundings.get(name, 0.0))
         if name in self.shared:
             self.uses.setdefault(name, []).append(use)
@@ -447,8 +454,10 @@ class BookKeeper:
             dist.all_reduce(products, group=self.group)
         total, products = products[0], products[1:]
         gammas = products.new_tensor([self._norm_roundings.pop(name) for name in names]).unsqueeze(1)
+        uses = products.new_tensor([self._use_counts.pop(name) for name in names]).unsqueeze(1)
+        self._use_tokens.clear()
         squared = total + (gammas * products.square()).sum(0)
-        rounding = sum_rounding(self.world) * products.square().sum(0).sqrt()
+        rounding = (sum_rounding(self.world, uses) * products).square().sum(0).sqrt()
         if estimated is not None:
             # An estimate's sketch norm is within rho S_i of the exact-arithmetic one the accountant covers: added to
             # the norm (sqrt of a sum of squares grows by at most the sum of what its terms' roots grow by).
