@@ -329,6 +329,50 @@ def test_a_weight_used_many_times_stays_within_the_bound(per_sample):
     assert engine.accumulator.sums["linear.weight"].double().norm() <= bound
 
 
+def test_a_materialised_tied_weight_forms_no_extra_per_sample_gradient_under_mixed_norms():
+    """A tied weight long sequences make "mixed" materialise: its embedding use formed another ``(B, V, d)`` tensor
+    beside the head's, where "materialize" adds the embedding's rows into the head's. "mixed" now makes no more of
+    them than "materialize", and the norms and clipped sums still match the reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PerSampleShapes(TorchDispatchMode):
+        """The storages of the ``shape`` tensors made under it (the per-sample gradients of a (V, d) weight)."""
+
+        def __init__(self, shape: tuple[int, ...]) -> None:
+            super().__init__()
+            self.shape, self.storages = shape, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == self.shape:
+                    self.storages.add(tensor.untyped_storage().data_ptr())
+            return out
+
+    config = small_config(tie_embeddings=True)
+    ids, labels = token_batch(2, config.vocab_size, seq=48)
+    made = {}
+    for norms in ("materialize", "mixed"):
+        torch.manual_seed(0)
+        model = Llama(config)
+        reference = reference_per_sample_grads(copy.deepcopy(model), ids, labels)
+        engine = DPSGDEngine(model, CLIP, GaussianNoise(torch.device("cpu")), PrivacyAccountant("rdp"),
+                             config=StrategyConfig(norms=norms, micro_batch_size=2))
+        engine.begin_logical_batch()
+        engine.prepare_microbatch(2)
+        loss = per_sample_token_loss(model(ids), labels).sum()
+        with PerSampleShapes((2, config.vocab_size, config.dim)) as counter:
+            loss.backward()
+            engine.accumulate_microbatch(2)
+        made[norms] = len(counter.storages)
+        assert engine.per_sample_methods()["tok_embeddings.weight"] == "materialize"
+        expected_norms, expected_sums = expected_norms_and_sum(reference)
+        torch.testing.assert_close(engine.last_per_sample_norms, expected_norms, rtol=1e-5, atol=1e-8)
+        for name, value in expected_sums.items():
+            torch.testing.assert_close(engine.accumulator.sums[name].double(), value, rtol=1e-5, atol=1e-8)
+    assert made["mixed"] == made["materialize"], made
+
+
 @pytest.mark.parametrize("seq, chunk", [(64, 8), (22, 21)])
 def test_mixed_rule_judges_a_head_applied_chunk_by_chunk_by_all_its_tokens(seq, chunk):
     """A chunked loss calls the head once per chunk. Judged by one chunk's tokens (T 8 of 64) the 64 x 32 head was

@@ -355,12 +355,13 @@ class BookKeeper:
         return 1 if self.group is None else dist.get_world_size(self.group)
 
     def receive(self, layer: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
-                name_of: Callable[[nn.Module, nn.Parameter], str]) -> dict[str, torch.Tensor]:
+                name_of: Callable[[nn.Module, nn.Parameter], str]) -> dict[str, Optional[torch.Tensor]]:
         """Book-keep the weight's use in this backward, or (mixed, where cheaper) form its per-sample gradient.
 
         Returns the per-sample gradients ``(B, *shape)`` the caller must treat as materialised, by parameter name: a
         trainable bias, and the weight when the mixed rule materialises it (its clipped sum then comes from the
-        per-sample gradient: no (output gradient, input) is kept, and no second matmul is needed).
+        per-sample gradient: no (output gradient, input) is kept, and no second matmul is needed); for an
+        embedding's weight ``None``: the caller has the exchange form it from the layer's inputs.
         """
         name = name_of(layer, layer.weight)
         batch = grad_output.shape[0]
@@ -388,7 +389,9 @@ class BookKeeper:
             choice = self._choose(use)
         self.choices[name] = choice
         if choice == "materialize":
-            materialized[name] = use.per_sample_gradient()
+            # An embedding's is left to the exchange (``None``), which adds its rows into a tied head's per-sample
+            # gradient instead of forming a second (B, V, d) one.
+            materialized[name] = None if use.is_lookup else use.per_sample_gradient()
             return materialized
         products = use.token_norm_products()
         previous = self._token_norm_products.get(name)

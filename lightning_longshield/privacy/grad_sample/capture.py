@@ -155,7 +155,10 @@ class PerSampleGradCapture:
             self.exchange.receive(layer, activation, grad_output, self._name_of)
             return
         for name, grad_sample in self.bookkeeper.receive(layer, activation, grad_output, self._name_of).items():
-            self.exchange.store(name, grad_sample)
+            if grad_sample is None:  # a materialised embedding (it has no bias): as without book-keeping
+                self.exchange.receive(layer, activation, grad_output, self._name_of)
+            else:
+                self.exchange.store(name, grad_sample)
 
     def _receive_per_sample(self, layer: nn.Module, param: nn.Parameter, grad_sample: torch.Tensor) -> None:
         """A one-parameter layer's per-sample gradient, formed by its own node (`PerSampleRMSNorm`): stored as the
