@@ -111,6 +111,12 @@ def mean_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return per_sample_token_loss(model(tokens[:, :-1]), tokens[:, 1:]).mean()
 
 
+def summed_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The sum over samples of each sample's loss: what the strategy back-propagates in a DP step, so that each
+    per-sample gradient is the sample's own (not divided by the micro-batch size) and is clipped as in training."""
+    return per_sample_token_loss(model(tokens[:, :-1]), tokens[:, 1:]).sum()
+
+
 def nondp_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: torch.Tensor, timer: PhaseTimer) -> None:
     optimizer.zero_grad(set_to_none=True)
     for tokens in batches:
@@ -125,7 +131,7 @@ def dp_step(model: nn.Module, optimizer: torch.optim.Optimizer, engine: DPSGDEng
     size = batches.shape[1]
     for tokens in batches:
         engine.prepare_microbatch(size)
-        loss = timer("forward", mean_loss, model, tokens)
+        loss = timer("forward", summed_loss, model, tokens)
         timer("backward", loss.backward)
         timer("clipping", engine.accumulate_microbatch, size)
     timer("noise", engine.release, NOISE_MULTIPLIER, SAMPLE_RATE, batches.shape[0] * size)
