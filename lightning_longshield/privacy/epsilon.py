@@ -31,6 +31,7 @@ from opacus.accountants.analysis.prv import (
     compose_heterogeneous,
     discretize,
 )
+from scipy.special import log_ndtr, ndtr
 
 History = Sequence[tuple[float, float, int]]
 
@@ -101,8 +102,32 @@ def prv_epsilon(history: History, delta: float, max_points: int = MAX_PRV_DOMAIN
     return float(eps_upper)
 
 
+def gaussian_epsilon(history: History, delta: float) -> float:
+    """Epsilon at ``delta`` of a history of unsampled Gaussian steps (``q = 1``, as full batches are): exact, as their
+    composition is the Gaussian mechanism of ``mu = sqrt(sum steps / sigma^2)`` (Dong, Roth and Su's GDP), whose
+    ``delta(eps) = Phi(mu / 2 - eps / mu) - e^eps Phi(-mu / 2 - eps / mu)`` (Balle and Wang) is solved by bisection
+    from above, against a delta a billionth smaller (the rounding of its evaluation)."""
+    mu = math.sqrt(sum(steps / sigma**2 for sigma, _, steps in history))
+    target = delta * (1 - 1e-9)
+
+    def delta_at(eps: float) -> float:
+        return float(ndtr(mu / 2 - eps / mu) - np.exp(eps + log_ndtr(-mu / 2 - eps / mu)))
+
+    if delta_at(0.0) <= target:
+        return 0.0
+    low, high = 0.0, 1.0
+    while delta_at(high) > target:
+        low, high = high, 2 * high
+    while high - low > 1e-12 * max(1.0, high):
+        middle = (low + high) / 2
+        low, high = (middle, high) if delta_at(middle) > target else (low, middle)
+    return high
+
+
 def epsilon(history: History, delta: float, mechanism: str) -> float:
     """Epsilon at ``delta`` of ``history`` (0 if empty, infinite if a step had no noise)."""
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta}.")
     if not history:
         return 0.0
     if any(sigma == 0 for sigma, _, _ in history):
@@ -110,6 +135,8 @@ def epsilon(history: History, delta: float, mechanism: str) -> float:
     rdp = rdp_epsilon(history, delta)
     if mechanism == "rdp":
         return rdp
+    if all(q == 1 for _, q, _ in history):  # PRV's sampled-Gaussian variable takes log(1 - q)
+        return min(gaussian_epsilon(history, delta), rdp)
     try:
         prv = prv_epsilon(history, delta)
     except (ValueError, RuntimeError, FloatingPointError):

@@ -140,3 +140,35 @@ def test_calibration_answers_quickly_and_meets_the_target():
     sigma = calibrate_noise_multiplier(1.0, 1e-6, 0.01, 10_000, "prv")
     assert time.perf_counter() - start < 60
     assert 0.99 <= epsilon([(sigma, 0.01, 10_000)], 1e-6, "prv") <= 1.0
+
+
+def test_full_batches_are_accounted_as_the_gaussian_mechanism_they_are():
+    """At q = 1 Opacus's PRV variable takes log(1 - q) and failed, and the PRV accountant fell back to RDP's looser
+    bound (16.86 instead of 15.78 at sigma 1.1, 10 steps, delta 1e-5), so calibration added noise. Ten Gaussian steps
+    are one Gaussian mechanism: its exact delta at the returned epsilon is delta, and Opacus's PRV at q just below 1
+    agrees within its own error."""
+    from opacus.accountants import PRVAccountant
+    from scipy.special import ndtr
+
+    from lightning_longshield.privacy.epsilon import calibrate_noise_multiplier, epsilon
+
+    delta = 1e-5
+    spent = epsilon([(1.1, 1.0, 6), (1.1, 1.0, 4)], delta, "prv")
+    mu = math.sqrt(10) / 1.1
+    exact_delta = ndtr(mu / 2 - spent / mu) - math.exp(spent) * ndtr(-mu / 2 - spent / mu)
+    assert delta * (1 - 1e-6) <= exact_delta <= delta
+    opacus = PRVAccountant()
+    opacus.history = [(1.1, 1 - 1e-6, 10)]
+    assert abs(opacus.get_epsilon(delta) - spent) < 0.02 and spent < epsilon([(1.1, 1.0, 10)], delta, "rdp")
+    sigma = calibrate_noise_multiplier(8.0, delta, 1.0, 10, "prv")
+    assert 7.9 <= epsilon([(sigma, 1.0, 10)], delta, "prv") <= 8.0
+
+
+@pytest.mark.parametrize("delta", [0.0, 1.0, 2.0, -1e-5])
+def test_a_delta_outside_zero_one_is_refused(delta):
+    """0 divided in PRV's grid, and 0.5 or 2 gave negative epsilons."""
+    from lightning_longshield.privacy.epsilon import epsilon
+
+    for mechanism in ("prv", "rdp"):
+        with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
+            epsilon([(1.0, 0.01, 100)], delta, mechanism)

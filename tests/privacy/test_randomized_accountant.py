@@ -95,6 +95,30 @@ def test_one_step_delta_bounds_the_continuous_mixture(remove, projections):
         assert exact <= pld.delta(eps) <= exact * (1.01 if projections else 1.0001) + 1e-10
 
 
+@pytest.mark.parametrize("remove", [True, False])
+def test_a_full_batch_step_with_few_projections_puts_what_lies_beyond_the_losses_kept_at_infinity(remove):
+    """At q = 1 a component of a heavy-tailed scale (few projections) can lie wholly above the largest loss the grid
+    keeps: its band came out empty and the step failed with "negative dimensions are not allowed"."""
+    envelope = scale_envelope("hutchinson", 4)
+    pld = step_pld(1.0, 1.0, envelope, remove, COARSE, 1e-12)
+    exact = step_pld(1.0, 1.0, scale_envelope("exact", None), remove, COARSE, 1e-12)
+    assert pld.infinity_mass > exact.infinity_mass
+    assert pld.delta(1.0) >= exact.delta(1.0)
+
+
+def test_a_calibration_far_above_exact_clippings_noise_is_warned_about(monkeypatch):
+    """Where the accountant's bound costs far more noise than exact clipping (its floating-point allowance grows
+    with the steps and can approach delta), the calibrated multiplier is said to be so, with the ways out."""
+    from lightning_longshield.privacy.randomized import accountant
+
+    exact = calibrate_exact_clipping(2.0, DELTA, 0.01, 100, "prv")
+    monkeypatch.setattr(accountant, "history_epsilon",  # epsilon as the allowance makes it: finite from 3x on
+                        lambda history, *_: 1.0 if history[0][0] >= 3 * exact else math.inf)
+    with pytest.warns(UserWarning, match=r"3\.\d+x the .* exact clipping needs.*target_delta \(1e-05\)"):
+        sigma = calibrate_noise_multiplier(2.0, DELTA, 0.01, 100, 32)
+    assert sigma >= 3 * exact
+
+
 def test_epsilon_is_monotone():
     def eps(sigma=1.0, q=0.01, steps=1000, k=32):
         return get_epsilon(sigma, q, steps, DELTA, k, "hutchinson" if k else "exact", discretization=COARSE)

@@ -27,9 +27,12 @@ from lightning_longshield.privacy.randomized.mechanism import (
     step_pld,
 )
 from lightning_longshield.privacy.randomized.pld import PrivacyLossDistribution
+from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
 History = Sequence[tuple[float, float, int]]
 
+#: A calibrated noise multiplier this many times exact clipping's is warned about (1.07-1.13 is the usual cost).
+EXCESS_NOISE_WARNING = 1.5
 WINDOW_SPREAD = 12.0  # standard deviations of the composed loss kept on each side of its mean
 WINDOW_MARGIN = 20.0  # plus this much loss; the window doubles while epsilon lands within half of it of the top
 WINDOW_MARGIN_STEPS = 10_000  # but at most this many grid steps (fine grids come with narrow losses)
@@ -171,7 +174,7 @@ def calibrate_noise_multiplier(
         value = history_epsilon([(sigma, sample_rate, steps)], delta, envelope, discretization)
         return math.log(max(value, 1e-12) / target_epsilon) if math.isfinite(value) else math.inf
 
-    low = calibrate_exact_clipping(target_epsilon, delta, sample_rate, steps, "prv", tolerance)
+    exact = low = calibrate_exact_clipping(target_epsilon, delta, sample_rate, steps, "prv", tolerance)
     f_low = log_excess(low)
     if f_low <= 0:
         return low
@@ -182,7 +185,16 @@ def calibrate_noise_multiplier(
         if high > 1e6:
             raise ValueError(f"target_epsilon={target_epsilon:g} needs a noise multiplier above 1e6.")
         f_high = log_excess(high)
-    return close_noise_bracket(log_excess, low, f_low, high, f_high, target_epsilon, tolerance)
+    sigma = close_noise_bracket(log_excess, low, f_low, high, f_high, target_epsilon, tolerance)
+    if sigma > EXCESS_NOISE_WARNING * exact:
+        rank_zero_warn(
+            f"Randomized clipping's accountant calibrated noise_multiplier={sigma:.4g} for target_epsilon="
+            f"{target_epsilon:g} over {steps} steps: {sigma / exact:.2f}x the {exact:.4g} exact clipping needs. Its"
+            " bound adds a floating-point allowance at every step, which over many steps can approach target_delta"
+            f" ({delta:g}) and then costs far more noise than the projections do. Fewer planned steps, a larger"
+            " target_delta or exact norms (norms='materialize', 'mixed' or 'ghost') need less noise."
+        )
+    return sigma
 
 
 class RandomizedClippingAccountant(PrivacyAccountant):

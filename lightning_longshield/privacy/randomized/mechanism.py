@@ -271,11 +271,17 @@ def _discretized_step(
     mus, weights = scale.values[live] / noise_multiplier, scale.weights[live]
     infinity = float(scale.weights[~live].sum())
     bands = [_band(mu, q, remove, cut / weight, step) for mu, weight in zip(mus, weights)]
+    # A band wholly above the largest loss kept (possible at q = 1): its component's weight goes to +inf whole.
+    beyond = np.array([low > high for low, high in bands], dtype=bool)
+    if beyond.any():
+        infinity += float(weights[beyond].sum())
+        mus, weights = mus[~beyond], weights[~beyond]
+        bands = [band for band, gone in zip(bands, beyond) if not gone]
     # Z = inf: remove puts (1 - q) of it at log(1 - q) and q at +inf; add puts all of it at -log(1 - q).
     inf_loss = (math.log1p(-q) if remove else -math.log1p(-q)) if q < 1 else math.inf
     inf_index = math.ceil(inf_loss / step) if math.isfinite(inf_loss) else None
-    lowest = min([low for low, _ in bands] + ([inf_index] if inf_index is not None else []))
-    highest = max([high for _, high in bands] + ([inf_index] if inf_index is not None else []))
+    ends = [*bands, *([(inf_index, inf_index)] if inf_index is not None else [])] or [(0, 0)]
+    lowest, highest = min(low for low, _ in ends), max(high for _, high in ends)
     indices = np.arange(lowest, highest + 1)
     offsets = _threshold_offsets(indices * step, q, remove)
     exp_losses = np.exp(indices * step)
