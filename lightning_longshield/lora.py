@@ -8,6 +8,7 @@ like any other; frozen base weights take no per-sample memory, no clipped-sum bu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Optional, Union
@@ -128,12 +129,35 @@ def reset_adapters(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def merged_tensors(model: nn.Module, keep: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+@dataclass
+class MergedUpdates:
+    """How much of the LoRA updates merged into base weights survives their rounding to ``dtype`` (an export's):
+    sums over the merged weights of ``||update||^2`` and of ``||rounded - base - update||^2``."""
+
+    dtype: torch.dtype
+    squared: float = 0.0
+    lost: float = 0.0
+
+    def add(self, base: torch.Tensor, merged: torch.Tensor) -> None:
+        update = merged.double() - base.double()
+        kept = merged.to(self.dtype).double() - base.to(self.dtype).double()
+        self.squared += float(update.square().sum())
+        self.lost += float((kept - update).square().sum())
+
+    @property
+    def relative_error(self) -> float:
+        """``||rounded update - update|| / ||update||`` over every merged weight (0 without updates)."""
+        return math.sqrt(self.lost / self.squared) if self.squared > 0 else 0.0
+
+
+def merged_tensors(model: nn.Module, keep: bool = True,
+                   updates: Optional[MergedUpdates] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's full (unsharded) tensors on the CPU, one at a time in `state_dict` order, with every LoRA adapter
     merged into its base weight under the base model's parameter name: ``W + scaling * B @ A`` (yielded once its
     base weight and adapters have all been gathered). FSDP2 shards are gathered one tensor at a time, a collective:
     every rank iterates to the end. ``keep=False`` (the ranks that do not write) takes part in every gather and
-    yields nothing, so only one rank holds host copies, and only as long as its consumer keeps them."""
+    yields nothing, so only one rank holds host copies, and only as long as its consumer keeps them. ``updates``
+    measures what rounding to an export's dtype leaves of the merged updates."""
     lora_prefixes = {name for name, module in model.named_modules() if is_lora_layer(module)}
     pending: dict[str, dict[str, torch.Tensor]] = {}  # a LoRA layer's gathered parts until the last one arrives
     for name, value in model.state_dict().items():
@@ -156,12 +180,15 @@ def merged_tensors(model: nn.Module, keep: bool = True) -> Iterator[tuple[str, t
         needed = {"base_layer.weight", *(f"lora_{side}.{adapter}.weight" for adapter in adapters for side in "AB")}
         if needed <= parts.keys():
             del pending[prefix]
-            weight = parts.pop("base_layer.weight")
+            weight = base = parts.pop("base_layer.weight")
             for adapter in adapters:
                 a, b = parts.pop(f"lora_A.{adapter}.weight"), parts.pop(f"lora_B.{adapter}.weight")
                 weight = weight + (module.scaling[adapter] * (b.float() @ a.float())).to(weight.dtype)
             if parts:
                 raise ValueError(f"Cannot merge these LoRA tensors into a base weight: {sorted(parts)} of {prefix}.")
+            if updates is not None:
+                updates.add(base, weight)
+            del base
             yield f"{prefix}.weight", weight
     if pending:
         raise ValueError(f"Cannot merge these LoRA tensors into a base weight: {sorted(pending)} lack parts.")

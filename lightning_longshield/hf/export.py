@@ -40,7 +40,7 @@ from lightning_longshield.hf.checkpoint import (
     is_rotary,
     to_halves,
 )
-from lightning_longshield.lora import merged_tensors
+from lightning_longshield.lora import MergedUpdates, merged_tensors
 from lightning_longshield.models import LlamaConfig
 from lightning_longshield.privacy.ledger import fsync_directory
 from simulate.hf_config import read_config_json
@@ -246,6 +246,11 @@ def _remove_replaced(previous: list[Path], written: list[str], directory: Path) 
                       f" overwritten, replaced by the export's {files}.", stacklevel=3)
 
 
+#: Where the LoRA updates merged into an export narrower than fp32 keep this relative error or more, it is warned
+#: about: a fine-tune whose changes are small against the base weights loses them to the rounding.
+LOST_UPDATE_WARNING = 0.1
+
+
 @torch.no_grad()
 def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch.dtype] = None,
                     max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE, tokenizer: Any = None) -> None:
@@ -271,7 +276,9 @@ def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch
         dtype = checkpoint_dtype(source)
     distributed = world_size() > 1
     writer = not distributed or dist.get_rank() == 0
-    tensors = merged_tensors(model, keep=writer)
+    narrower = dtype is not None and dtype.itemsize < 4 and dtype.is_floating_point
+    updates = MergedUpdates(dtype) if narrower and writer else None  # type: ignore[arg-type]
+    tensors = merged_tensors(model, keep=writer, updates=updates)
     failure: Optional[Exception] = None
     if writer:
         try:
@@ -282,6 +289,12 @@ def save_pretrained(model: nn.Module, directory: PathLike, dtype: Optional[torch
             failure = error
     for _ in tensors:  # the gathers this rank still owes the others (all of them where it writes nothing)
         pass
+    if updates is not None and failure is None and updates.relative_error > LOST_UPDATE_WARNING:
+        warnings.warn(
+            f"The {str(dtype).removeprefix('torch.')} export in {directory} keeps the merged LoRA updates with a"
+            f" relative error of {updates.relative_error:.0%}: much of them lies below the base weights' resolution"
+            " in that dtype and rounds away. Export in float32 to keep them (save_pretrained(..., dtype=torch.float32);"
+            " longshield-train --export_dtype float32).", stacklevel=2)
     if distributed:  # every rank learns whether rank 0 wrote the files: none is left waiting for it
         reported = all_gathered(None if failure is None else f"{type(failure).__name__}: {failure}")
         if failure is not None:

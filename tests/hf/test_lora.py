@@ -104,6 +104,38 @@ def test_merged_adapters_reproduce_the_adapted_model():
     assert list(merged_tensors(module.model, keep=False)) == []  # a rank that does not write keeps no copy
 
 
+def test_a_bf16_export_that_rounds_the_merged_updates_away_is_warned_about(tmp_path):
+    """A DP fine-tune's updates can be far below bf16's resolution of the base weights (half a step is about 0.2% of
+    a weight): merged and exported in bf16 they rounded away in silence. Warned where their relative error reaches
+    10%, naming a float32 export; larger updates, and float32, are exported without it."""
+    import warnings
+
+    from lightning_longshield.hf import export
+    from lightning_longshield.lora import MergedUpdates
+
+    module = make_lora_module(small_config())
+    model = module.model
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "base_layer" in name:
+                param.copy_(param.bfloat16().float())  # as a bf16 checkpoint loads
+            if "lora_B" in name:
+                param.copy_(torch.randn_like(param) * 1e-7)
+    measured = MergedUpdates(torch.bfloat16)
+    list(merged_tensors(model, updates=measured))
+    assert measured.relative_error > 0.5
+    with pytest.warns(UserWarning, match=r"bfloat16 export .* relative error of \d+%.*--export_dtype float32"):
+        export.save_pretrained(model, tmp_path / "small", dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export.save_pretrained(model, tmp_path / "fp32", dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(1e5)  # updates of about 1e-2 survive bf16
+        export.save_pretrained(model, tmp_path / "large", dtype=torch.bfloat16)
+
+
 def test_hugging_face_target_names_adapt_the_same_layers():
     options = LoraOptions(target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "wq", "lm_head"])
     assert options.target_modules == ("wq", "wv", "w1", "w3", "w2", "output")
