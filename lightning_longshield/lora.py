@@ -128,7 +128,6 @@ def reset_adapters(model: nn.Module) -> None:
                 module.reset_lora_parameters(adapter, True)
 
 
-@torch.no_grad()
 @dataclass
 class MergedUpdates:
     """How much of the LoRA updates merged into base weights survives their rounding to ``dtype`` (an export's):
@@ -150,6 +149,7 @@ class MergedUpdates:
         return math.sqrt(self.lost / self.squared) if self.squared > 0 else 0.0
 
 
+@torch.no_grad()
 def merged_tensors(model: nn.Module, keep: bool = True,
                    updates: Optional[MergedUpdates] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's full (unsharded) tensors on the CPU, one at a time in `state_dict` order, with every LoRA adapter
