@@ -49,10 +49,13 @@ class DPStepLoop:
         self._release_pending = True
         self.dp_engine.begin_logical_batch()
         microbatches = split_into_microbatches(batch, self.config.micro_batch_size)
-        declare_logged_batch_size(self.lightning_module.trainer, batch_size_of(batch))
+        trainer = self.lightning_module.trainer
         padding = self._padding.count(len(microbatches), self.root_device)
         for microbatch in microbatches:
+            # What training_step logs without batch_size counts as its micro-batch's samples in an epoch's mean.
+            declare_logged_batch_size(trainer, batch_size_of(microbatch))
             output = self._microbatch_step(microbatch, rest, kwargs)
+        declare_logged_batch_size(trainer, batch_size_of(batch))  # for the hooks after the step
         for _ in range(padding):
             self._padding_step(self._padding.microbatch(self.batch_to_device), rest, kwargs)
         if not microbatches:
@@ -97,6 +100,9 @@ class DPStepLoop:
         size = batch_size_of(microbatch)
         self.dp_engine.prepare_microbatch(size)
         output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
+        if isinstance(output, Mapping) and "loss" not in output:
+            raise TypeError(f"training_step returned a dict without 'loss' (keys {sorted(map(str, output))}): return"
+                            " the loss tensor, or a dict with it under 'loss'.")
         loss = output["loss"] if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):
             # Skipping a sampled micro-batch would be a decision on private data that the accounting does not see.

@@ -234,7 +234,8 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            check_trainer_for_dp_sgd(trainer, self.lightning_module, self.precision_plugin)
+            check_trainer_for_dp_sgd(trainer, self.lightning_module, self.precision_plugin,
+                                     self.privacy.poisson_sampling)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if not fitting:

@@ -6,7 +6,13 @@ from collections.abc import Iterable
 from typing import Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateFinder, SpikeDetection, ThroughputMonitor
+from lightning.pytorch.callbacks import (
+    DeviceStatsMonitor,
+    GradientAccumulationScheduler,
+    LearningRateFinder,
+    SpikeDetection,
+    ThroughputMonitor,
+)
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.profilers import PassThroughProfiler
 from torch import Tensor
@@ -16,7 +22,8 @@ from lightning_longshield.evaluation_split import PaddingMarked
 from lightning_longshield.privacy.rank_zero import rank_zero_warn
 
 
-def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, precision_plugin: Precision) -> None:
+def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, precision_plugin: Precision,
+                             poisson_sampling: bool = True) -> None:
     """Raise if the trainer or module would clip, accumulate or scale gradients behind the strategy's back."""
     if not module.automatic_optimization:
         raise ValueError("LongShieldStrategy owns backward and the optimizer step; set automatic_optimization=True.")
@@ -61,10 +68,18 @@ def check_trainer_for_dp_sgd(trainer: pl.Trainer, module: pl.LightningModule, pr
             "gradient_clip_val is set, but DP-SGD clips each sample's gradient itself: remove gradient_clip_val"
             " from the Trainer and set LongShieldStrategy(max_grad_norm=...) instead."
         )
-    if trainer.accumulate_grad_batches != 1:
+    if trainer.accumulate_grad_batches != 1 or any(isinstance(callback, GradientAccumulationScheduler)
+                                                   for callback in trainer.callbacks):
         raise ValueError(
-            "accumulate_grad_batches must be 1: one optimizer step is one DP step over one logical batch. Set"
-            " the logical batch with the DataLoader's batch_size and the memory with micro_batch_size."
+            "accumulate_grad_batches must be 1 (and no GradientAccumulationScheduler change it): one optimizer step"
+            " is one DP step over one logical batch. Set the logical batch with the DataLoader's batch_size and the"
+            " memory with micro_batch_size."
+        )
+    if trainer.overfit_batches and poisson_sampling:
+        rank_zero_warn(
+            "overfit_batches is set, but every training batch is a fresh Poisson sample of the dataset (each record"
+            " drawn independently, as the guarantee assumes): the same batches are not repeated. To train on fixed"
+            " batches, pass LongShieldStrategy(poisson_sampling=False) (no formal guarantee) or a small dataset."
         )
     if isinstance(precision_plugin, MixedPrecision) and precision_plugin.scaler is not None:
         raise ValueError(

@@ -54,7 +54,9 @@ class GuardedLog:
       in a hook that runs once per micro-batch (`PER_MICROBATCH_HOOKS`): under Poisson sampling the groups run
       different numbers of them, so the syncs of different steps would meet (the run hangs, or a metric is paired
       with the noisy gradient's all-reduce);
-    - the key `EPSILON_KEY`, which the strategy logs itself (`log_own`)."""
+    - the key `EPSILON_KEY`, which the strategy logs itself (`log_own`);
+    - in the training loop, a name that a learning-rate scheduler or a callback monitors (`_steered_by`): training
+      would act on values of the sampled records that no noise covers."""
 
     def __init__(self, module: nn.Module, data_parallel_groups: Callable[[], int],
                  metric_guard: SampledBatchMetricGuard) -> None:
@@ -91,6 +93,15 @@ class GuardedLog:
                     " validation_step."
                 )
         if trainer is not None and trainer.training:
+            consumer = _steered_by(trainer, name)
+            if consumer is not None:
+                raise ValueError(
+                    f"self.log({name!r}, ...) in {hook} logs a value of the training loop, computed from the sampled"
+                    f" batch without noise, and {consumer} monitors it: the learning rate, the stopping step or the"
+                    " checkpoint kept would depend on the sampled records beyond the noisy gradient, which the"
+                    " guarantee does not cover. Monitor a metric of held-out data (logged in validation_step), or"
+                    f" {EPSILON_KEY!r}."
+                )
             self.metric_guard.check(hook, name)
         self.original(name, value, *args, **kwargs)
 
@@ -103,6 +114,20 @@ class GuardedLog:
         """Whether this call's options (given by name or position) sync at the call: ``sync_dist`` on a step."""
         options = self.signature.bind_partial(name, value, *args, **kwargs).arguments
         return bool(options.get("sync_dist")) and options.get("on_step") is not False
+
+
+def _steered_by(trainer: Any, name: str) -> Any:
+    """What in ``trainer`` acts on the logged ``name`` (also as Lightning's ``name_step`` / ``name_epoch``): a
+    learning-rate scheduler's ``monitor`` (ReduceLROnPlateau) or a callback's (EarlyStopping, ModelCheckpoint);
+    ``None`` if nothing does."""
+    keys = {name, f"{name}_step", f"{name}_epoch"}
+    for config in getattr(trainer, "lr_scheduler_configs", None) or ():
+        if getattr(config, "monitor", None) in keys:
+            return f"the learning-rate scheduler {type(config.scheduler).__name__}"
+    for callback in getattr(trainer, "callbacks", None) or ():
+        if getattr(callback, "monitor", None) in keys:
+            return f"the callback {type(callback).__name__}"
+    return None
 
 
 def _one_group() -> int:

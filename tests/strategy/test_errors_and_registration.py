@@ -12,7 +12,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 import lightning_longshield  # noqa: F401  (registers the strategy)
-from lightning_longshield import LongShieldStrategy
+from lightning_longshield import CausalLMModule, LongShieldStrategy
 from lightning_longshield.models import Llama, LlamaConfig
 from simulate.specs import get_model_spec
 from tests.support.helpers import RandomTokens, full_state, loader, make_module, make_trainer, small_config
@@ -218,8 +218,9 @@ def test_a_logical_batch_released_twice_is_refused():
 
 def test_a_logical_batch_left_unreleased_is_refused_before_the_next_one():
     """Two Poisson batches must never be released as one DP step (a sample drawn in both would add up to 2 C): an
-    ``optimizer_step`` override that runs the closure without ``optimizer.step`` on some batches, and gradient
-    accumulation switched on during fit (``GradientAccumulationScheduler``), are refused at the next batch."""
+    ``optimizer_step`` override that runs the closure without ``optimizer.step`` on some batches is refused at the
+    next batch; gradient accumulation switched on at a later epoch (``GradientAccumulationScheduler``) is refused
+    before any step (it was refused only at that epoch, after the first one's releases)."""
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     class ClosureOnly(type(make_module(small_config(n_layers=1)))):
@@ -235,8 +236,8 @@ def test_a_logical_batch_left_unreleased_is_refused_before_the_next_one():
         make_trainer(strategy, max_steps=2).fit(module, loader(RandomTokens(size=8, seq_len=8), 2))
     assert strategy.accountant.steps == 0
     strategy = LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False)
-    with pytest.raises(RuntimeError, match="GradientAccumulationScheduler"):
-        fit(strategy, callbacks=[GradientAccumulationScheduler({0: 2})])
+    with pytest.raises(ValueError, match="no GradientAccumulationScheduler"):
+        fit(strategy, callbacks=[GradientAccumulationScheduler({1: 2})])
     assert strategy.accountant.steps == 0
 
 
@@ -447,3 +448,74 @@ def test_a_parameter_unfrozen_during_a_step_gets_no_raw_update():
     before = module.model.norm.weight.detach().clone()
     make_trainer(LongShieldStrategy(noise_multiplier=1.0), max_steps=1).fit(module, loader(RandomTokens(8, 8), 2))
     assert torch.equal(module.model.norm.weight.detach(), before)
+
+
+def _plateau_module() -> CausalLMModule:
+    class OnPlateau(CausalLMModule):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+            return {"optimizer": optimizer,
+                    "lr_scheduler": {"scheduler": scheduler, "monitor": "train_loss", "interval": "step"}}
+
+    torch.manual_seed(0)
+    module = OnPlateau(small_config(n_layers=1), log_train_loss=True)
+    module.configure_model()
+    return module
+
+
+@pytest.mark.parametrize("consumer", ["ReduceLROnPlateau", "EarlyStopping", "ModelCheckpoint"])
+def test_training_metrics_that_steer_training_are_refused(consumer, tmp_path):
+    """A learning rate reduced on the training loss, a run stopped on it, or the checkpoint kept by it depend on the
+    sampled records' un-noised losses: the parameters released are then outside the guarantee. Each was accepted
+    with a warning that the logged values (only) are not covered."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    strategy = LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False)  # no empty batch: a step logs
+    module = _plateau_module() if consumer == "ReduceLROnPlateau" else make_module(small_config(n_layers=1),
+                                                                                   log_train_loss=True)
+    callbacks = {"ReduceLROnPlateau": [], "EarlyStopping": [EarlyStopping(monitor="train_loss")],
+                 "ModelCheckpoint": [ModelCheckpoint(dirpath=tmp_path, monitor="train_loss")]}[consumer]
+    with pytest.raises(ValueError, match=rf"'train_loss'.*{consumer} monitors it.*held-out data"):
+        fit(strategy, module=module, callbacks=callbacks, enable_checkpointing=consumer == "ModelCheckpoint")
+    assert strategy.accountant.steps == 0  # refused at the first micro-batch's log, before its release
+
+
+def test_an_epoch_mean_of_a_training_metric_weighs_each_micro_batch_by_its_samples():
+    """Logged without batch_size in training_step, each micro-batch's value counted as the whole logical batch's
+    samples in the epoch's mean: micro-batches of 2 and 1 sample logging 1 and 4 gave 2.5, not 2."""
+    logged = {}
+
+    class LogsItsSize(CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            size = batch["input_ids"].shape[0]
+            self.log("size_metric", float(3 * size - 5), on_step=False, on_epoch=True)  # 1 for 2 samples, -2 for 1
+            return super().training_step(batch, batch_idx)
+
+        def on_train_epoch_end(self):
+            logged["mean"] = float(self.trainer.callback_metrics["size_metric"])
+
+    torch.manual_seed(0)
+    module = LogsItsSize(small_config(n_layers=1), optimizer="sgd", learning_rate=0.1)
+    strategy = LongShieldStrategy(noise_multiplier=1.0, micro_batch_size=2, poisson_sampling=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(strategy, max_steps=1).fit(module, loader(RandomTokens(size=3, seq_len=8), 3))
+    assert logged["mean"] == pytest.approx((2 * 1 + 1 * -2) / 3)
+
+
+def test_a_training_step_dict_without_a_loss_is_refused_by_name():
+    class NoLoss(CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            return {"loss_value": super().training_step(batch, batch_idx)}
+
+    torch.manual_seed(0)
+    module = NoLoss(small_config(n_layers=1))
+    module.configure_model()
+    with pytest.raises(TypeError, match=r"dict without 'loss' \(keys \['loss_value'\]\)"):
+        fit(LongShieldStrategy(noise_multiplier=1.0, poisson_sampling=False), module=module)
+
+
+def test_overfit_batches_under_poisson_sampling_is_warned_about():
+    with pytest.warns(UserWarning, match="overfit_batches is set, but every training batch is a fresh Poisson"):
+        fit(LongShieldStrategy(noise_multiplier=1.0), overfit_batches=1)
