@@ -115,8 +115,11 @@ def _unreadable(paths: list[str], builder: str, error: BaseException) -> ValueEr
     if undecodable is not None:
         return ValueError(f"{undecodable} is not UTF-8 text: re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8),"
                           " or remove it from the data.")
+    cause = error.__cause__ or error.__context__
+    why = f"{type(error).__name__}: {error}" + (f"; {type(cause).__name__}: {cause}" if cause is not None else "")
+    fields = " whose records all have the same fields" if builder == "json" else ""
     return ValueError(f"datasets could not read {paths[0]}{' or another of these files' if len(paths) > 1 else ''}"
-                      f" ({type(error).__name__}: {error}): check that each is a valid {builder} file.")
+                      f" ({why}): check that each is a valid {builder} file{fields}.")
 
 
 def _first_file_not_utf8(paths: Sequence[str]) -> Optional[str]:
@@ -196,7 +199,9 @@ class _Encode:
         self.tokenizer, self.eos, self.keep = tokenizer, eos, keep
         # Part of what `datasets` hashes into the cache's fingerprint: it pickles an object by its class's name and
         # its state, so without the code an edited `encode` (once reloaded), or this class's, would reuse old tokens.
-        self.code = class_code_digest(type(self)) + ("" if self.batched else class_code_digest(type(tokenizer)))
+        # A library's tokenizer class is versioned with the library; a user's own (a subclass included) is hashed.
+        library = type(tokenizer).__module__.split(".")[0] in ("transformers", "tokenizers")
+        self.code = class_code_digest(type(self)) + ("" if library else class_code_digest(type(tokenizer)))
         # A special token's text inside a document ("</s>", "<|eot_id|>") is text, not a control token. Only fast
         # tokenizers split special tokens alone: slow ones would split every added token, changing ordinary text.
         self.options = {"split_special_tokens": True} if getattr(tokenizer, "is_fast", False) else {}
@@ -452,7 +457,7 @@ class LocalTextDataModule(L.LightningDataModule):
                 raw = datasets.load_dataset(
                     builder, data_files=paths, split="train", cache_dir=self._files_cache_dir(paths, datasets),
                     num_proc=self.num_proc,
-                    **({"sample_by": "document"} if builder == "text" else {}),
+                    **({"sample_by": "document", "encoding": "utf-8-sig"} if builder == "text" else {}),  # no BOM
                 )
             except (StopIteration, ValueError) as error:  # what `datasets` raises for files without records
                 if isinstance(error, ValueError) and "corresponds to no data" not in str(error):

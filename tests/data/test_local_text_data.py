@@ -324,14 +324,43 @@ class ShiftTokenizer:
     def encode(self, text):
         return [byte + {shift} for byte in text.encode()]
 """
+#: The same as a subclass of transformers' slow tokenizer (its ids are the bytes shifted, as above).
+TRANSFORMERS_TOKENIZER_MODULE = """
+from transformers import PreTrainedTokenizer
 
 
-def test_a_custom_tokenizer_whose_code_changed_tokenizes_again(texts, tmp_path, monkeypatch):
+class ShiftTokenizer(PreTrainedTokenizer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+    @property
+    def vocab_size(self):
+        return 300
+
+    def get_vocab(self):
+        return {{chr(i): i for i in range(300)}}
+
+    def _tokenize(self, text):
+        return [chr(byte) for byte in text.encode()]
+
+    def _convert_token_to_id(self, token):
+        return ord(token) + {shift}
+
+    def _convert_id_to_token(self, index):
+        return chr(index)
+"""
+
+
+@pytest.mark.parametrize("template", [TOKENIZER_MODULE, TRANSFORMERS_TOKENIZER_MODULE], ids=["plain", "transformers"])
+def test_a_custom_tokenizer_whose_code_changed_tokenizes_again(template, texts, tmp_path, monkeypatch):
     """`datasets` keys a tokenizer object by its class's name and state: the class's code must count too, or an
     edited `encode` would train on the old code's tokens. The code as loaded counts, not the file: a file edited
-    but not yet reloaded still tokenizes with the old code, whose tokens must not be cached as the new code's."""
+    but not yet reloaded still tokenizes with the old code, whose tokens must not be cached as the new code's. A
+    user's subclass of a transformers tokenizer counts as its own code (its edits reused the old tokens)."""
     import importlib
 
+    if template is TRANSFORMERS_TOKENIZER_MODULE:
+        pytest.importorskip("transformers")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no cached bytecode of the first version
     data = write(tmp_path / "data", texts[:2], "jsonl")
@@ -342,10 +371,10 @@ def test_a_custom_tokenizer_whose_code_changed_tokenizes_again(texts, tmp_path, 
 
     expected = {shift: [byte + shift for byte in texts[0].encode()[:5]] for shift in (1, 20)}
     try:
-        source.write_text(TOKENIZER_MODULE.format(shift=1))
+        source.write_text(template.format(shift=1))
         loaded = importlib.import_module("shift_tokenizer")
         assert first_tokens(loaded.ShiftTokenizer()).tolist() == expected[1]
-        source.write_text(TOKENIZER_MODULE.format(shift=20))  # edited, not reloaded: the old code runs
+        source.write_text(template.format(shift=20))  # edited, not reloaded: the old code runs
         assert first_tokens(loaded.ShiftTokenizer()).tolist() == expected[1]
         importlib.invalidate_caches()
         reloaded = importlib.reload(loaded)
@@ -402,6 +431,20 @@ def test_errors_name_the_fix(texts, tokenizer_dir, tmp_path):
     dm.check_vocab(dm.vocab_size)
     with pytest.raises(ValueError, match=f"tokenizer has {dm.vocab_size} tokens but the model's embedding has 256"):
         dm.check_vocab(256)
+
+
+def test_a_byte_order_mark_is_not_text_and_records_with_other_fields_are_named(tmp_path):
+    """A .txt file saved with a UTF-8 byte-order mark trained on its three bytes (.jsonl dropped it); .jsonl records
+    whose fields differ between files failed with "check that each is a valid json file", hiding the cause."""
+    (tmp_path / "bom").mkdir()
+    (tmp_path / "bom" / "doc.txt").write_bytes(b"\xef\xbb\xbfhello")
+    sample = module(tmp_path / "bom", tmp_path, privacy_unit="document", val_fraction=0.0).train_dataset[0]
+    assert bytes(sample["input_ids"][:5].tolist()) == b"hello"
+    (tmp_path / "fields").mkdir()
+    (tmp_path / "fields" / "a.jsonl").write_text('{"text": "one"}\n')
+    (tmp_path / "fields" / "b.jsonl").write_text('{"text": "two", "meta": 1}\n')
+    with pytest.raises(ValueError, match="column names don't match.*valid json file whose records all have the same"):
+        module(tmp_path / "fields", tmp_path, privacy_unit="document", val_fraction=0.0)
 
 
 @pytest.mark.parametrize("name, content", [("empty.txt", ""), ("empty.jsonl", ""), ("blank.jsonl", "\n  \n"),
