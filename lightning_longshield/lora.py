@@ -137,11 +137,14 @@ class MergedUpdates:
     squared: float = 0.0
     lost: float = 0.0
 
-    def add(self, base: torch.Tensor, merged: torch.Tensor) -> None:
-        update = merged.double() - base.double()
-        kept = merged.to(self.dtype).double() - base.to(self.dtype).double()
-        self.squared += float(update.square().sum())
-        self.lost += float((kept - update).square().sum())
+    def add(self, base: torch.Tensor, merged: torch.Tensor, rows: int = 4096) -> None:
+        """Count one merged weight, ``rows`` rows at a time (a few fp32 copies of a block, not of the weight)."""
+        for start in range(0, merged.shape[0], rows):
+            old, new = base[start:start + rows].float(), merged[start:start + rows].float()
+            update = new - old
+            lost = new.to(self.dtype).float().sub_(old.to(self.dtype).float()).sub_(update)
+            self.squared += float(update.double().square().sum())
+            self.lost += float(lost.double().square().sum())
 
     @property
     def relative_error(self) -> float:

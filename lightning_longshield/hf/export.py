@@ -152,7 +152,9 @@ def write_pretrained(
     finally:
         shards.discard()
     config_dict = hf_config_dict(config, dtype or embedding_dtype)
-    config_dict.update((key, carried.get(key)) for key in CARRIED_CONFIG_KEYS)
+    # A checkpoint's own keys as it has them (transformers reads a missing one as it read the checkpoint); a model
+    # built here writes null for an id no tokenizer gives, never Llama 2's defaults.
+    config_dict.update((key, carried.get(key)) for key in CARRIED_CONFIG_KEYS if source is None or key in carried)
     replace_durably(directory / CONFIG_FILE, lambda path: path.write_text(json.dumps(config_dict, indent=2) + "\n"))
     if source is None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(os.fspath(directory))

@@ -11,8 +11,9 @@ One line per step, JSON: ``{"run": run id, "index": the step's position in the r
 "sample_rate", "poisson": whether its batch was Poisson-sampled, "reproducible": whether its randomness came from a
 noise_seed}``; where a run first opens the file, ``{"run": run id, "opened_at": index}``, the step index from which
 it records (a file replaced by another run's then lacks it); and where a run moves on to another ledger
-(``privacy_ledger`` given at a resume), ``{"run": run id, "moved_to": path, "at": index}`` in the one it leaves, so
-that a resume from a checkpoint that names the old file reads the new one too. Nothing secret (no seed, no sample,
+(``privacy_ledger`` given at a resume), ``{"run": run id, "moved_to": path, "at": index}`` in the one it leaves and
+``{"run": run id, "moved_from": path, "at": index}`` in the new one, so that a resume from a checkpoint that names
+either file reads the other too. Nothing secret (no seed, no sample,
 no norm). A line torn by a crash during its write belongs to a step that never released and is skipped, also where
 another run sharing the file appended its next line to the fragment. Any other line that does not read as a step is
 damaged: `read_ledger` counts it, and a resume counts it as a step of the run.
@@ -53,9 +54,10 @@ class PrivacyLedger:
         if opened_at is not None:
             self._write({"run": run_id, "opened_at": opened_at})
 
-    def record_move(self, path: Union[str, os.PathLike], index: int) -> None:
-        """Durably note that this run records its steps from ``index`` on in the ledger at ``path``."""
-        self._write({"run": self.run_id, "moved_to": os.fspath(Path(path).absolute()), "at": index})
+    def record_move(self, path: Union[str, os.PathLike], index: int, direction: str = "moved_to") -> None:
+        """Durably note that this run records its steps from ``index`` on in the ledger at ``path`` (``"moved_to"``,
+        in the ledger it leaves), or recorded them before ``index`` there (``"moved_from"``, in the new one)."""
+        self._write({"run": self.run_id, direction: os.fspath(Path(path).absolute()), "at": index})
 
     def record(self, index: int, noise_multiplier: float, sample_rate: float, poisson: bool = True,
                reproducible: bool = False) -> None:
@@ -93,7 +95,7 @@ class PrivacyLedger:
 @dataclass(frozen=True)
 class LedgerReading:
     """What a ledger holds for one run: its steps in file order, how many lines of any run are damaged, the step
-    indices at which the run opened the file, and the ledgers it moved on to."""
+    indices at which the run opened the file, and the ledgers it moved on to or from."""
 
     entries: list[LedgerEntry]
     damaged: int
@@ -122,8 +124,8 @@ def read_ledger(path: Union[str, os.PathLike], run_id: str) -> LedgerReading:
 
 
 def read_ledgers(paths: list[Union[str, os.PathLike]], run_id: str) -> tuple[LedgerReading, list[str]]:
-    """`read_ledger` of every one of ``paths`` that exists and of every ledger the run moved on to from them, each
-    file once, merged; and the files read. Raises `FileNotFoundError` when none of ``paths`` exists."""
+    """`read_ledger` of every one of ``paths`` that exists and of every ledger the run moved on to or from, from them
+    on, each file once, merged; and the files read. Raises `FileNotFoundError` when none of ``paths`` exists."""
     pending = [os.fspath(path) for path in paths]
     read: dict[str, LedgerReading] = {}
     while pending:
@@ -165,8 +167,9 @@ def _record(text: str) -> Optional[tuple[str, Union[LedgerEntry, int, str]]]:
         fields = json.loads(text)
         if "opened_at" in fields and "index" not in fields:
             return str(fields["run"]), int(fields["opened_at"])
-        if "moved_to" in fields and "index" not in fields:
-            return str(fields["run"]), str(fields["moved_to"])
+        for link in ("moved_to", "moved_from"):
+            if link in fields and "index" not in fields:
+                return str(fields["run"]), str(fields[link])
         entry = LedgerEntry(int(fields["index"]), float(fields["noise_multiplier"]), float(fields["sample_rate"]),
                             bool(fields.get("poisson", True)), bool(fields.get("reproducible", False)))
         return str(fields["run"]), entry

@@ -306,9 +306,10 @@ class PrivacySession:
         self.run_id = self.run_id or self._new_run_id or uuid.uuid4().hex
         path = os.fspath(os.path.abspath(path))
         new = path != self.ledger_path or self.ledger_since is None
-        if new and writer and self.ledger_path is not None and os.path.exists(self.ledger_path):
+        previous = self.ledger_path if new and self.ledger_path is not None else None
+        if writer and previous is not None and os.path.exists(previous):
             # Where a checkpoint that names the old ledger is resumed, its reading follows this line to the new one.
-            moving = PrivacyLedger(self.ledger_path, self.run_id)
+            moving = PrivacyLedger(previous, self.run_id)
             moving.record_move(path, self.accountant.steps)
             moving.close()
         if new:  # a new ledger: it records the steps from now on, from a first line that says so
@@ -318,6 +319,8 @@ class PrivacySession:
             self.close_ledger()  # opened for another run or file (a save before a checkpoint of another was loaded)
         if writer and self.ledger is None:
             self.ledger = PrivacyLedger(self.ledger_path, self.run_id, opened_at=self.ledger_since if new else None)
+            if previous is not None:  # and a resume from a checkpoint that names this one follows it back
+                self.ledger.record_move(previous, self.accountant.steps, "moved_from")
 
     def record_release(self) -> None:
         """Write the next step to the ledger (fsynced) before it releases anything."""

@@ -582,6 +582,15 @@ def test_an_export_of_a_model_built_here_declares_the_tokenizers_ids_or_none(tmp
     assert (config.eos_token_id, config.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
     saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "with-tokenizer")
     assert saved("return x").input_ids == tokenizer("return x").input_ids
+    # A checkpoint's config without the ids: the export leaves them out as it does (not null), read alike.
+    write_hf_llama(tmp_path / "source")
+    source_config = json.loads((tmp_path / "source" / checkpoint.CONFIG_FILE).read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        source_config.pop(key, None)
+    (tmp_path / "source" / checkpoint.CONFIG_FILE).write_text(json.dumps(source_config))
+    export.save_pretrained(checkpoint.load_model(tmp_path / "source"), tmp_path / "from-source")
+    written = json.loads((tmp_path / "from-source" / checkpoint.CONFIG_FILE).read_text())
+    assert not {"bos_token_id", "eos_token_id", "pad_token_id"} & set(written)
 
 
 @pytest.mark.parametrize("tokenizer", ["sentencepiece", "vocab-and-merges"])

@@ -381,6 +381,8 @@ def test_a_resume_reads_every_ledger_the_run_recorded_steps_in(tmp_path):
     moved = _session_at(plan, at_two, ledger=second_file)  # counts 2-3 from the first file
     moved.open_ledger(second_file, writer=True)
     _release(moved, 2)  # steps 4-5, in the second file
+    moved.noise = SimpleNamespace(tail=KEYSTREAM_TAIL)
+    at_six = moved.state_dict()  # names the second file
     moved.close_ledger()
     assert moved.accountant.steps == 6
     without_the_argument = _session_at(plan, at_two)
@@ -392,6 +394,9 @@ def test_a_resume_reads_every_ledger_the_run_recorded_steps_in(tmp_path):
         warnings.simplefilter("error")  # nothing is missing from either file
         named = _session_at(plan, at_two, ledger=second_file)
     assert named.accountant.steps == 8 and not named.accounting_incomplete
+    # The second file's checkpoint (step 6) follows its line back to the first, where steps 6-7 ran after it.
+    from_second = _session_at(plan, at_six)
+    assert from_second.accountant.steps == 8 and not from_second.accounting_incomplete
 
 
 def _release(session: PrivacySession, steps: int) -> None:
