@@ -167,16 +167,24 @@ def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, da
     ``training`` the last ``N mod D`` samples of an epoch are left out: the sampler would otherwise pad its last round
     with repeated samples, one of them then in two groups' parts of one logical batch. Evaluation pads it with
     repeats whose labels are all ignored (`evaluation_split`), so that every record counts once. A sampler that
-    selects or weights records, or a custom batch sampler, is refused (a split of every record would replace it); an
-    `IterableDataset` (evaluation) is read whole by every group.
+    selects or weights records, or a custom batch sampler, is refused (a split of every record would replace it; in
+    one group of several context-parallel ranks, each would draw its own); an `IterableDataset` (evaluation) is read
+    whole by every group.
     """
     if isinstance(dataloader.dataset, IterableDataset):  # a stream: each group reads it
         return dataloader
-    shuffled_by_peers = context_parallel_size > 1 and type(dataloader.sampler) is RandomSampler
-    if data_parallel_size == 1 and not shuffled_by_peers:
+    in_order = type(dataloader.sampler) is SequentialSampler and _takes_every_record(dataloader)
+    if data_parallel_size == 1 and (context_parallel_size == 1 or in_order):
         return dataloader
     if not _takes_every_record(dataloader):
         used = _sampling_name(dataloader)
+        if data_parallel_size == 1:  # one group of several context-parallel ranks
+            raise ValueError(
+                f"This DataLoader's {used} draws its own order on each of the {context_parallel_size}"
+                " context-parallel ranks, which shard one sample together: drawn apart, they would shard different"
+                " records as one (a record then in two clipped slots). Select the records in the dataset itself"
+                " (torch.utils.data.Subset(dataset, indices)) and pass batch_size with shuffle=True or False."
+            )
         raise ValueError(
             f"This DataLoader's {used} would be replaced by a split of all {len(dataloader.dataset)} records of its"  # type: ignore[arg-type]
             f" dataset over the {data_parallel_size} data-parallel groups, so the records it leaves out would be"

@@ -100,10 +100,7 @@ class DPStepLoop:
         size = batch_size_of(microbatch)
         self.dp_engine.prepare_microbatch(size)
         output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
-        if isinstance(output, Mapping) and "loss" not in output:
-            raise TypeError(f"training_step returned a dict without 'loss' (keys {sorted(map(str, output))}): return"
-                            " the loss tensor, or a dict with it under 'loss'.")
-        loss = output["loss"] if isinstance(output, Mapping) else output
+        loss = _loss_of(output)
         if not isinstance(loss, Tensor):
             # Skipping a sampled micro-batch would be a decision on private data that the accounting does not see.
             raise TypeError(
@@ -142,7 +139,7 @@ class DPStepLoop:
         self.dp_engine.prepare_microbatch(1, padding=True)
         with logging_discarded(self.lightning_module):
             output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
-        loss = output["loss"] if isinstance(output, Mapping) else output
+        loss = _loss_of(output)
         # Checked as a real micro-batch's is, so that a malformed loss fails on every rank, not only those with data.
         self.precision_plugin.backward(checked_loss_shape(loss, 1).sum() * 0.0, self.lightning_module, None)
         self.dp_engine.accumulate_microbatch(1)
@@ -227,3 +224,14 @@ def declares_per_sample_mean_loss(module: Any) -> bool:
     if defining is None or declaring is None or not issubclass(declaring, defining):
         return bool(module.__dict__.get("per_sample_mean_loss", False))  # stated on the instance itself
     return bool(module.per_sample_mean_loss)
+
+
+def _loss_of(output: Any) -> Any:
+    """The loss ``training_step`` returned: the output itself, or a dict's ``"loss"`` (a dict without one is refused,
+    by its keys)."""
+    if not isinstance(output, Mapping):
+        return output
+    if "loss" not in output:
+        raise TypeError(f"training_step returned a dict without 'loss' (keys {sorted(map(str, output))}): return the"
+                        " loss tensor, or a dict with it under 'loss'.")
+    return output["loss"]

@@ -95,7 +95,7 @@ def test_tables_render(capsys: pytest.CaptureFixture[str]) -> None:
     (["max-seq", "--gpus", "inf", "--method", "v2"], "give --cp N with --gpus inf"),
     (["recommend", "--gpus", "inf", "--seq-len", "4096"], "with --gpus inf, recommend --methods zero-dp alone"),
     (["plot", "--min-seq-len", "3M"], "must be a power of two, got 3145728 (3M); try 2097152 or 4194304"),
-    (["fit", "--seq-len", "12001"], "12001"),
+    (["fit", "--seq-len", "12001"], "Sequence length 12001 cannot be cut into 2 x CP = 8 equal chunks"),
     (["compare", "--gpus", "inf", "--methods", "v2"], "CP methods need a CP size: give --cp N"),
     (["fit", "--seq-len", "1.5M"], "such as 16384, 16k or 1M"),
     (["fit", "--seq-len", str(2**100)], "must be at most 16,777,216 (the planner's limit"),  # was 0 tokens/s

@@ -264,6 +264,13 @@ def test_context_parallel_peers_shuffle_alike_whatever_their_global_rngs():
     assert orders[:2] == orders[2:]
     assert sorted(orders[0][1]) == list(range(16)) and orders[0][1] != list(range(16))
     assert data_parallel_dataloader(shuffled, 0, 1) is shuffled
+    in_order = torch.utils.data.DataLoader(RandomTokens(size=16), batch_size=4)
+    assert data_parallel_dataloader(in_order, 0, 1, context_parallel_size=2) is in_order
+    for sampler in (torch.utils.data.SubsetRandomSampler(range(8)),
+                    torch.utils.data.WeightedRandomSampler([1.0] * 16, 16)):  # each peer would draw its own
+        drawn = torch.utils.data.DataLoader(RandomTokens(size=16), batch_size=4, sampler=sampler)
+        with pytest.raises(ValueError, match="draws its own order on each of the 2 context-parallel ranks"):
+            data_parallel_dataloader(drawn, 0, 1, training=True, context_parallel_size=2)
     assert shared_shuffle_seed(3, broadcast=lambda value: 0) == shared_shuffle_seed(3, broadcast=lambda value: 1)
     assert shared_shuffle_seed(None, broadcast=lambda value: 5) == 5  # rank 0's draw
 

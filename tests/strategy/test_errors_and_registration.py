@@ -483,7 +483,7 @@ def test_training_metrics_that_steer_training_are_refused(consumer, tmp_path):
 
 def test_an_epoch_mean_of_a_training_metric_weighs_each_micro_batch_by_its_samples():
     """Logged without batch_size in training_step, each micro-batch's value counted as the whole logical batch's
-    samples in the epoch's mean: micro-batches of 2 and 1 sample logging 1 and 4 gave 2.5, not 2."""
+    samples in the epoch's mean: micro-batches of 2 and 1 sample logging 1 and -2 gave -0.5, not 0."""
     logged = {}
 
     class LogsItsSize(CausalLMModule):
