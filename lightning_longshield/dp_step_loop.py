@@ -49,13 +49,10 @@ class DPStepLoop:
         self._release_pending = True
         self.dp_engine.begin_logical_batch()
         microbatches = split_into_microbatches(batch, self.config.micro_batch_size)
-        trainer = self.lightning_module.trainer
         padding = self._padding.count(len(microbatches), self.root_device)
         for microbatch in microbatches:
-            # What training_step logs without batch_size counts as its micro-batch's samples in an epoch's mean.
-            declare_logged_batch_size(trainer, batch_size_of(microbatch))
             output = self._microbatch_step(microbatch, rest, kwargs)
-        declare_logged_batch_size(trainer, batch_size_of(batch))  # for the hooks after the step
+        declare_logged_batch_size(self.lightning_module.trainer, batch_size_of(batch))  # for the hooks after the step
         for _ in range(padding):
             self._padding_step(self._padding.microbatch(self.batch_to_device), rest, kwargs)
         if not microbatches:
@@ -99,6 +96,8 @@ class DPStepLoop:
     def _microbatch_step(self, microbatch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         size = batch_size_of(microbatch)
         self.dp_engine.prepare_microbatch(size)
+        # What training_step logs without batch_size counts as this micro-batch's samples in an epoch's mean.
+        declare_logged_batch_size(self.lightning_module.trainer, size)
         output = super().training_step(self._shard_sequence(microbatch), *rest, **kwargs)
         loss = _loss_of(output)
         if not isinstance(loss, Tensor):

@@ -88,8 +88,6 @@ class _Shards:
         previous = [path for path in (self.directory / WEIGHTS_FILE, self.directory / WEIGHTS_INDEX_FILE)
                     if path.is_file()]
         if count > 1 and previous:
-            # Loaders read model.safetensors before an index, and an old index over new shards would mix them: both
-            # go first, so a cut-short export leaves no weights to load rather than the old ones or a mix.
             for path in previous:
                 path.unlink()
             fsync_directory(self.directory)

@@ -13,10 +13,10 @@ noise_seed}``; where a run first opens the file, ``{"run": run id, "opened_at": 
 it records (a file replaced by another run's then lacks it); and where a run moves on to another ledger
 (``privacy_ledger`` given at a resume), ``{"run": run id, "moved_to": path, "at": index}`` in the one it leaves and
 ``{"run": run id, "moved_from": path, "at": index}`` in the new one, so that a resume from a checkpoint that names
-either file reads the other too. Nothing secret (no seed, no sample,
-no norm). A line torn by a crash during its write belongs to a step that never released and is skipped, also where
-another run sharing the file appended its next line to the fragment. Any other line that does not read as a step is
-damaged: `read_ledger` counts it, and a resume counts it as a step of the run.
+either file reads the other too. Nothing secret (no seed, no sample, no norm). A line torn by a crash during its
+write belongs to a step that never released and is skipped, also where another run sharing the file appended its
+next line to the fragment. Any other line that does not read as a step is damaged: `read_ledger` counts it, and a
+resume counts it as a step of the run.
 """
 
 from __future__ import annotations
@@ -100,13 +100,13 @@ class LedgerReading:
     entries: list[LedgerEntry]
     damaged: int
     opened_at: frozenset[int] = frozenset()
-    moved_to: tuple[str, ...] = ()
+    linked: tuple[str, ...] = ()  # the ledgers the run moved on to or from
 
 
 def read_ledger(path: Union[str, os.PathLike], run_id: str) -> LedgerReading:
     """The steps ``path`` records for ``run_id``; torn and other runs' lines are skipped, damaged ones counted.
     Raises `FileNotFoundError` when there is no ledger."""
-    entries, damaged, opened_at, moved_to = [], 0, set(), []
+    entries, damaged, opened_at, linked = [], 0, set(), []
     with open(path, encoding="utf-8", errors="replace") as file:
         for line in file:
             record = _parse(line.rstrip("\n"))
@@ -117,10 +117,10 @@ def read_ledger(path: Union[str, os.PathLike], run_id: str) -> LedgerReading:
             elif record[0] == run_id and isinstance(record[1], int):
                 opened_at.add(record[1])
             elif record[0] == run_id and isinstance(record[1], str):
-                moved_to.append(record[1])
+                linked.append(record[1])
             elif record[0] == run_id:
                 entries.append(record[1])
-    return LedgerReading(entries, damaged, frozenset(opened_at), tuple(moved_to))
+    return LedgerReading(entries, damaged, frozenset(opened_at), tuple(linked))
 
 
 def read_ledgers(paths: list[Union[str, os.PathLike]], run_id: str) -> tuple[LedgerReading, list[str]]:
@@ -134,7 +134,7 @@ def read_ledgers(paths: list[Union[str, os.PathLike]], run_id: str) -> tuple[Led
         if key in read or not os.path.exists(path):
             continue
         read[key] = reading = read_ledger(path, run_id)
-        pending += reading.moved_to
+        pending += reading.linked
     if not read:
         raise FileNotFoundError(os.fspath(paths[0]))
     readings = list(read.values())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -116,7 +116,7 @@ class GuardedLog:
         return bool(options.get("sync_dist")) and options.get("on_step") is not False
 
 
-def _steered_by(trainer: Any, name: str) -> Any:
+def _steered_by(trainer: Any, name: str) -> Optional[str]:
     """What in ``trainer`` acts on the logged ``name`` (also as Lightning's ``name_step`` / ``name_epoch``): a
     learning-rate scheduler's ``monitor`` (ReduceLROnPlateau) or a callback's (EarlyStopping, ModelCheckpoint);
     ``None`` if nothing does."""

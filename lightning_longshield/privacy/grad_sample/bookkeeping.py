@@ -341,8 +341,6 @@ class BookKeeper:
         # Per book-kept parameter: this rank's part of S_i (summed over the group) and its gamma (`norm_rounding`).
         self._token_norm_products: dict[str, torch.Tensor] = {}
         self._norm_roundings: dict[str, float] = {}
-        self._use_tokens: dict[str, int] = {}  # per book-kept parameter: tokens a sample over its uses
-        self._use_counts: dict[str, int] = {}  # and its uses (calls) in this micro-batch
         self._sketch_roundings: dict[str, torch.Tensor] = {}  # estimated parameters' rho (`sketch_rounding`)
 
     @staticmethod
@@ -396,16 +394,15 @@ class BookKeeper:
         products = use.token_norm_products()
         previous = self._token_norm_products.get(name)
         self._token_norm_products[name] = products if previous is None else previous + products
-        # A weight used several times has a Gram norm over the tokens of all its uses (their cross terms included).
-        tokens = self._use_tokens[name] = self._use_tokens.get(name, 0) + use.tokens
-        self._use_counts[name] = self._use_counts.get(name, 0) + 1
-        gamma = norm_rounding(tokens * self.world, use.left_width + use.right.shape[-1])
-        self._norm_roundings[name] = max(gamma, self._norm_roundings.get(name, 0.0))
         if name in self.shared:
             self.uses.setdefault(name, []).append(use)
         else:
             self.uses[name] = [use]
             self._add_norms(name, [use])
+        # A weight used several times has a Gram norm over the tokens of all its uses (their cross terms included).
+        tokens = sum(kept.tokens for kept in self.uses[name])
+        gamma = norm_rounding(tokens * self.world, use.left_width + use.right.shape[-1])
+        self._norm_roundings[name] = max(gamma, self._norm_roundings.get(name, 0.0))
         return materialized
 
     def _choose(self, use: Use, tokens: int = 0) -> NormMethod:
@@ -457,8 +454,7 @@ class BookKeeper:
             dist.all_reduce(products, group=self.group)
         total, products = products[0], products[1:]
         gammas = products.new_tensor([self._norm_roundings.pop(name) for name in names]).unsqueeze(1)
-        uses = products.new_tensor([self._use_counts.pop(name) for name in names]).unsqueeze(1)
-        self._use_tokens.clear()
+        uses = products.new_tensor([len(self.uses[name]) for name in names]).unsqueeze(1)  # each kept till summed
         squared = total + (gammas * products.square()).sum(0)
         rounding = (sum_rounding(self.world, uses) * products).square().sum(0).sqrt()
         if estimated is not None:
