@@ -371,6 +371,15 @@ class LocalTextDataModule(L.LightningDataModule):
                 )
             try:
                 return auto.from_pretrained(os.fspath(directory), local_files_only=True)
+            except OSError as error:
+                if directory.exists():
+                    raise
+                # transformers takes a missing folder for a Hub repo id and speaks of the network or the id's form.
+                raise FileNotFoundError(
+                    f"No tokenizer folder at {directory} (nor a Hugging Face cache entry of that name: nothing is"
+                    " downloaded). Pass the folder that holds the tokenizer's files (tokenizer.json or tokenizer.model,"
+                    " with tokenizer_config.json), for example the checkpoint's own folder."
+                ) from error
             except (ImportError, ValueError) as error:
                 if not (directory / "tokenizer.model").is_file() or (directory / "tokenizer.json").is_file():
                     raise

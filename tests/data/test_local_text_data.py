@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -427,6 +428,9 @@ def test_errors_name_the_fix(texts, tokenizer_dir, tmp_path):
         module(write(tmp_path / "one", texts[:1], "txt"), tmp_path, val_fraction=0.1)
     with pytest.raises(TypeError, match="object with encode"):
         LocalTextDataModule(data, tokenizer=object())
+    for missing in (tmp_path / "no-tokenizer", "no-such-org/no-such-tokenizer"):
+        with pytest.raises(FileNotFoundError, match=f"No tokenizer folder at {re.escape(str(missing))} .* Pass"):
+            LocalTextDataModule(data, tokenizer=missing)
     dm = LocalTextDataModule(data, tokenizer=tokenizer_dir)
     dm.check_vocab(dm.vocab_size)
     with pytest.raises(ValueError, match=f"tokenizer has {dm.vocab_size} tokens but the model's embedding has 256"):
