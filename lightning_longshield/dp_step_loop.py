@@ -50,11 +50,14 @@ class DPStepLoop:
         self.dp_engine.begin_logical_batch()
         microbatches = split_into_microbatches(batch, self.config.micro_batch_size)
         padding = self._padding.count(len(microbatches), self.root_device)
-        for microbatch in microbatches:
-            output = self._microbatch_step(microbatch, rest, kwargs)
-        declare_logged_batch_size(self.lightning_module.trainer, batch_size_of(batch))  # for the hooks after the step
-        for _ in range(padding):
-            self._padding_step(self._padding.microbatch(self.batch_to_device), rest, kwargs)
+        assert self.privacy.step_randomness is not None
+        # Dropout draws as many masks as the Poisson batch has samples: keyed per step, out of the public seed's stream.
+        with self.privacy.step_randomness.step(self.dp_engine.accountant.steps):
+            for microbatch in microbatches:
+                output = self._microbatch_step(microbatch, rest, kwargs)
+            declare_logged_batch_size(self.lightning_module.trainer, batch_size_of(batch))  # for the hooks after it
+            for _ in range(padding):
+                self._padding_step(self._padding.microbatch(self.batch_to_device), rest, kwargs)
         if not microbatches:
             return torch.zeros((), device=self.root_device)
         return output

@@ -88,8 +88,9 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         secure_mode: noise from ChaCha20 keyed by fresh OS entropy with Opacus's four-draw Gaussians, instead of
             the default AES-256-CTR keystreams on CPU (cryptographic, Box-Muller) and keyed Philox generators on GPU
             (hardened). Poisson masks are SHAKE-256 either way.
-        seed: seeds the global RNGs of every process (initialisation, dropout, order of non-private data), never
-            the noise or the Poisson sampling: those come from OS entropy drawn at each ``fit``, never stored.
+        seed: seeds the global RNGs of every process outside DP steps (initialisation, order of non-private data),
+            never the noise, the Poisson sampling or a DP step's dropout: those come from OS entropy drawn at each
+            ``fit``, never stored.
         noise_seed: for tests only: reproducible noise and sampling from this seed (a warning says why not to).
         privacy_ledger: the file that records each DP step (fsynced) before it releases, so a resumed run also
             accounts the steps run after its checkpoint (default: ``<default_root_dir>/privacy_ledger.jsonl``).

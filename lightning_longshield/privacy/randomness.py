@@ -117,6 +117,14 @@ class SecretKey:
             return (_mt19937_generator(self.stream(4 * _MT_WORDS, "mt19937", *labels)),)
         return tuple(_philox_generator(device, self.stream(16, "philox", index, *labels)) for index in range(2))
 
+    def key_generator(self, generator: torch.Generator, *labels: object) -> None:
+        """Set the whole state of ``generator`` (an existing one, such as a device's default generator) from the
+        stream named by ``labels``: on CPU all of MT19937's state, elsewhere one Philox seed and offset (126 bits)."""
+        if generator.device.type == "cpu":
+            _key_mt19937(generator, self.stream(4 * _MT_WORDS, "mt19937", *labels))
+        else:
+            _key_philox(generator, self.stream(16, "philox", 0, *labels))
+
     def philox_words(self, *labels: object) -> list[int]:
         """The fused CUDA noise's key words for the draws named by ``labels`` (`fused_noise`): for each of its two
         Philox streams a 64-bit key (as a signed int64) and two 32-bit counter words, 256 secret bits in all."""
@@ -137,8 +145,16 @@ class SecretKey:
                         " fresh keys in every fit).")
 
 
+
 def _mt19937_generator(state_bytes: bytes) -> torch.Generator:
-    """A CPU generator whose MT19937 state is ``state_bytes`` (624 little-endian words), as if freshly seeded.
+    """A CPU generator whose MT19937 state is ``state_bytes`` (624 little-endian words), as if freshly seeded."""
+    generator = torch.Generator()
+    _key_mt19937(generator, state_bytes)
+    return generator
+
+
+def _key_mt19937(generator: torch.Generator, state_bytes: bytes) -> None:
+    """Give the CPU ``generator`` the MT19937 state ``state_bytes`` (624 little-endian words), as if freshly seeded.
 
     Built from bytes (``torch.frombuffer``), not from another generator's state, so it also works under a fake-tensor
     trace; `set_state` refuses a state of the wrong size if torch's layout ever changes.
@@ -147,17 +163,19 @@ def _mt19937_generator(state_bytes: bytes) -> torch.Generator:
     state = bytearray(_MT_STATE_BYTES)
     state[:_MT_HEADER] = struct.pack("<QiiQ", 0, 1, 1, 0)  # reported seed 0, left 1, seeded, next 0
     state[_MT_HEADER:_MT_HEADER + len(words)] = words
-    generator = torch.Generator()
     generator.set_state(torch.frombuffer(state, dtype=torch.uint8))
-    return generator
 
 
 def _philox_generator(device: torch.device, stream: bytes) -> torch.Generator:
     generator = torch.Generator(device=device)
+    _key_philox(generator, stream)
+    return generator
+
+
+def _key_philox(generator: torch.Generator, stream: bytes) -> None:
     generator.manual_seed(int.from_bytes(stream[:8], "little"))
     offset = int.from_bytes(stream[8:], "little") & (2**_PHILOX_OFFSET_BITS - 1)
     generator.set_offset(4 * offset)
-    return generator
 
 
 def standard_normal(

@@ -29,6 +29,7 @@ from lightning_longshield.privacy.ledger import (
     steps_after,
     steps_beside,
 )
+from lightning_longshield.privacy.model_randomness import StepRandomness
 from lightning_longshield.privacy.noise import GaussianNoise
 from lightning_longshield.privacy.plan import PlanMessage, PrivacyArguments, PrivacyPlan, resolve_plan
 from lightning_longshield.privacy.randomized.accountant import RandomizedClippingAccountant
@@ -75,10 +76,11 @@ class PrivacySession:
             )
         if noise_seed is not None:
             rank_zero_warn(
-                "noise_seed is set: the noise and the Poisson sampling are reproducible from this seed. The"
-                " privacy guarantee holds only while the seed stays secret: anyone who knows it can subtract the noise"
-                " and see which samples each step used. Two runs with one seed draw the same noise at each step, so"
-                " even with the seed secret their releases together cancel it. Use it for tests, never for a release."
+                "noise_seed is set: the noise, the Poisson sampling and the DP steps' dropout are reproducible from"
+                " this seed. The privacy guarantee holds only while the seed stays secret: anyone who knows it can"
+                " subtract the noise and see which samples each step used. Two runs with one seed draw the same noise"
+                " at each step, so even with the seed secret their releases together cancel it. Use it for tests,"
+                " never for a release."
             )
         self.arguments = arguments
         self.secure_mode = secure_mode
@@ -98,6 +100,7 @@ class PrivacySession:
         self.noise: Optional[GaussianNoise] = None
         self.sampling: Optional[SecretKey] = None
         self.projection_key: Optional[SecretKey] = None
+        self.step_randomness: Optional[StepRandomness] = None  # the global generators' keys in DP steps (dropout)
         self.dataset_size: Optional[int] = None
         self.dataloader_batch_size: Optional[int] = None
         self.split_digest: Optional[str] = None  # the training dataset's, where it has one (`record_training_data`)
@@ -138,8 +141,8 @@ class PrivacySession:
         return self.noise_seed is not None
 
     def open_fit(self, device: torch.device, stream: tuple[int, ...], broadcast: Callable[[T], T]) -> None:
-        """Fresh secret randomness for a fit: this process's noise generator, the Poisson masks' key and (randomized
-        clipping) the projections' key.
+        """Fresh secret randomness for a fit: this process's noise generator and the key of its global generators in
+        DP steps (`StepRandomness`: dropout), the Poisson masks' key and (randomized clipping) the projections' key.
 
         Draws are keyed by the DP step, so with ``noise_seed`` a resumed or second fit of this session continues the
         streams instead of replaying them; another session with the same seed (a new strategy, a sweep) starts them
@@ -150,8 +153,11 @@ class PrivacySession:
         if self.noise_seed is not None:
             seeded = SecretKey.from_seed(self.noise_seed)
             shared, noise_key = seeded.derive("shared"), seeded.derive("noise")
+            model_key = seeded.derive("model", *stream)
         else:
             shared, noise_key = SecretKey(broadcast(secrets.token_bytes(KEY_BYTES))), None
+            model_key = SecretKey.fresh()
+        self.step_randomness = StepRandomness(model_key, device)
         self._new_run_id = broadcast(uuid.uuid4().hex)  # rank 0's: every rank names a new ledger's run alike
         self.sampling = shared.derive("sampling")
         if self.noise is not None and self.accountant.steps:  # an earlier fit's steps drew from it

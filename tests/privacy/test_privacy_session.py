@@ -35,7 +35,7 @@ def test_every_fit_draws_fresh_secret_randomness_unless_a_noise_seed_is_given():
     assert privacy.sampling.uniforms(8, "poisson", 0).tolist() != first_sampling.uniforms(8, "poisson", 0).tolist()
 
     # The seed itself is not echoed: it is as secret as the noise it gives.
-    with pytest.warns(UserWarning, match="noise_seed is set: the noise and the Poisson sampling are reproducible"):
+    with pytest.warns(UserWarning, match="noise_seed is set: the noise, the Poisson sampling and the DP steps' drop"):
         seeded = [session(noise_multiplier=1.0, noise_seed=5) for _ in range(2)]
     for privacy in seeded:
         privacy.open_fit(CPU, (0, 0), broadcast=lambda value: value)
