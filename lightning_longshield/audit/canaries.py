@@ -33,8 +33,9 @@ class Canaries:
     """``m`` canaries, each included in the training data with probability 1/2 (``included``). The inclusion bits
     must be independent of everything else in the run, the canaries themselves included: with ``seed=None`` (the
     default) they are ``m`` bits of OS entropy, and ``seed`` (then drawn from OS entropy too, and reported) only
-    places the canaries (coordinates, tokens). A given seed makes the whole audit reproducible, its bits included (and
-    known beforehand to whoever knows the seed): for tests and reruns."""
+    places the canaries (coordinates, tokens). A given seed fixes the canaries and their bits too (known beforehand to
+    whoever knows the seed): for tests and reruns. The run's noise and sampling stay fresh, so the bound still varies
+    from run to run."""
 
     m: int
     seed: Optional[int] = None
@@ -44,7 +45,7 @@ class Canaries:
         if self.m < 2:
             raise ValueError(f"m={self.m}: an audit needs canaries to guess about; pass m of a few hundred or more.")
         if self.seed is None:
-            self.seed = secrets.randbits(62)
+            self.seed = secrets.randbits(53)  # read exactly by JSON parsers that hold numbers as doubles
             bits = secrets.randbits(self.m)
             self.included = [bool(bits >> index & 1) for index in range(self.m)]
         else:
@@ -143,6 +144,8 @@ class WithCanaries(Dataset):
         if not isinstance(first, dict) or "input_ids" not in first:
             raise TypeError("An audit inserts canaries among records that are dicts with 'input_ids' (and 'labels').")
         self._template = first
+        if hasattr(records, "seq_len"):  # the public length the pre-flight plans with
+            self.seq_len = records.seq_len
 
     def __len__(self) -> int:
         return len(self.records) + self.canaries.m  # type: ignore[arg-type]
@@ -154,13 +157,26 @@ class WithCanaries(Dataset):
         canary = index - own
         if not self.canaries.included[canary]:
             return {**self.gradient_record(canary), CANARY_KEY: torch.tensor(EXCLUDED)}
-        return {**self.canary_record(canary), CANARY_KEY: torch.tensor(canary)}
+        return {**self.gradient_record(canary), **self.canary_record(canary), CANARY_KEY: torch.tensor(canary)}
 
     def gradient_record(self, canary: int) -> dict[str, Any]:
-        """A record shaped like the run's own (so that batches collate), its labels all ignored: a gradient canary's
-        (the canary term gives its gradient) and an excluded canary's filler (no gradient at all)."""
-        return {key: torch.full_like(value, -100) if key == "labels" else torch.zeros_like(value)
-                for key, value in self._template.items() if isinstance(value, torch.Tensor)}
+        """A record shaped like the run's own (so that batches collate; an input canary's tokens replace its
+        ``input_ids`` and ``labels``), its labels all ignored: a gradient canary's (the canary term gives its
+        gradient) and an excluded canary's filler (no gradient at all). Every token is attended to and positions
+        count from 0; other fields are zeros (none is copied from the run's records)."""
+        return {key: _public_field(key, value) for key, value in self._template.items()
+                if isinstance(value, torch.Tensor)}
+
+
+def _public_field(key: str, like: torch.Tensor) -> torch.Tensor:
+    """A canary record's ``key``, shaped like ``like`` (the run's first record's)."""
+    if key == "labels":
+        return torch.full_like(like, -100)
+    if key == "attention_mask":
+        return torch.ones_like(like)
+    if key == "position_ids" and like.dim():
+        return torch.arange(like.shape[-1], dtype=like.dtype).expand(like.shape).clone()
+    return torch.zeros_like(like)
 
 
 class WithoutFillers:

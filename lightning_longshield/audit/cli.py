@@ -31,6 +31,10 @@ import torch
 from lightning_longshield.audit.run import audit_training, check_audit_inputs
 from simulate.run_file import trainer_processes
 
+#: The flags of the reduced run, which a ``--config`` file's model, data and strategy replace.
+_REDUCED_RUN_FLAGS = ("preset", "batch_size", "records", "seq_len", "target_epsilon", "noise_multiplier",
+                      "max_grad_norm", "target_delta", "seed")
+
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
     """Defaults shown, except ``None`` (those flags' help says what applies)."""
@@ -42,7 +46,8 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="longshield-audit", description=__doc__.split("\n\n")[0],
                                      formatter_class=_DefaultsHelp)
-    parser.add_argument("--config", metavar="YAML", help="audit the run a longshield-train file describes")
+    parser.add_argument("--config", metavar="YAML", help="audit the run a longshield-train file describes (its model,"
+                        " data and privacy arguments: their flags here are refused)")
     parser.add_argument("--preset", default="tiny", help="LlamaConfig preset of the audited model")
     parser.add_argument("--canaries", type=int, default=1000, help="m: canaries, each inserted with probability 1/2")
     parser.add_argument("--canary-type", choices=("gradient", "input"), default="gradient",
@@ -64,10 +69,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="the lower bound's confidence, in (0, 1): 0.95, not 95")
     parser.add_argument("--seed", type=int, default=0, help="the model's initialisation")
     parser.add_argument("--canary-seed", type=int,
-                        help="the canaries and their inclusion bits (default: OS entropy; the report gives it)")
+                        help="the canaries and their inclusion bits (default: OS entropy; the report gives it); the"
+                             " run's noise and sampling stay fresh, so the bound varies from run to run")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", metavar="PNG", help="also save the guess-accuracy curve there (needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.config:
+        ignored = [f"--{name.replace('_', '-')}" for name in _REDUCED_RUN_FLAGS
+                   if getattr(args, name) != parser.get_default(name)]
+        if ignored:
+            parser.error(f"{', '.join(ignored)}: with --config the model, the data and the privacy arguments are the"
+                         " file's; change them there (--steps, --canaries and the audit's own flags apply).")
     if args.canaries < 2 or (args.steps is not None and args.steps < 1) or args.records < 1:
         parser.error("--canaries must be at least 2, --steps and --records at least 1.")
     if args.batch_size < 1 or args.seq_len < 2:
@@ -135,7 +147,7 @@ def _run_from_file(args: argparse.Namespace) -> dict[str, Any]:
     if not (hasattr(strategy, "get") and str(strategy.get("class_path", "")).endswith("LongShieldStrategy")):
         raise SystemExit(f"{args.config}: trainer.strategy must be LongShieldStrategy to audit a DP run.")
     # The run's noise_seed stays out: seeded, the audit would draw the audited run's own noise and masks again.
-    options = {key: value for key, value in dict(strategy.get("init_args") or {}).items()
+    options = {key: value for key, value in _arguments(strategy.get("init_args")).items()
                if value is not None and key != "noise_seed"}
     datamodule = cli.datamodule
     datamodule.setup("fit")
@@ -156,6 +168,16 @@ def _run_from_file(args: argparse.Namespace) -> dict[str, Any]:
                 max_steps=steps, strategy_options=options, scale=f"{scale} ({'; '.join(notes)})",
                 trainer_options={key: trainer[key] for key in ("accelerator", "precision")
                                  if trainer.get(key) is not None})
+
+
+def _arguments(init_args: Any) -> dict[str, Any]:
+    """A parsed class's ``init_args``, an argument given as a class (``norms: {class_path: ...ProjectedNorms}``)
+    built as `longshield-train` builds it."""
+    from lightning.pytorch.cli import instantiate_class
+
+    arguments = init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args or {})
+    return {key: instantiate_class((), value) if isinstance(value, dict) and "class_path" in value else value
+            for key, value in arguments.items()}
 
 
 def _processes(trainer: Mapping[str, Any], source: str) -> tuple[int, str]:

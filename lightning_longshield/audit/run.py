@@ -62,7 +62,7 @@ class AuditReport:
     #: The most this audit could report (every guess right): a claim at or above it cannot be shown broken.
     largest_reportable_bound: float = math.inf
     #: The seed that placed the canaries (OS entropy unless given); a seed given beforehand also fixed their
-    #: inclusion bits (else bits of OS entropy of their own), so that it reproduces the audit.
+    #: inclusion bits (else bits of OS entropy of their own). The run's noise and sampling are fresh either way.
     canary_seed: Optional[int] = None
 
     @property
@@ -207,6 +207,13 @@ def audit_training(
     else:
         raise ValueError(f"canary_type={canary_type!r}: choose 'gradient' (white box) or 'input' (black box).")
     strategy = LongShieldStrategy(**options)
+    if canary_type == "gradient" and chosen.layer is None and strategy.config.projected_norms is not None:
+        raise ValueError(
+            f"Gradient canaries on a model without a trainable output layer ({type(module).__name__}.model.output)"
+            f" add their gradient outside any layer's call, which norms={strategy.config.norms!r} cannot estimate:"
+            " audit with exact norms (norms='materialize', 'ghost' or 'mixed'; the clipping bound and the noise are"
+            " the same) or with canary_type='input'."
+        )
     settings: dict[str, Any] = {**dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                                        enable_model_summary=False, num_sanity_val_steps=0, enable_progress_bar=True),
                                 **(trainer_options or {})}
@@ -227,14 +234,15 @@ def audit_training(
         scores = loss_scores(module, inputs, lambda m, record: causal_lm_loss(m(record["input_ids"][None]),
                                                                               record["labels"][None]))
     candidates = guess_candidates(canaries)
-    best = best_epsilon_lower_bound(scores, chosen.included, plan.delta, candidates, confidence)
+    delta = plan.delta + strategy.privacy.cut_off_delta()  # the guarantee's: the noise's cut-off adds to it
+    best = best_epsilon_lower_bound(scores, chosen.included, delta, candidates, confidence)
     report = AuditReport(canary_type, canaries, len(chosen.inserted), strategy.get_epsilon(), best.epsilon,
-                         confidence, plan.delta, best.guesses, best.correct, trainer.global_step, scale,
+                         confidence, delta, best.guesses, best.correct, trainer.global_step, scale,
                          top_guess_accuracy(scores, chosen.included),
-                         largest_reportable_bound(canaries, plan.delta, candidates, confidence), chosen.seed)
+                         largest_reportable_bound(canaries, delta, candidates, confidence), chosen.seed)
     if not report.can_refute_claim:
         warnings.warn(f"The audit of {canaries} canaries at {100 * confidence:.4g}% confidence (claimed epsilon"
-                      f" {report.claimed_epsilon:.3f}): " + unrefutable_claim(canaries, plan.delta, confidence,
+                      f" {report.claimed_epsilon:.3f}): " + unrefutable_claim(canaries, delta, confidence,
                                                                              report.claimed_epsilon,
                                                                              report.largest_reportable_bound),
                       UserWarning, stacklevel=2)
