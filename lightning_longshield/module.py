@@ -149,7 +149,8 @@ class CausalLMModule(L.LightningModule):
     trained, clipped and noised.
 
     ``loss_chunk_tokens``: the loss (training and validation) runs the output head and the fp32 cross-entropy over
-    chunks of that many positions (`chunked_token_loss_sums`), so the whole ``(B, T, vocab)`` logits never exist; the
+    chunks of that many positions (`chunked_token_loss_sums`), so the whole ``(B, T, vocab)`` logits never exist
+    (``norms="ghost"`` and projected norms still keep the head's output gradients, as large, for its norms); the
     loss, its gradients and every clipping path's per-sample gradients are those of the whole logits (in bf16, to a
     rounding that grows with the chunks: the head's per-sample gradient is summed over them in bf16). ``"auto"`` (the
     default) chunks where the whole logits' fp32 working set (12 bytes a logit) would pass 1 GiB, with chunks sized by

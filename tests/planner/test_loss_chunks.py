@@ -6,6 +6,7 @@ import pytest
 
 from simulate.loss_chunks import (
     MIN_CHUNK_TOKENS,
+    MOST_CHUNK_LOGITS,
     WHOLE_LOGITS_LIMIT_BYTES,
     auto_loss_chunk_tokens,
     resolve_loss_chunk_tokens,
@@ -24,6 +25,16 @@ def test_small_logits_are_not_chunked():
 def test_long_sequences_get_chunks_about_as_large_as_the_hidden_states(positions, chunk):
     assert auto_loss_chunk_tokens(1, positions, **LLAMA_1B) == chunk
     assert chunk * LLAMA_1B["vocab_size"] <= 2 * positions * LLAMA_1B["dim"] or chunk == MIN_CHUNK_TOKENS
+
+
+def test_a_chunks_logits_stay_below_2_to_the_31():
+    """The rule's chunks grow with the sequence; at 8B (vocab 128,256, dim 4096), 2 samples of 262,144 positions a
+    rank would have had chunks of 16,384 positions, 4.2e9 logits."""
+    llama_8b = dict(dim=4096, vocab_size=128256)
+    assert auto_loss_chunk_tokens(1, 262144, **llama_8b) == 16384  # 2.1e9 logits: within the cap
+    assert auto_loss_chunk_tokens(2, 262144, **llama_8b) == 8192
+    assert 2 * 8192 * 128256 < MOST_CHUNK_LOGITS < 2 * 16384 * 128256
+    assert auto_loss_chunk_tokens(128, 4096, **llama_8b) == 128  # below the 256 positions the GPU prefers
 
 
 def test_a_chunk_is_never_the_whole_sequence():
