@@ -11,6 +11,8 @@ from torchmetrics.text import Perplexity
 
 from lightning_longshield import LongShieldStrategy, ProjectedNorms
 from lightning_longshield.loss import IGNORE_INDEX, chunked_per_sample_token_loss, per_sample_token_loss
+from lightning_longshield.privacy.grad_sample.exchange import LocalExchange
+from lightning_longshield.privacy.observer import DPStepObserver
 from tests.support.helpers import (
     RandomTokens,
     assert_models_close,
@@ -116,3 +118,26 @@ def test_validation_loss_and_perplexity_equal_the_whole_logits(chunk):
 def test_a_bad_chunk_size_is_refused(value):
     with pytest.raises(ValueError, match="loss_chunk_tokens must be 'auto', None .* or a positive integer"):
         make_module(small_config(), loss_chunk_tokens=value)
+
+
+def test_a_chunks_head_gradient_is_added_into_the_running_sum_not_formed_beside_it():
+    """From the second chunk on, the head's outer products go straight into the sum of the chunks before them: one
+    ``(B, vocab, dim)`` tensor in backward, not two (the planner counts one at CP 1)."""
+    formed = []
+
+    class Formed(DPStepObserver):
+        def per_sample_gradient(self, grad_sample: torch.Tensor) -> None:
+            formed.append(tuple(grad_sample.shape))
+
+    torch.manual_seed(0)
+    head = nn.Linear(4, 6, bias=False)
+    exchange = LocalExchange()
+    exchange.observer = Formed()
+    exchange.start_microbatch(2)
+    exchange.count_uses({"head": 3})
+    chunks = [(torch.randn(2, 5, 4), torch.randn(2, 5, 6)) for _ in range(3)]
+    for activation, grad_output in chunks:
+        exchange.receive(head, activation, grad_output, lambda layer, param: "head")
+    expected = sum(torch.einsum("btp,btd->bpd", grad_output, activation) for activation, grad_output in chunks)
+    torch.testing.assert_close(exchange.finish()["head"], expected)
+    assert formed == [(2, 6, 4)]

@@ -126,6 +126,16 @@ class LocalExchange:
                 self._count_arrival(name, 1)
                 self._deliver()
                 return
+        summing = self._summing
+        if summing is not None and _weight_only_linear(layer) and summing.name == name_of(layer, layer.weight) \
+                and summing.total.dtype == grad_output.dtype and summing.total.is_contiguous():
+            # Another use of the weight being summed (the head, chunk after chunk): its outer products are added
+            # into the running sum, not formed beside it.
+            left = grad_output.reshape(grad_output.shape[0], -1, grad_output.shape[-1]).transpose(1, 2)
+            right = activation.to(grad_output.dtype).reshape(activation.shape[0], -1, activation.shape[-1])
+            summing.total.baddbmm_(left, right)
+            self._add_use(summing)
+            return
         for param, grad_sample in per_sample_gradients(layer, activation, grad_output).items():
             self.store(name_of(layer, param), grad_sample)
 
@@ -135,11 +145,18 @@ class LocalExchange:
         summing = self._summing
         if summing is not None and summing.name == name:
             summing.total.add_(grad_sample)  # the first use's tensor is the exchange's own
-            summing.uses += 1
-        else:
-            self._flush_summing()
-            self._summing = summing = _Summing(name, grad_sample)
+            self._add_use(summing)
+            return
+        self._flush_summing()
+        self._summing = summing = _Summing(name, grad_sample)
         if summing.uses >= self._uses.get(name, 1):
+            self._flush_summing()
+        self._deliver()
+
+    def _add_use(self, summing: _Summing) -> None:
+        """Count one more use added into ``summing``; pass the sum on once every use has arrived."""
+        summing.uses += 1
+        if summing.uses >= self._uses.get(summing.name, 1):
             self._flush_summing()
         self._deliver()
 
@@ -331,6 +348,13 @@ class OutputStationaryExchange(ReduceScatterExchange):
         weight = token_outer_products(grad_output, activation)
         LocalExchange._store(self, name, shard.from_chunk(weight.movedim(shard.dim + 1, -1), offset=1))
         self._deliver()
+
+
+def _weight_only_linear(layer: nn.Module) -> bool:
+    """A linear layer whose weight trains and whose bias, if any, does not (its per-sample gradient is the weight's
+    outer products alone)."""
+    return type(layer) is nn.Linear and layer.weight.requires_grad and (layer.bias is None
+                                                                          or not layer.bias.requires_grad)
 
 
 class _Summing:
