@@ -303,9 +303,9 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         self._training_dataset = dataloader.dataset
         warn_validation_on_training_data(dataloader.dataset, trainer.val_dataloaders)
         dataset_size = dp_dataloaders.training_set_size(dataloader)
-        check_same_training_data(dataset_size, dataloader.batch_size)
-        self.privacy.record_training_data(dataset_size, dataloader.batch_size,
-                                          getattr(dataloader.dataset, "split_digest", None))
+        split_digest = getattr(dataloader.dataset, "split_digest", None)
+        check_same_training_data(dataset_size, dataloader.batch_size, split_digest)
+        self.privacy.record_training_data(dataset_size, dataloader.batch_size, split_digest)
         warn_micro_batch_above_batch(self.config.micro_batch_size, dataloader.batch_size)
         if (length := _preflight.public_sequence_length(dataloader.dataset)) is not None:  # else checked per batch
             check_shardable(length, cp)  # before any step, on every rank

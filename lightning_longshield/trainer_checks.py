@@ -173,30 +173,34 @@ def warn_micro_batch_above_batch(micro_batch_size: int, batch_size: Optional[int
         )
 
 
-def check_same_training_data(dataset_size: int, batch_size: Optional[int]) -> None:
-    """Refuse a fit whose processes hold training sets of different sizes or DataLoaders of different batch sizes; a
-    collective (every rank calls it, and every rank raises alike).
+def check_same_training_data(dataset_size: int, batch_size: Optional[int], split_digest: Optional[str] = None) -> None:
+    """Refuse a fit whose processes hold training sets of different sizes or splits (``split_digest``, where the
+    dataset has one: `LocalTextDataModule`'s) or DataLoaders of different batch sizes; a collective (every rank calls
+    it, and every rank raises alike).
 
     Every process draws the same Poisson mask over its own copy of the training set, at the rate its own DataLoader
     gives (``batch_size`` x data-parallel size / dataset size). Only if all agree are the data-parallel groups'
     batches one Poisson sample at the rate the accountant is told; context-parallel ranks would otherwise cut shards
     of different sequences.
     """
-    seen = all_gathered((dataset_size, batch_size))
+    seen = all_gathered((dataset_size, batch_size, split_digest))
     if len(set(seen)) == 1:
         return
-    ranks: dict[tuple[int, Optional[int]], list[int]] = {}
+    ranks: dict[tuple[int, Optional[int], Optional[str]], list[int]] = {}
     for rank, value in enumerate(seen):
         ranks.setdefault(value, []).append(rank)
+    splits = len({digest for _, _, digest in seen}) > 1
     held = "; ".join(f"{_rank_list(holders)}: {size} samples, batch_size={batch}"
-                     for (size, batch), holders in list(ranks.items())[:4])
+                     + (f", split {digest[:12] if digest else None}" if splits else "")
+                     for (size, batch, digest), holders in list(ranks.items())[:4])
     if len(ranks) > 4:
         held += f"; {len(ranks) - 4} other combinations"
     raise ValueError(
-        f"The processes hold different training data ({held}). Every process must load the same training set with"
-        " the same DataLoader batch_size: each draws the Poisson sample over its own copy, and the sampling rate the"
-        " accountant uses is batch_size x data-parallel size / dataset size. Build the dataset identically on every"
-        " rank (the strategy splits the sampled batch across data-parallel groups itself)."
+        f"The processes hold different training data ({held}). Every process must load the same training set (the"
+        " same files, seed and val_fraction) with the same DataLoader batch_size: each draws the Poisson sample over"
+        " its own copy, and the sampling rate the accountant uses is batch_size x data-parallel size / dataset size."
+        " Build the dataset identically on every rank (the strategy splits the sampled batch across data-parallel"
+        " groups itself)."
     )
 
 

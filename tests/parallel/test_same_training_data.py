@@ -20,6 +20,11 @@ def check_on_each_rank(rank: int, world_size: int) -> None:
         check_same_training_data(100 - rank, 4)
     with pytest.raises(ValueError, match=r"rank 0: 100 samples, batch_size=4; rank 1: 100 samples, batch_size=None"):
         check_same_training_data(100, None if rank else 4)
+    check_same_training_data(100, 4, "a" * 64)
+    # Files split by rank into equal sizes (each rank its own documents): the sizes agree, the splits do not.
+    with pytest.raises(ValueError, match=r"rank 0: 100 samples, batch_size=4, split 000000000000; rank 1: 100"
+                                         r" samples, batch_size=4, split 111111111111\)"):
+        check_same_training_data(100, 4, str(rank) * 64)
 
 
 @pytest.mark.timeout(60)
