@@ -131,6 +131,14 @@ def resolve_plan(
                 " of either set). Check that the training data is meant to differ.",
                 True,
             ))
+        elif restored.get("expected_batch_size") not in (None, expected_batch_size):
+            messages.append(PlanMessage(
+                f"Resuming a checkpoint whose run sampled an expected logical batch of"
+                f" {restored['expected_batch_size']} with {expected_batch_size} (batch_size or data-parallel size"
+                f" changed): the sampling rate goes from {restored['sample_rate']:.3g} to {sample_rate:.3g}; each step"
+                " is accounted at its own rate and epsilon counts all of them.",
+                True,
+            ))
         if None not in (restored.get("training_digest"), training_digest) and \
                 restored["training_digest"] != training_digest:
             messages.append(PlanMessage(
@@ -205,6 +213,7 @@ def _kept_from_checkpoint(
             "target_delta": restored["delta"]}
     given = {"noise_multiplier": arguments.noise_multiplier, "target_epsilon": arguments.target_epsilon,
              "target_delta": arguments.target_delta}
+    applied_before = len(messages)
     tighter = given["target_epsilon"] is not None and (kept["target_epsilon"] is None
                                                        or given["target_epsilon"] < kept["target_epsilon"])
     if tighter:
@@ -241,7 +250,7 @@ def _kept_from_checkpoint(
             " new run (without ckpt_path) to change them otherwise.",
             True,
         ))
-    else:
+    elif len(messages) == applied_before:  # nothing given now applies either
         messages.append(PlanMessage(
             "Resuming a checkpoint: its noise_multiplier, target_epsilon and delta are kept (accounted steps and the"
             " next ones compose under one mechanism).",

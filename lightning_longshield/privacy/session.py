@@ -483,12 +483,24 @@ class PrivacySession:
         if self.accounting_incomplete:
             claim += (" (a lower bound: at a resume this run's privacy ledger was missing or lacked steps, so steps"
                       " that ran after a checkpoint may be uncounted)")
-        return (
-            f"{claim} after {self.accountant.steps} steps run{rolled_back}"
-            f" (noise_multiplier={plan.noise_multiplier:.3f}, sampling rate q={plan.sample_rate:.3g} ="
-            f" {plan.expected_batch_size}/{plan.dataset_size} samples);"
-            f" privacy unit: {privacy_unit}. {self.describe_randomness()}"
-        )
+        return (f"{claim} after {self.accountant.steps} steps run{rolled_back} ({self._describe_mechanisms()});"
+                f" privacy unit: {privacy_unit}. {self.describe_randomness()}")
+
+    def _describe_mechanisms(self) -> str:
+        """The noise multipliers and sampling rates the steps ran with: the plan's, or, where a resume changed them,
+        how many steps ran with each (the epsilon is of that history, not of the last plan's alone)."""
+        plan = self.plan
+        assert plan is not None
+        current = (f"noise_multiplier={plan.noise_multiplier:.3f}, sampling rate q={plan.sample_rate:.3g} ="
+                   f" {plan.expected_batch_size}/{plan.dataset_size} samples")
+        steps: dict[tuple[float, float], int] = {}
+        for sigma, rate, count in self.accountant.history:
+            steps[(sigma, rate)] = steps.get((sigma, rate), 0) + count
+        if set(steps) <= {(plan.noise_multiplier, plan.sample_rate)}:
+            return current
+        ran = ", ".join(f"{count} at noise_multiplier={sigma:.3f}, q={rate:.3g}"
+                        for (sigma, rate), count in steps.items())
+        return f"steps by mechanism: {ran}; now {current}"
 
     def describe_randomness(self) -> str:
         """What the mechanism's randomness is, and how much of it is cryptographic."""

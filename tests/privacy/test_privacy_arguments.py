@@ -118,6 +118,7 @@ def test_a_resumed_run_never_adds_less_noise_than_asked_for(caplog):
         resumed = _resume(_checkpointed(noise_multiplier=1.0), noise_multiplier=2.0)
     assert resumed.plan.noise_multiplier == 2.0
     assert any("noise_multiplier=2 (the checkpoint's run: 1): the larger noise applies" in m for m in caplog.messages)
+    assert not any("its noise_multiplier, target_epsilon and delta are kept" in m for m in caplog.messages)
     with pytest.warns(UserWarning, match="had no noise, so epsilon stays infinite"):
         assert _resume(_checkpointed(noise_multiplier=0.0), noise_multiplier=1.0).plan.noise_multiplier == 1.0
 
@@ -257,3 +258,27 @@ def test_a_fit_with_no_step_left_to_plan_is_not_told_its_budget_is_spent():
         assert start(privacy, planned_steps=0, global_step=3)
     with pytest.warns(UserWarning, match="the first step alone would spend"):  # planned steps the budget refuses
         assert start(session(noise_multiplier=1.0, target_epsilon=1e-6), planned_steps=5)
+
+
+def test_a_resumed_run_at_another_batch_size_is_warned_about():
+    state = _checkpointed(noise_multiplier=1.0)
+    resumed = session(noise_multiplier=1.0)
+    resumed.open_fit(CPU, (0, 0), broadcast=lambda value: value)
+    resumed.load_state_dict(state)
+    resumed.record_training_data(100, 20)
+    with pytest.warns(UserWarning, match=r"expected logical batch of \d+ with 40 \(batch_size or data-parallel size"
+                                         r" changed\): the sampling rate goes from .* to 0.4"):
+        resumed.start_training(global_step=3, planned_steps=2, data_parallel_size=2)
+
+
+def test_the_guarantee_names_each_mechanism_the_steps_ran_with():
+    """After a resume with more noise, the printed sigma was the last plan's for every step (epsilon was of the
+    whole history, which those figures did not reproduce): the steps are counted per mechanism."""
+    resumed = _resume(_checkpointed(noise_multiplier=1.0), noise_multiplier=2.0)
+    rate = resumed.plan.sample_rate
+    assert (f"after 3 steps run (steps by mechanism: 3 at noise_multiplier=1.000, q={rate:.3g}; now"
+            " noise_multiplier=2.000") in resumed.describe_guarantee()
+    for _ in range(2):
+        resumed.accountant.step(resumed.plan.noise_multiplier, resumed.plan.sample_rate)
+    assert (f"after 5 steps run (steps by mechanism: 3 at noise_multiplier=1.000, q={rate:.3g}, 2 at"
+            f" noise_multiplier=2.000, q={rate:.3g}; now noise_multiplier=2.000") in resumed.describe_guarantee()
