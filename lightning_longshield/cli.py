@@ -23,7 +23,10 @@ tokens' ids, in its dtype unless ``--export_dtype`` names another.
 from __future__ import annotations
 
 import os
+import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -128,7 +131,20 @@ class LongShieldCLI(LightningCLI):
                                  " differential privacy (no clipping, no noise, no guarantee)")
 
     def before_instantiate_classes(self) -> None:
+        with _set_up_errors():
+            self._check_configuration()
+
+    def instantiate_classes(self) -> None:
+        with _set_up_errors():
+            super().instantiate_classes()
+
+    def _check_configuration(self) -> None:
+        """Refuse, before anything is built, what the run could not do (a bad export, a strategy without DP)."""
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        if self.subcommand not in (None, "fit") and config.get("export_to"):
+            raise ValueError(f"--export_to exports the model a fit trained; {self.subcommand} trains nothing. Export"
+                             " a checkpoint with longshield-train fit --ckpt_path ... --export_to ..., or load its"
+                             " state_dict and call save_pretrained (user guide, 'Checkpoints and the trained model').")
         export_dtype(config.get("export_dtype"))  # a bad name is refused before any training
         shard_bytes(config.get("export_max_shard_size", DEFAULT_MAX_SHARD_SIZE))  # as is a bad size
         check_export_destination(config.get("export_to"))  # as is a folder it could not write after training
@@ -263,8 +279,40 @@ def run_cli(args: Optional[list[str]] = None, run: bool = True) -> LongShieldCLI
 
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of the ``longshield-train`` console script. Returns None, so that the process exits with status
-    0 after a successful run (`run_cli` returns the CLI object)."""
-    run_cli(args)
+    0 after a successful run (`run_cli` returns the CLI object). An error of the configuration, found before anything
+    trains, is printed as its message alone (status 2); errors during training keep their traceback."""
+    try:
+        run_cli(args)
+    except Exception as error:
+        if not getattr(error, SET_UP_ERROR, False):
+            raise
+        print(f"longshield-train: error: {set_up_error_message(error)}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+#: Marks an exception raised while the configuration was checked or its classes built (`_set_up_errors`).
+SET_UP_ERROR = "_longshield_set_up_error"
+
+
+@contextmanager
+def _set_up_errors() -> Iterator[None]:
+    try:
+        yield
+    except Exception as error:
+        setattr(error, SET_UP_ERROR, True)
+        raise
+
+
+def set_up_error_message(error: BaseException) -> str:
+    """What a configuration error says, without jsonargparse's dump of the parsed values (which would print a
+    ``noise_seed``): a union's errors are listed, less those of its alternatives of another type (``str``, ``None``)."""
+    text = str(error)
+    if "Errors:" in text:
+        reasons = [line.strip()[2:] for line in text.split("Errors:", 1)[1].splitlines()
+                   if line.strip().startswith("- ") and not line.strip().startswith("- Expected a <class")]
+        text = "; ".join(reasons) or text
+    kept = [line for line in text.splitlines() if "Namespace(" not in line and not line.startswith("Given value")]
+    return re.sub(r"noise_seed=\d+", "noise_seed=<hidden>", "\n".join(kept).strip())
 
 
 if __name__ == "__main__":

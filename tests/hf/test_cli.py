@@ -205,6 +205,24 @@ def test_an_unknown_export_dtype_is_refused_before_training():
         run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--export_dtype", "float8"], run=False)
 
 
+def test_the_command_prints_a_configuration_error_as_its_message_without_the_noise_seed(capsys):
+    """jsonargparse's error for a strategy that refuses its arguments ends with a dump of the parsed values, the
+    noise_seed among them, after two chained tracebacks: the command prints the reason alone, with status 2."""
+    from lightning_longshield.cli import main
+
+    args = ["fit", "--config", str(CONFIGS / "stdlib_tiny.yaml"), "--trainer.strategy.init_args.noise_seed", "424242"]
+    with pytest.raises(SystemExit) as stopped:
+        main([*args, "--trainer.strategy.init_args.secure_mode", "true"])
+    said = capsys.readouterr().err
+    assert stopped.value.code == 2 and "424242" not in said and "Traceback" not in said
+    assert said.strip().endswith("longshield-train: error: secure_mode=True draws the noise and the sampling from OS"
+                                 " entropy; remove noise_seed (reproducible noise is for tests) or set"
+                                 " secure_mode=False.")
+    with pytest.raises(SystemExit):
+        main(["validate", "--config", str(CONFIGS / "stdlib_tiny.yaml"), "--export_to", "out"])
+    assert "--export_to exports the model a fit trained; validate trains nothing" in capsys.readouterr().err
+
+
 def test_a_bad_export_shard_size_is_refused_before_training():
     with pytest.raises(ValueError, match="max_shard_size='5 parsecs' is not a size"):
         run_cli(["--config", str(CONFIGS / "stdlib_tiny.yaml"), "--export_max_shard_size", "5 parsecs"], run=False)
