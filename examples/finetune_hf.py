@@ -147,7 +147,8 @@ def main(argv: Optional[list[str]] = None) -> None:
               f" after training, over the tokens of the same {len(data.val_dataset)} public validation samples")
     export_to = args.export_to or output_dir / "exported"
     module.save_pretrained(export_to)
-    print(f"Exported (adapters merged) to {export_to}: transformers.AutoModelForCausalLM.from_pretrained loads it")
+    merged = " (adapters merged)" if args.lora_rank else ""
+    print(f"Exported{merged} to {export_to}: transformers.AutoModelForCausalLM.from_pretrained loads it")
     print(f"Outputs (demo files, tokenization cache, export) are under {output_dir}")
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Union
+import sys
+import time
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar
@@ -17,7 +19,15 @@ class StepProgressBar(RichProgressBar):
     ``max_epochs`` times the batches of an epoch), the training bar shows ``Step n/total``, the optimizer steps
     taken out of the run's (continued across epochs, resumed at the restored step). Otherwise it is Lightning's
     bar of one epoch's batches, described ``Epoch e`` (with ``/last`` only when ``max_epochs`` is set).
+
+    Where the output is not a terminal (a batch job's log, ``> file``), rich draws the bar only when it ends, so a
+    plain ``Step n/total`` line goes to standard error every ``line_seconds`` seconds and at the last step.
     """
+
+    def __init__(self, *args: Any, line_seconds: float = 30.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.line_seconds = line_seconds
+        self._last_line: Optional[float] = None
 
     def _step_total(self) -> Union[int, None]:
         """The run's optimizer steps (one per batch: DP-SGD refuses gradient accumulation), or None when they are
@@ -56,3 +66,15 @@ class StepProgressBar(RichProgressBar):
         self._update(self.train_progress_bar_id, trainer.global_step)
         self._update_metrics(trainer, pl_module)
         self.refresh()
+        self._plain_line(trainer.global_step, self._step_total())
+
+    def _plain_line(self, step: int, total: Optional[int]) -> None:
+        """A ``Step n/total`` line where rich draws nothing until the end (not a terminal)."""
+        console = getattr(self, "_console", None)
+        if self.is_disabled or console is None or console.is_terminal:
+            return
+        now = time.monotonic()
+        if self._last_line is not None and now - self._last_line < self.line_seconds and step != total:
+            return
+        self._last_line = now
+        print(f"Step {step}/{total}", file=sys.stderr, flush=True)

@@ -31,3 +31,17 @@ def test_an_epoch_bounded_run_counts_all_its_steps():
     bar = train(-1, 2, max_epochs=2)
     task = bar.progress.tasks[bar.train_progress_bar_id]
     assert (task.total, task.completed) == (4, 4)
+
+
+def test_without_a_terminal_the_steps_are_written_as_lines(capsys):
+    """Rich draws the bar only when it ends where the output is no terminal (a batch job's log): plain lines say
+    how far the run is, every ``line_seconds`` and at the last step."""
+    bar = train(3, 8)
+    assert not bar._console.is_terminal  # pytest captures the output
+    assert capsys.readouterr().err.splitlines()[-1:] == ["Step 3/3"]  # the first step's line, then the last's
+    every = StepProgressBar(line_seconds=0.0)
+    strategy = LongShieldStrategy(noise_multiplier=1.0, max_grad_norm=1.0, micro_batch_size=4, poisson_sampling=False)
+    make_trainer(strategy, 3, enable_progress_bar=True, callbacks=[every]).fit(
+        make_module(small_config()), loader(RandomTokens(size=32), 4))
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("Step ")] == [
+        "Step 1/3", "Step 2/3", "Step 3/3"]
