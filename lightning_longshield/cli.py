@@ -35,6 +35,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_longshield import hf
@@ -192,6 +193,17 @@ class LongShieldCLI(LightningCLI):
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in chosen):
             callbacks = [*callbacks, StepProgressBar()]
         return super()._instantiate_trainer(config, callbacks)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException:  # the job's script ends cleanly (status 0), without the end of fit
+            export_to = self.config.get(subcommand, {}).get("export_to")
+            if export_to and self.trainer.is_global_zero:
+                print(f"Stopped by SIGTERM before the end of fit: nothing was exported to {export_to}. Resume the fit"
+                      " from the checkpoint named above with --export_to to export the trained model.",
+                      file=sys.stderr)
+            raise
 
     def after_fit(self) -> None:
         strategy = self.trainer.strategy

@@ -113,6 +113,7 @@ class PreemptionCheckpoint(Callback):
             return
         if trainer.sanity_checking:
             return
+        _state_the_guarantee(trainer)
         if not trainer.checkpoint_callbacks and self.dirpath is None:  # added to stop ranks together, or for SLURM
             where = " on every process" if trainer.world_size > 1 else ""
             rank_zero_info(f"SIGTERM: stopped at step {trainer.global_step}{where}; the Trainer saves no checkpoint"
@@ -173,6 +174,16 @@ class PreemptionCheckpoint(Callback):
         else:
             directory = trainer.default_root_dir
         return os.path.abspath(os.path.join(directory, naming.CHECKPOINT_NAME_LAST + naming.FILE_EXTENSION))
+
+
+def _state_the_guarantee(trainer: pl.Trainer) -> None:
+    """The guarantee spent by the steps before the stop (the end of fit, which states it, does not come)."""
+    privacy = getattr(getattr(trainer, "strategy", None), "privacy", None)
+    if privacy is None or privacy.plan is None:
+        return
+    describe_unit = getattr(getattr(trainer, "datamodule", None), "describe_privacy_unit", None)
+    unit = describe_unit() if callable(describe_unit) else "one training sample"
+    rank_zero_info(f"SIGTERM at step {trainer.global_step}. {privacy.describe_guarantee(unit)}")
 
 
 def _restore_lightnings_handlers(trainer: pl.Trainer) -> None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -221,6 +222,19 @@ def test_the_command_prints_a_configuration_error_as_its_message_without_the_noi
     with pytest.raises(SystemExit):
         main(["validate", "--config", str(CONFIGS / "stdlib_tiny.yaml"), "--export_to", "out"])
     assert "--export_to exports the model a fit trained; validate trains nothing" in capsys.readouterr().err
+
+
+def test_a_fit_stopped_by_sigterm_says_that_nothing_was_exported(tmp_path, monkeypatch, capsys):
+    """SIGTERM ends the job's script with status 0 and no end of fit: a pipeline would go on without the export."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    def stopped(*args, **kwargs):
+        raise SIGTERMException()
+
+    monkeypatch.setattr(L.Trainer, "fit", stopped)
+    with pytest.raises(SIGTERMException):
+        run_cli(["fit", "--config", str(CONFIGS / "stdlib_tiny.yaml"), *QUICK, "--export_to", str(tmp_path / "out")])
+    assert "Stopped by SIGTERM before the end of fit: nothing was exported to" in capsys.readouterr().err
 
 
 def test_a_bad_export_shard_size_is_refused_before_training():

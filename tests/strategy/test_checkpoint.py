@@ -307,6 +307,9 @@ def test_sigterm_names_the_absolute_path_to_resume_from_under_a_versioned_logger
     path = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "preempted.ckpt"
     assert is_whole_checkpoint(path)
     assert f"fit(ckpt_path={str(path)!r})" in messages[-1] and "'last'" in messages[-1] and "dirpath" in messages[-1]
+    # The end of fit, which states the guarantee, does not come: the steps before the stop are stated here.
+    assert messages[-2].startswith("SIGTERM at step 1. Privacy guarantee: (epsilon=") and "after 1 steps run" in \
+        messages[-2]
 
 
 def test_an_asynchronous_save_removes_the_checkpoint_it_supersedes_once_committed(tmp_path):
