@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_longshield import hf
@@ -193,6 +194,37 @@ class LongShieldCLI(LightningCLI):
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in chosen):
             callbacks = [*callbacks, StepProgressBar()]
         return super()._instantiate_trainer(config, callbacks)
+
+    def before_fit(self) -> None:
+        with _set_up_errors():
+            self._check_data("fit", "train")
+
+    def before_validate(self) -> None:
+        with _set_up_errors():
+            self._check_data("validate", "val")
+
+    def before_test(self) -> None:
+        with _set_up_errors():
+            self._check_data("test", "test")
+
+    def before_predict(self) -> None:
+        with _set_up_errors():
+            self._check_data("predict", "predict")
+
+    def _check_data(self, subcommand: str, split: str) -> None:
+        """Refuse a subcommand whose data module (or model) has no DataLoader for it, naming what would give one
+        (Lightning's error spoke of a missing method)."""
+        hook = f"{split}_dataloader"
+        if any(owner is not None and is_overridden(hook, owner, base)
+               for owner, base in ((self.datamodule, LightningDataModule), (self.model, LightningModule))):
+            return
+        if self.datamodule is None:
+            raise ValueError(f"longshield-train {subcommand} needs data: pass --data (LocalTextDataModule with"
+                             " --data.data_files ..., or StdlibTextDataModule), or a --config file with a data"
+                             " section.")
+        raise ValueError(f"longshield-train {subcommand}: {type(self.datamodule).__name__} has no {hook} (its splits"
+                         " are training and validation): use fit or validate, or a data module of your own that"
+                         f" defines {hook}.")
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:

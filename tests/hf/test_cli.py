@@ -224,6 +224,20 @@ def test_the_command_prints_a_configuration_error_as_its_message_without_the_noi
     assert "--export_to exports the model a fit trained; validate trains nothing" in capsys.readouterr().err
 
 
+def test_subcommands_without_their_data_name_the_fix(tmp_path, monkeypatch, capsys):
+    from lightning_longshield.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["test", "--config", str(CONFIGS / "stdlib_tiny.yaml")])
+    assert "StdlibTextDataModule has no test_dataloader (its splits are training and validation)" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["fit", "--trainer.max_steps", "1"])
+    assert "longshield-train fit needs data: pass --data" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # no lightning_logs left behind
+
+
 def test_a_fit_stopped_by_sigterm_says_that_nothing_was_exported(tmp_path, monkeypatch, capsys):
     """SIGTERM ends the job's script with status 0 and no end of fit: a pipeline would go on without the export."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
