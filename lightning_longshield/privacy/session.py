@@ -408,8 +408,9 @@ class PrivacySession:
         self.rolled_back_steps += len(entries)
         if entries:
             rank_zero_info(
-                f"Privacy ledger {path}: {len(entries)} steps ran after the checkpoint of step {checkpoint_steps} and"
-                f" were rolled back by this resume; they are accounted: {self.accountant.steps} steps so far."
+                f"Privacy ledger {path}: {len(entries)} steps ran after the checkpoint (which had accounted"
+                f" {checkpoint_steps} DP steps, rolled-back ones included, at its trainer step) and were rolled back by"
+                f" this resume; they are accounted: {self.accountant.steps} steps so far."
             )
 
     def _steps_not_in(self, recorded: list[LedgerEntry], checkpoint_steps: int) -> int:
