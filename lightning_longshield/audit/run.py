@@ -235,6 +235,13 @@ def audit_training(
                                                                               record["labels"][None]))
     candidates = guess_candidates(canaries)
     delta = plan.delta + strategy.privacy.cut_off_delta()  # the guarantee's: the noise's cut-off adds to it
+    if delta >= 1:  # a guarantee that bounds nothing: no guess can show it broken
+        warnings.warn(f"The noise's floating-point cut-off puts the guarantee's delta at {delta:.3g}, 1 or more: the"
+                      " run has no guarantee to audit (more noise, or secure_mode=True, shrinks the cut-off).",
+                      UserWarning, stacklevel=2)
+        return AuditReport(canary_type, canaries, len(chosen.inserted), strategy.get_epsilon(), 0.0, confidence,
+                           1.0, 0, 0, trainer.global_step, scale, top_guess_accuracy(scores, chosen.included), 0.0,
+                           chosen.seed)
     best = best_epsilon_lower_bound(scores, chosen.included, delta, candidates, confidence)
     report = AuditReport(canary_type, canaries, len(chosen.inserted), strategy.get_epsilon(), best.epsilon,
                          confidence, delta, best.guesses, best.correct, trainer.global_step, scale,

@@ -11,16 +11,19 @@ draw, not how they are distributed), and nothing drawn outside a step depends on
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from lightning_longshield.privacy.randomness import SecretKey
 
 
 class StepRandomness:
-    """The global generators of one process for its DP steps: the CPU's and, on an accelerator, its device's."""
+    """The global generators of one process for its DP steps: torch's on the CPU and, on an accelerator, its
+    device's, and Python's and NumPy's (a ``training_step`` may draw a masking or an augmentation from them)."""
 
     def __init__(self, key: SecretKey, device: torch.device) -> None:
         self._key = key
@@ -31,11 +34,18 @@ class StepRandomness:
         """Run DP step ``index`` with the global generators keyed for it, then restore the streams outside steps."""
         accelerator = self._device.type not in ("cpu", "meta")
         devices = [self._device_index()] if accelerator else []
-        with torch.random.fork_rng(devices=devices, device_type=self._device.type if accelerator else None):
-            self._key.key_generator(torch.default_generator, "step", index)
-            if accelerator:
-                self._key.key_generator(self._default_generator(), "step", index)
-            yield
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=devices, device_type=self._device.type if accelerator else None):
+                self._key.key_generator(torch.default_generator, "step", index)
+                if accelerator:
+                    self._key.key_generator(self._default_generator(), "step", index)
+                random.seed(int.from_bytes(self._key.stream(32, "python-random", index), "little"))
+                np.random.seed(np.frombuffer(self._key.stream(32, "numpy-random", index), dtype="<u4"))
+                yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
     def _device_index(self) -> int:
         module = torch.get_device_module(self._device.type)

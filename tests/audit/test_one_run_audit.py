@@ -100,6 +100,9 @@ def test_the_audited_delta_is_the_guarantees_with_the_noises_cut_off():
     tests the same delta. At sigma 0.2 the cut-off outweighs the target delta."""
     report = _audit(canaries=10, max_steps=1, noise_multiplier=0.2)
     assert report.steps == 1 and report.delta > 2 * DELTA
+    with pytest.warns(UserWarning, match="puts the guarantee's delta at .*, 1 or more: the run has no guarantee"):
+        vacuous = _audit(canaries=10, max_steps=2, noise_multiplier=0.05)
+    assert (vacuous.delta, vacuous.epsilon_lower_bound, vacuous.can_refute_claim) == (1.0, 0.0, False)
 
 
 def test_gradient_canaries_outside_a_layer_refuse_projected_norms_before_training():

@@ -4,6 +4,8 @@ the sum over its chunks, whether materialised, book-kept or clipped per layer.""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from torch import nn
@@ -141,3 +143,23 @@ def test_a_chunks_head_gradient_is_added_into_the_running_sum_not_formed_beside_
     expected = sum(torch.einsum("btp,btd->bpd", grad_output, activation) for activation, grad_output in chunks)
     torch.testing.assert_close(exchange.finish()["head"], expected)
     assert formed == [(2, 6, 4)]
+
+
+@pytest.mark.parametrize("norms", ["materialize", "mixed"])
+def test_a_materialised_heads_chunks_form_one_per_sample_tensor(norms, monkeypatch):
+    """``"mixed"`` materialises the head at long sequences through the book-keeper, which formed each chunk's
+    ``(B, vocab, dim)`` tensor and added it; the exchange now adds every chunk after the first in place."""
+    formed = collections.Counter()
+    store = LocalExchange.store
+
+    def counted(self, name, grad_sample):
+        formed[name] += 1
+        return store(self, name, grad_sample)
+
+    monkeypatch.setattr(LocalExchange, "store", counted)
+    strategy = LongShieldStrategy(noise_multiplier=0.0, max_grad_norm=CLIP, poisson_sampling=False, seed=0,
+                                  micro_batch_size=2, norms=norms)
+    module = make_module(small_config(), loss_chunk_tokens=16)
+    make_trainer(strategy, max_steps=1).fit(module, loader(RandomTokens(size=4, seq_len=64), 4))
+    assert strategy.dp_engine.per_sample_methods()["model.output.weight"] == "materialize"
+    assert formed["model.output.weight"] == 2  # one per micro-batch, not one per chunk (4 chunks each)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, default_collate
@@ -18,6 +21,21 @@ from tests.support.helpers import RandomTokens, make_lora_module, make_trainer, 
 def draws_in_step(randomness: StepRandomness, index: int) -> torch.Tensor:
     with randomness.step(index):
         return torch.rand(8)
+
+
+def test_pythons_and_numpys_generators_are_keyed_too():
+    randomness = StepRandomness(SecretKey.fresh(), torch.device("cpu"))
+    random.seed(0)
+    np.random.seed(0)
+    expected = (random.random(), float(np.random.rand()))
+    random.seed(0)
+    np.random.seed(0)
+    with randomness.step(2):
+        inside = (random.random(), float(np.random.rand()))
+    assert (random.random(), float(np.random.rand())) == expected  # the seed's streams, not advanced by the step
+    assert inside[0] != expected[0] and inside[1] != expected[1]
+    with randomness.step(2):
+        assert (random.random(), float(np.random.rand())) == inside
 
 
 def test_a_step_draws_from_its_key_and_leaves_the_outer_stream_as_it_was():

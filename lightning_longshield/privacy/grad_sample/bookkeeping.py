@@ -387,9 +387,11 @@ class BookKeeper:
             choice = self._choose(use)
         self.choices[name] = choice
         if choice == "materialize":
-            # An embedding's is left to the exchange (``None``), which adds its rows into a tied head's per-sample
-            # gradient instead of forming a second (B, V, d) one.
-            materialized[name] = None if use.is_lookup else use.per_sample_gradient()
+            # An embedding's, and a linear weight's where the layer has nothing else to materialise, are left to the
+            # exchange (``None``), which adds an embedding's rows into a tied head's per-sample gradient and a head's
+            # later chunks into the sum of its earlier ones, instead of forming a second (B, V, d) tensor.
+            left_to_exchange = use.is_lookup or (type(layer) is nn.Linear and not materialized)
+            materialized[name] = None if left_to_exchange else use.per_sample_gradient()
             return materialized
         products = use.token_norm_products()
         previous = self._token_norm_products.get(name)

@@ -155,7 +155,7 @@ class PerSampleGradCapture:
             self.exchange.receive(layer, activation, grad_output, self._name_of)
             return
         for name, grad_sample in self.bookkeeper.receive(layer, activation, grad_output, self._name_of).items():
-            if grad_sample is None:  # a materialised embedding (it has no bias): as without book-keeping
+            if grad_sample is None:  # materialised by the exchange (a layer with no other parameter to take)
                 self.exchange.receive(layer, activation, grad_output, self._name_of)
             else:
                 self.exchange.store(name, grad_sample)
