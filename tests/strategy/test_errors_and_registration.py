@@ -380,7 +380,7 @@ def test_a_micro_batch_size_above_the_batch_size_is_warned_about():
 def test_training_data_that_differs_across_ranks_is_refused(monkeypatch):
     """The strategy compares every rank's dataset size and batch size before the plan (here another rank's, as the
     all-gather would return it); the collective itself runs in tests/parallel/test_same_training_data.py."""
-    monkeypatch.setattr("lightning_longshield.trainer_checks.all_gathered", lambda value: [value, (15, value[1])])
+    monkeypatch.setattr("lightning_longshield.trainer_checks.all_gathered", lambda value: [value, (15, *value[1:])])
     strategy = LongShieldStrategy(noise_multiplier=1.0)
     with pytest.raises(ValueError, match="rank 0: 16 samples, batch_size=2; rank 1: 15 samples, batch_size=2"):
         make_trainer(strategy, max_steps=1).fit(make_module(small_config(n_layers=1)),
