@@ -9,6 +9,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -53,12 +54,14 @@ class ZeroWeightPadding:
             )
 
     def microbatch(self, to_device: Callable[[Any], Any]) -> Any:
-        """The training set's first sample, collated and moved to the device like any batch (kept for the fit)."""
+        """The training set's first sample, collated and moved to the device like any batch (kept for the fit), in
+        fresh containers and tensors each time: a ``training_step`` that pops a key or edits a tensor in place (as it
+        may a real batch, made anew every step) would otherwise change the later padding micro-batches."""
         if self._batch is None:
             assert self._source is not None, "check_source() runs as training starts"
             dataset, collate = self._source
             self._batch = to_device(collate([dataset[0]]))
-        return self._batch
+        return apply_to_collection(self._batch, torch.Tensor, torch.Tensor.clone)
 
 
 @contextmanager

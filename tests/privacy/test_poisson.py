@@ -152,6 +152,23 @@ def test_positions_shared_by_the_samples_follow_them(shape):
     assert torch.equal(samples_of(batch, 1, 2)["position_ids"], torch.arange(6)[None])
 
 
+def test_each_padding_micro_batch_is_a_fresh_copy():
+    """A ``training_step`` may pop a key or edit a tensor of its batch in place (real batches are made anew every
+    step): the padding batch, kept for the fit, was handed out itself, so the next padding micro-batch on a rank
+    lacked the key (KeyError on the padding ranks alone, the others waiting in a collective)."""
+    from lightning_longshield.padding import ZeroWeightPadding
+
+    dataset = RandomTokens(size=4, seq_len=6)
+    padding = ZeroWeightPadding()
+    padding.use_data(dataset, CollateAllowingEmpty(dataset, default_collate))
+    first = padding.microbatch(lambda batch: batch)
+    first.pop("labels")
+    first["input_ids"].zero_()
+    second = padding.microbatch(lambda batch: batch)
+    assert torch.equal(second["labels"], dataset[0]["labels"][None])
+    assert torch.equal(second["input_ids"], dataset[0]["input_ids"][None])
+
+
 def test_padding_without_a_dataloader_is_refused_on_every_rank_as_training_starts():
     """Padding (shard_over="all" with data parallelism) takes its batch from the training DataLoader's dataset. With
     training data that is not a DataLoader, every rank refuses in ``on_train_start`` with the fix, so no rank waits in
