@@ -241,7 +241,7 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
         self.model_to_device()
         if not fitting:
             check_evaluation_layout(self.lightning_module, trainer.state.fn, self.context_parallel_mesh.size(),
-                                    self.config.shard_over)
+                                    self.config.shard_over, self.world_size)
         if fitting:
             if self.root_device.type == "cpu":
                 retain_freed_memory()  # per-sample gradients reuse the last micro-batch's pages

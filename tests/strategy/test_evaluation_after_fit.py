@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_longshield import LongShieldStrategy
+from lightning_longshield.context_parallel.evaluation import check_evaluation_layout
 from tests.support.helpers import RandomTokens, loader, make_module, make_trainer, small_config
 
 
@@ -28,3 +31,13 @@ def test_test_and_predict_after_a_dp_fit():
         expected = module(batch["input_ids"])
     assert len(predictions) == 4 and predictions[0].shape == (4, 8, module.config.vocab_size)
     torch.testing.assert_close(predictions[0], expected)
+
+
+def test_predict_on_several_processes_is_refused_with_the_fix():
+    """Over data-parallel groups each process predicted its part of the records, padded with repeats, and nothing
+    gathered them (and Lightning's index wrapper made the split refuse a plain DataLoader with another cause)."""
+    module = make_module(small_config())
+    with pytest.raises(RuntimeError, match="on 2 processes would return each data-parallel group's part of the"):
+        check_evaluation_layout(module, TrainerFn.PREDICTING, 1, "context_parallel", processes=2)
+    check_evaluation_layout(module, TrainerFn.VALIDATING, 1, "context_parallel", processes=2)
+    check_evaluation_layout(module, TrainerFn.PREDICTING, 1, "context_parallel", processes=1)
