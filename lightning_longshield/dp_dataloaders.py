@@ -56,6 +56,7 @@ def rebuild_dataloader(
     collate_fn: Optional[Any] = None,
     loader_class: type[DataLoader] = DataLoader,
     dataset: Optional[Any] = None,
+    drop_last: Optional[bool] = None,
 ) -> DataLoader:
     """A plain `DataLoader` (or ``loader_class``) over the same dataset (or ``dataset``, a view of it) and worker
     settings with a new (batch) sampler. The old loader's ``generator`` is not carried: it drew the sampling this
@@ -87,8 +88,8 @@ def rebuild_dataloader(
     dataset = dataloader.dataset if dataset is None else dataset
     if batch_sampler is not None:
         return loader_class(dataset, batch_sampler=batch_sampler, **kwargs)
-    return loader_class(dataset, batch_size=dataloader.batch_size, sampler=sampler, drop_last=dataloader.drop_last,
-                        **kwargs)
+    drop_last = dataloader.drop_last if drop_last is None else drop_last
+    return loader_class(dataset, batch_size=dataloader.batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
 
 
 def poisson_dataloader(
@@ -200,7 +201,13 @@ def data_parallel_dataloader(dataloader: DataLoader, data_parallel_rank: int, da
     marked = PaddingMarked(dataloader.dataset)
     sampler = MarkedPaddingSampler(marked, num_replicas=data_parallel_size, rank=data_parallel_rank, shuffle=shuffle,
                                    seed=shuffle_seed)
-    return rebuild_dataloader(dataloader, sampler=sampler, dataset=marked)
+    if dataloader.drop_last:
+        rank_zero_warn(
+            f"An evaluation DataLoader with drop_last=True split over {data_parallel_size} data-parallel groups would"
+            " drop each group's last partial batch (up to groups x (batch_size - 1) records, possibly all): the split"
+            " evaluates every record (drop_last=False)."
+        )
+    return rebuild_dataloader(dataloader, sampler=sampler, dataset=marked, drop_last=False)
 
 
 def shared_shuffle_seed(seed: Optional[int], broadcast: Callable[[Any], Any]) -> int:

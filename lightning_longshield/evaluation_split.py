@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
@@ -59,6 +60,16 @@ class MarkedPaddingSampler(DistributedSampler):
         size = len(self.dataset)  # type: ignore[arg-type]
         return iter(index + size if self.rank + k * self.num_replicas >= size else index
                     for k, index in enumerate(super().__iter__()))
+
+
+def declare_labelled_records(trainer: pl.Trainer, batch: Any) -> None:
+    """Before an evaluation step of a batch of dicts with ``labels``: what it logs without ``batch_size`` weighs as
+    the records with a labelled token, as `CausalLMModule` weighs its own (Lightning would count every row, a padding
+    repeat's too, and so weigh the real records of a padded batch twice). A batch of repeats alone weighs 0: a module
+    of one's own should then log a finite value (a token mean over no token is NaN, which no weight cancels)."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if isinstance(labels, torch.Tensor) and labels.dim() >= 1:
+        trainer._results.batch_size = int((labels.reshape(labels.shape[0], -1) != IGNORE_INDEX).any(dim=1).sum())
 
 
 def _labelled_dict(dataset: Any) -> bool:

@@ -41,6 +41,7 @@ from lightning_longshield.context_parallel.evaluation import check_evaluation_la
 from lightning_longshield.cpu_allocator import retain_freed_memory
 from lightning_longshield.dp_step_loop import DPStepLoop
 from lightning_longshield.durable_checkpoints import DurableCheckpointIO
+from lightning_longshield.evaluation_split import declare_labelled_records
 from lightning_longshield.launcher import GatheringMultiProcessingLauncher
 from lightning_longshield.padding import ZeroWeightPadding
 from lightning_longshield.parallelize import parallelize, sync_data_parallel_replicas
@@ -370,10 +371,12 @@ class LongShieldStrategy(StrategyCheckpoints, DPStepLoop, ModelParallelStrategy)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        declare_labelled_records(self.lightning_module.trainer, args[0])
         return super().validation_step(self._shard_sequence(args[0]), *args[1:], **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        declare_labelled_records(self.lightning_module.trainer, args[0])
         return super().test_step(self._shard_sequence(args[0]), *args[1:], **kwargs)
 
     @override

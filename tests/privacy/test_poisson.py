@@ -292,6 +292,17 @@ def test_context_parallel_peers_shuffle_alike_whatever_their_global_rngs():
     assert shared_shuffle_seed(None, broadcast=lambda value: 5) == 5  # rank 0's draw
 
 
+def test_an_evaluation_split_keeps_every_record_with_drop_last():
+    """drop_last=True dropped each group's last partial batch: 6 records in batches of 4 over 2 groups left none."""
+    from lightning_longshield.dp_dataloaders import data_parallel_dataloader
+
+    dataset = RandomTokens(size=6, seq_len=6, ignore=False)
+    dropping = torch.utils.data.DataLoader(dataset, batch_size=4, drop_last=True)
+    with pytest.warns(UserWarning, match="drop_last=True split over 2 data-parallel groups .* evaluates every record"):
+        parts = [list(data_parallel_dataloader(dropping, rank, 2)) for rank in (0, 1)]
+    assert [sum(len(batch["input_ids"]) for batch in part) for part in parts] == [3, 3]
+
+
 def test_an_evaluation_split_counts_every_record_once():
     """Evaluation pads the last round so that every data-parallel group runs as many batches (their collectives and
     the epoch's metric sync pair up); the repeated records were evaluated twice (N 5 over 2 groups: record 0 in both
