@@ -102,6 +102,12 @@ def poisson_dataloader(
     dataset = dataloader.dataset
     size = len(dataset)  # type: ignore[arg-type]
     _refuse_a_selecting_sampler(dataloader, size)
+    unused = [option for option, used in (("drop_last=True", dataloader.drop_last),
+                                          ("generator", dataloader.generator is not None)) if used]
+    if unused:
+        rank_zero_warn(f"The training DataLoader's {' and '.join(unused)} do not apply under Poisson sampling: every"
+                       " batch is a Poisson sample of expected size batch_size drawn from the run's secret key (none"
+                       " is dropped, none comes from a generator of the DataLoader's).")
     sampler = PoissonBatchSampler(
         size,
         dataloader.batch_size * data_parallel_size / size,  # type: ignore[operator]

@@ -292,6 +292,13 @@ def test_context_parallel_peers_shuffle_alike_whatever_their_global_rngs():
     assert shared_shuffle_seed(None, broadcast=lambda value: 5) == 5  # rank 0's draw
 
 
+def test_training_loader_options_poisson_sampling_replaces_are_named():
+    dataset = RandomTokens(size=6, seq_len=6)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2, drop_last=True, generator=torch.Generator())
+    with pytest.warns(UserWarning, match="drop_last=True and generator do not apply under Poisson sampling"):
+        poisson_dataloader(loader, SecretKey.fresh(), 0, 0, 1)
+
+
 def test_an_evaluation_split_keeps_every_record_with_drop_last():
     """drop_last=True dropped each group's last partial batch: 6 records in batches of 4 over 2 groups left none."""
     from lightning_longshield.dp_dataloaders import data_parallel_dataloader
