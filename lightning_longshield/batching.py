@@ -41,7 +41,8 @@ _SCALARS = (str, bytes, int, float, bool, type(None))
 def samples_of(batch: Any, start: int, stop: int) -> Any:
     """Samples ``start`` to ``stop`` of a collated batch: the rows of every tensor (0-d ones kept) and of every list or
     tuple of B plain values (strings, numbers, None: what ``default_collate`` makes of a per-sample string, or of
-    each position of a per-sample sequence of strings, or a collate's per-sample weights), through nested
+    each position of a per-sample sequence of strings, or a collate's per-sample weights) or of B dicts of plain
+    values (a collate's per-sample metadata; ``default_collate``'s dicts hold tensors or lists), through nested
     collections; other values are kept. A micro-batch never sees another's per-sample values, which would make a
     sample's gradient depend on other records. Shared ``position_ids`` are expanded to (B, T) first."""
     batch = with_shared_positions_expanded(batch)
@@ -50,12 +51,19 @@ def samples_of(batch: Any, start: int, stop: int) -> Any:
     def take(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value[start:stop] if value.dim() else value
-        if len(value) == size and not hasattr(value, "_fields") and all(isinstance(i, _SCALARS) for i in value):
+        if len(value) == size and not hasattr(value, "_fields") and all(_per_sample_item(i) for i in value):
             return type(value)(value[start:stop])
         items = [apply_to_collection(item, (torch.Tensor, list, tuple), take) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple's fields
 
     return apply_to_collection(batch, (torch.Tensor, list, tuple), take)
+
+
+def _per_sample_item(item: Any) -> bool:
+    """Whether ``item`` of a list of B is one sample's: a plain value, or a dict of plain values."""
+    if isinstance(item, Mapping):
+        return all(isinstance(value, _SCALARS) for value in item.values())
+    return isinstance(item, _SCALARS)
 
 
 def with_shared_positions_expanded(batch: Any) -> Any:

@@ -126,6 +126,16 @@ def test_per_sample_values_of_any_plain_kind_follow_their_samples():
     assert (first["weight"], second["weight"]) == ([0.1, 0.2], [0.3, 0.4])
     assert first["tags"] == [("x0", "x1"), ("y0", "y1")] and second["tags"] == [("x2", "x3"), ("y2", "y3")]
     assert first["vocab"] == second["vocab"] == [7, 8, 9]  # not one value per sample: kept whole
+    # A collate's per-sample metadata dicts went whole into every micro-batch too.
+    meta = {**default_collate(samples), "meta": [{"source": f"s{i}", "weight": i / 10} for i in range(4)]}
+    first, second = split_into_microbatches(meta, 2)
+    assert [item["source"] for item in first["meta"]] == ["s0", "s1"]
+    assert [item["source"] for item in second["meta"]] == ["s2", "s3"]
+    # default_collate's per-position list of dicts (of each sample's list of dicts) holds tensors: split inside.
+    nested = default_collate([{"input_ids": torch.full((3,), i), "spans": [{"start": i}, {"start": 10 + i}]}
+                              for i in range(2)])
+    first, second = split_into_microbatches(nested, 1)
+    assert [span["start"].tolist() for span in first["spans"]] == [[0], [10]]
 
 
 @pytest.mark.parametrize("shape", [(-1,), (1, -1)], ids=["T", "1xT"])
