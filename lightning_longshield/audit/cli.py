@@ -140,8 +140,12 @@ def _run_from_file(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_longshield.cli import run_cli
     from lightning_longshield.context_parallel import resolve_parallel_sizes
 
-    cli = run_cli(["--config", args.config, "--trainer.logger", "false", "--trainer.enable_checkpointing", "false"],
-                  run=False)
+    command_line, sys.argv = sys.argv, sys.argv[:1]  # the audit's own flags are not the run file's: no warning of both
+    try:
+        cli = run_cli(["--config", args.config, "--trainer.logger", "false", "--trainer.enable_checkpointing",
+                       "false"], run=False)
+    finally:
+        sys.argv = command_line
     trainer = cli.config["trainer"]
     strategy = trainer.get("strategy")
     if not (hasattr(strategy, "get") and str(strategy.get("class_path", "")).endswith("LongShieldStrategy")):

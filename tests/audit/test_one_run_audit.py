@@ -323,6 +323,15 @@ def test_the_reduced_runs_flags_are_refused_beside_a_run_file(capsys):
            " file's" in capsys.readouterr().err
 
 
+def test_reading_a_run_file_does_not_warn_of_the_audits_own_command_line(tmp_path, monkeypatch, recwarn):
+    """LightningCLI warned that args and a command line were both given, quoting the audit's own flags."""
+    config = _run_file(tmp_path, 1, 1)
+    monkeypatch.setattr(sys, "argv", ["longshield-audit", "--config", config, "--canaries", "40"])
+    audit_cli._run_from_file(audit_cli.parse_args(["--config", config]))
+    assert not [w for w in recwarn if "both args and command line arguments" in str(w.message)]
+    assert sys.argv == ["longshield-audit", "--config", config, "--canaries", "40"]
+
+
 def test_a_run_files_noise_seed_is_not_the_audits(tmp_path):
     """Seeded, the audit would draw the audited run's own noise and Poisson masks again: it leaves the seed out."""
     config = Path(_run_file(tmp_path, 1, 1))
