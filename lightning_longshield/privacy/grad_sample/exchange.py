@@ -131,9 +131,7 @@ class LocalExchange:
                 and summing.total.dtype == grad_output.dtype and summing.total.is_contiguous():
             # Another use of the weight being summed (the head, chunk after chunk): its outer products are added
             # into the running sum, not formed beside it.
-            left = grad_output.reshape(grad_output.shape[0], -1, grad_output.shape[-1]).transpose(1, 2)
-            right = activation.to(grad_output.dtype).reshape(activation.shape[0], -1, activation.shape[-1])
-            summing.total.baddbmm_(left, right)
+            token_outer_products(grad_output, activation.to(grad_output.dtype), add_to=summing.total)
             self._add_use(summing)
             return
         for param, grad_sample in per_sample_gradients(layer, activation, grad_output).items():
@@ -145,16 +143,13 @@ class LocalExchange:
         summing = self._summing
         if summing is not None and summing.name == name:
             summing.total.add_(grad_sample)  # the first use's tensor is the exchange's own
-            self._add_use(summing)
-            return
-        self._flush_summing()
-        self._summing = summing = _Summing(name, grad_sample)
-        if summing.uses >= self._uses.get(name, 1):
+        else:
             self._flush_summing()
-        self._deliver()
+            self._summing = summing = _Summing(name, grad_sample)
+        self._add_use(summing)
 
     def _add_use(self, summing: _Summing) -> None:
-        """Count one more use added into ``summing``; pass the sum on once every use has arrived."""
+        """Count the use just added into ``summing``; pass the sum on once every use has arrived."""
         summing.uses += 1
         if summing.uses >= self._uses.get(summing.name, 1):
             self._flush_summing()
@@ -361,7 +356,7 @@ class _Summing:
     """One parameter's partial per-sample gradient, summed over the uses that arrived back to back."""
 
     def __init__(self, name: str, total: torch.Tensor) -> None:
-        self.name, self.total, self.uses = name, total, 1
+        self.name, self.total, self.uses = name, total, 0  # `LocalExchange._add_use` counts the first
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

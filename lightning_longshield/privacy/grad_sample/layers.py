@@ -7,6 +7,7 @@ so a partial per-sample gradient over a shard of the tokens is meaningful and sh
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,12 +52,16 @@ def linear_gradients(
     return grads
 
 
-def token_outer_products(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+def token_outer_products(left: torch.Tensor, right: torch.Tensor,
+                         add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``(B, p, d)``: for each sample, the sum over its tokens of ``left_t right_t^T``, from ``left`` ``(B, ..., p)``
-    and ``right`` ``(B, ..., d)`` (any token dimensions, or none), as one batched matrix product."""
+    and ``right`` ``(B, ..., d)`` (any token dimensions, or none), as one batched matrix product; with ``add_to``
+    (contiguous, ``(B, p, d)``) added into it in place, with no tensor of its own."""
     batch = left.shape[0]
     left = left.reshape(batch, -1, left.shape[-1])
     right = right.reshape(batch, -1, right.shape[-1])
+    if add_to is not None:
+        return add_to.baddbmm_(left.transpose(1, 2), right)
     return torch.bmm(left.transpose(1, 2), right)
 
 
