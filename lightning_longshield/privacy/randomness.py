@@ -113,17 +113,19 @@ class SecretKey:
         each with a keyed 64-bit seed and 62-bit offset; `standard_normal` sums their draws (252 secret bits).
         """
         device = torch.device(device)
-        if device.type == "cpu":
-            return (_mt19937_generator(self.stream(4 * _MT_WORDS, "mt19937", *labels)),)
-        return tuple(_philox_generator(device, self.stream(16, "philox", index, *labels)) for index in range(2))
+        generators = tuple(torch.Generator(device=device) for _ in range(1 if device.type == "cpu" else 2))
+        for index, generator in enumerate(generators):
+            self.key_generator(generator, *labels, philox_index=index)
+        return generators
 
-    def key_generator(self, generator: torch.Generator, *labels: object) -> None:
+    def key_generator(self, generator: torch.Generator, *labels: object, philox_index: int = 0) -> None:
         """Set the whole state of ``generator`` (an existing one, such as a device's default generator) from the
-        stream named by ``labels``: on CPU all of MT19937's state, elsewhere one Philox seed and offset (126 bits)."""
+        stream named by ``labels``: on CPU all of MT19937's state, elsewhere one Philox seed and offset (126 bits),
+        the ``philox_index``-th of the streams so named."""
         if generator.device.type == "cpu":
             _key_mt19937(generator, self.stream(4 * _MT_WORDS, "mt19937", *labels))
         else:
-            _key_philox(generator, self.stream(16, "philox", 0, *labels))
+            _key_philox(generator, self.stream(16, "philox", philox_index, *labels))
 
     def philox_words(self, *labels: object) -> list[int]:
         """The fused CUDA noise's key words for the draws named by ``labels`` (`fused_noise`): for each of its two
@@ -146,13 +148,6 @@ class SecretKey:
 
 
 
-def _mt19937_generator(state_bytes: bytes) -> torch.Generator:
-    """A CPU generator whose MT19937 state is ``state_bytes`` (624 little-endian words), as if freshly seeded."""
-    generator = torch.Generator()
-    _key_mt19937(generator, state_bytes)
-    return generator
-
-
 def _key_mt19937(generator: torch.Generator, state_bytes: bytes) -> None:
     """Give the CPU ``generator`` the MT19937 state ``state_bytes`` (624 little-endian words), as if freshly seeded.
 
@@ -164,12 +159,6 @@ def _key_mt19937(generator: torch.Generator, state_bytes: bytes) -> None:
     state[:_MT_HEADER] = struct.pack("<QiiQ", 0, 1, 1, 0)  # reported seed 0, left 1, seeded, next 0
     state[_MT_HEADER:_MT_HEADER + len(words)] = words
     generator.set_state(torch.frombuffer(state, dtype=torch.uint8))
-
-
-def _philox_generator(device: torch.device, stream: bytes) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    _key_philox(generator, stream)
-    return generator
 
 
 def _key_philox(generator: torch.Generator, stream: bytes) -> None:

@@ -58,11 +58,13 @@ def test_secrets_sharing_their_low_32_bits_give_different_streams():
 
 def test_the_keyed_state_has_torch_s_layout():
     """A keyed state written with the words of a seeded one is that seeded generator: the layout is torch's."""
-    from lightning_longshield.privacy.randomness import _mt19937_generator
+    from lightning_longshield.privacy.randomness import _key_mt19937
 
     seeded = torch.Generator().manual_seed(12345)
     words = seeded.get_state()[24:24 + 8 * 624].view(torch.int64).to(torch.int32).numpy().tobytes()
-    assert torch.equal(torch.randn(100, generator=_mt19937_generator(words)), torch.randn(100, generator=seeded))
+    keyed = torch.Generator()
+    _key_mt19937(keyed, words)
+    assert torch.equal(torch.randn(100, generator=keyed), torch.randn(100, generator=seeded))
 
 
 def test_every_word_of_the_mt19937_state_is_keyed():
