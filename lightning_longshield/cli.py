@@ -43,6 +43,7 @@ from lightning_longshield import hf
 from lightning_longshield.hf import DEFAULT_MAX_SHARD_SIZE, require_hf, shard_bytes
 from lightning_longshield.local_text_data import LocalTextDataModule  # noqa: F401  (so `--data LocalTextDataModule` names it)
 from lightning_longshield.module import CausalLMModule
+from lightning_longshield.privacy.session import privacy_unit_of
 from lightning_longshield.progress import StepProgressBar
 from lightning_longshield.strategy import LongShieldStrategy
 
@@ -241,9 +242,7 @@ class LongShieldCLI(LightningCLI):
         strategy = self.trainer.strategy
         privacy = getattr(strategy, "privacy", None)
         if privacy is not None and privacy.plan is not None and self.trainer.is_global_zero:
-            describe_unit = getattr(self.datamodule, "describe_privacy_unit", None)
-            unit = describe_unit() if callable(describe_unit) else "one training sample"
-            print(privacy.describe_guarantee(unit))
+            print(privacy.describe_guarantee(privacy_unit_of(self.datamodule)))
         elif not isinstance(strategy, LongShieldStrategy) and self.trainer.is_global_zero:
             print(NOT_PRIVATE, file=sys.stderr)
         config = self.config.get(self.subcommand, {})

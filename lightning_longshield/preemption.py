@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_longshield.durable_checkpoints import is_local
 from lightning_longshield.hpc_checkpoints import next_hpc_checkpoint
+from lightning_longshield.privacy.session import privacy_unit_of
 
 #: The signal connector's handlers replaced for the fit (Lightning composes its handlers from these attributes).
 _SIGTERM_NOTIFIER, _SLURM_REQUEUE_HANDLER = "_sigterm_notifier_fn", "_slurm_sigusr_handler_fn"
@@ -181,8 +182,7 @@ def _state_the_guarantee(trainer: pl.Trainer) -> None:
     privacy = getattr(getattr(trainer, "strategy", None), "privacy", None)
     if privacy is None or privacy.plan is None:
         return
-    describe_unit = getattr(getattr(trainer, "datamodule", None), "describe_privacy_unit", None)
-    unit = describe_unit() if callable(describe_unit) else "one training sample"
+    unit = privacy_unit_of(getattr(trainer, "datamodule", None))
     rank_zero_info(f"SIGTERM at step {trainer.global_step}. {privacy.describe_guarantee(unit)}")
 
 

@@ -48,6 +48,16 @@ CUT_OFF_WARNING = 0.1
 CUT_OFF_MENTIONED = 1e-3
 
 
+#: What one sample is, where the data module does not say (``describe_privacy_unit``).
+DEFAULT_PRIVACY_UNIT = "one training sample"
+
+
+def privacy_unit_of(datamodule: object) -> str:
+    """The unit the guarantee protects, in words: the data module's ``describe_privacy_unit()`` where it has one."""
+    describe = getattr(datamodule, "describe_privacy_unit", None)
+    return describe() if callable(describe) else DEFAULT_PRIVACY_UNIT
+
+
 class PrivacySession:
     """The privacy state of a strategy across fits: plan, accountant, secret randomness, budget, checkpoint state.
 
@@ -463,7 +473,7 @@ class PrivacySession:
                 raise ValueError("No delta yet: pass delta=..., or call after training has started.")
         return self.accountant.get_epsilon(delta)
 
-    def describe_guarantee(self, privacy_unit: str = "one training sample") -> str:
+    def describe_guarantee(self, privacy_unit: str = DEFAULT_PRIVACY_UNIT) -> str:
         """The guarantee spent so far, in one sentence naming what it protects (``privacy_unit``)."""
         plan = self.plan
         if plan is None:
