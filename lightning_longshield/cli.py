@@ -196,26 +196,10 @@ class LongShieldCLI(LightningCLI):
             callbacks = [*callbacks, StepProgressBar()]
         return super()._instantiate_trainer(config, callbacks)
 
-    def before_fit(self) -> None:
-        with _set_up_errors():
-            self._check_data("fit", "train")
-
-    def before_validate(self) -> None:
-        with _set_up_errors():
-            self._check_data("validate", "val")
-
-    def before_test(self) -> None:
-        with _set_up_errors():
-            self._check_data("test", "test")
-
-    def before_predict(self) -> None:
-        with _set_up_errors():
-            self._check_data("predict", "predict")
-
-    def _check_data(self, subcommand: str, split: str) -> None:
+    def _check_data(self, subcommand: str) -> None:
         """Refuse a subcommand whose data module (or model) has no DataLoader for it, naming what would give one
         (Lightning's error spoke of a missing method)."""
-        hook = f"{split}_dataloader"
+        hook = f"{_SUBCOMMAND_SPLITS[subcommand]}_dataloader"
         if any(owner is not None and is_overridden(hook, owner, base)
                for owner, base in ((self.datamodule, LightningDataModule), (self.model, LightningModule))):
             return
@@ -228,6 +212,8 @@ class LongShieldCLI(LightningCLI):
                          f" defines {hook}.")
 
     def _run_subcommand(self, subcommand: str) -> None:
+        with _set_up_errors():
+            self._check_data(subcommand)
         try:
             super()._run_subcommand(subcommand)
         except SIGTERMException:  # the job's script ends cleanly (status 0), without the end of fit
@@ -332,6 +318,9 @@ def main(args: Optional[list[str]] = None) -> None:
         print(f"longshield-train: error: {set_up_error_message(error)}", file=sys.stderr)
         raise SystemExit(2) from None
 
+
+#: The data split each subcommand reads (its DataLoader hook is ``<split>_dataloader``).
+_SUBCOMMAND_SPLITS = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
 
 #: Marks an exception raised while the configuration was checked or its classes built (`_set_up_errors`).
 SET_UP_ERROR = "_longshield_set_up_error"
